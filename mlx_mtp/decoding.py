@@ -1,0 +1,157 @@
+"""The one decoding loop every method plugs into.
+
+Like mlx-lm's ``generate_step`` it is a plain generator: cache the prompt, then
+repeatedly ask the method for a step, cut the step's tokens at EOS and
+``max_tokens``, yield them with running statistics. The loop owns the cache
+invariant: when it returns, the cache holds the prompt and every generated
+token but the last, so the next chat turn reuses it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .engine import Engine
+from .errors import InvalidArgumentError
+from .methods.base import Method
+from .verify import Sampler
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generation. Times in seconds, memory in GB.
+
+    ``tau`` (acceptance length) = generated tokens / target forward passes,
+    bonus token included; plain decoding gives 1.00.
+    """
+
+    method: str = ""
+    block_complexity: int = 1
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    generated_tokens: int = 0
+    decode_time: float = 0.0
+    forward_passes: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    peak_memory_gb: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.generated_tokens / self.forward_passes if self.forward_passes else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def summary(self) -> str:
+        """One human-readable stats line."""
+        return (
+            f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
+            f"tau {self.tau:.2f} (BC {self.block_complexity}), "
+            f"drafted {self.drafted} / accepted {self.accepted}, "
+            f"{self.forward_passes} forwards, prefill {self.prefill_tokens} tok "
+            f"@ {self.prefill_tps:.0f} tok/s, peak {self.peak_memory_gb:.2f} GB"
+        )
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "accept_lengths"}
+        d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        return d
+
+
+@dataclass
+class Step:
+    """One yield of :func:`generate_steps`: the tokens committed by one decoding
+    step (after EOS / max_tokens cuts), and the stats so far.
+
+    ``finish_reason`` is None while generating, then ``"stop"`` (EOS) or
+    ``"length"`` (max_tokens)."""
+
+    tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str | None = None
+
+
+def generate_steps(
+    engine: Engine,
+    method: Method,
+    prompt: list[int],
+    *,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+) -> Iterator[Step]:
+    """Decode with ``method`` after ``prompt`` and yield each step's tokens.
+
+    Args:
+        engine: model + cache; a cache from an earlier turn is reused up to the
+            longest common prefix with ``prompt``.
+        method: a prepared method.
+        prompt: token ids (at least one).
+        max_tokens: hard limit on generated tokens (> 0); never exceeded.
+        sampler: None for greedy, else an mlx-lm sampler.
+        eos_ids: tokens that end generation; an EOS is emitted and nothing
+            after it.
+
+    Raises:
+        InvalidArgumentError: empty prompt or max_tokens <= 0.
+        CacheNotTrimmableError: the cache cannot drop rejected drafts.
+    """
+    if not prompt:
+        raise InvalidArgumentError("The prompt is empty; give at least one token of input.")
+    if max_tokens <= 0:
+        raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}.")
+    stats = GenerationStats(
+        method=method.describe(),
+        block_complexity=method.block_complexity,
+        prompt_tokens=len(prompt),
+    )
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    stats.prefill_tokens = engine.sync(prompt[:-1])
+    stats.prefill_time = time.perf_counter() - t0
+    method.begin(engine, prompt, sampler)
+    root, n, finish = prompt[-1], 0, None
+    t0 = time.perf_counter()
+    try:
+        while finish is None:
+            out = method.step(engine, root)
+            tokens = out.tokens[: max_tokens - n]
+            for i, t in enumerate(tokens):
+                if t in eos_ids:
+                    tokens, finish = tokens[: i + 1], "stop"
+                    break
+            n += len(tokens)
+            if finish is None and n >= max_tokens:
+                finish = "length"
+            stats.generated_tokens = n
+            stats.forward_passes += out.forwards
+            stats.steps += 1
+            stats.drafted += out.drafted
+            stats.accepted += min(out.accepted, len(tokens) - 1) if tokens else 0
+            stats.accept_lengths.append(len(tokens))
+            stats.decode_time = time.perf_counter() - t0
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            root = tokens[-1]
+            yield Step(tokens, stats, finish)
+    finally:
+        # cache = prompt + generated tokens but the last one
+        expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)
+        if engine.offset > expected:
+            engine.trim_to(expected)

@@ -1,0 +1,297 @@
+"""The model, its KV cache, and the forward passes every method is built from.
+
+:class:`Engine` owns one KV cache per conversation and keeps ``engine.cached``,
+the exact token ids whose keys and values the cache holds. Methods call
+:meth:`Engine.forward_chain` (plain causal block), :meth:`Engine.forward_tree`
+(a draft tree with per-token positions and a tree mask) and
+:meth:`Engine.keep` (keep the accepted path, drop the rest).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from mlx_lm.utils import does_model_support_input_embeddings
+
+from .cache_view import TreeCacheView, install_positional_rope
+from .errors import CacheNotTrimmableError, UnsupportedModelError
+
+#: Model families whose tree forward pass is tested (DESIGN §3).
+TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def model_parts(model: nn.Module) -> tuple[nn.Module, Any, nn.Module]:
+    """Split an mlx-lm causal LM into (backbone, lm_head, embed_tokens).
+
+    ``backbone(inputs, cache, input_embeddings)`` returns the final-norm hidden
+    states (B, L, D); ``lm_head(h)`` maps them to logits (B, L, V).
+
+    Raises:
+        UnsupportedModelError: the model does not have the llama-style layout
+            (``model.model.embed_tokens``, tied embeddings or ``lm_head``).
+    """
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if inner is None or embed is None:
+        raise UnsupportedModelError(
+            f"model type {getattr(model, 'model_type', type(model).__name__)!r} does not have "
+            "the llama-style layout (model.embed_tokens) that multi-token methods need."
+        )
+    args = getattr(model, "args", None)
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        head = embed.as_linear
+    else:
+        head = model.lm_head
+    return inner, head, embed
+
+
+def check_tree_support(model: nn.Module, method: str) -> None:
+    """Refuse a model whose architecture cannot run a tree forward pass.
+
+    Raises:
+        UnsupportedModelError: naming the model type and the reason.
+    """
+    mtype = getattr(model, "model_type", type(model).__name__)
+    if mtype not in TREE_FAMILIES:
+        raise UnsupportedModelError(
+            f"--method {method} cannot run model type {mtype!r}: its draft-tree forward pass "
+            f"is supported for {', '.join(sorted(TREE_FAMILIES))}. Use --method ntp for this "
+            "model."
+        )
+    if not does_model_support_input_embeddings(model):
+        raise UnsupportedModelError(
+            f"--method {method}: model type {mtype!r} does not accept input embeddings."
+        )
+    try:
+        install_positional_rope(model)
+    except AttributeError as e:
+        raise UnsupportedModelError(
+            f"--method {method}: model type {mtype!r} has layers without self_attn.rope ({e})."
+        ) from e
+
+
+class Engine:
+    """A model with one KV cache and the list of tokens that cache holds.
+
+    Args:
+        model: an mlx-lm model.
+        max_kv_size: if set, models without their own cache layout get a
+            rotating (sliding-window) cache of this many tokens.
+    """
+
+    def __init__(self, model: nn.Module, max_kv_size: int | None = None):
+        self.model = model
+        self.max_kv_size = max_kv_size
+        try:
+            self.backbone, self.lm_head, self.embed = model_parts(model)
+        except UnsupportedModelError:  # plain decoding still works through model()
+            self.backbone = self.lm_head = self.embed = None
+        self.cache = make_prompt_cache(model, max_kv_size)
+        self.cached: list[int] = []
+        #: number of model forward passes since creation (prefill chunks excluded)
+        self.forward_passes = 0
+
+    # ----------------------------------------------------------------- cache
+    @property
+    def offset(self) -> int:
+        """Number of tokens in the KV cache."""
+        return len(self.cached)
+
+    def reset(self) -> None:
+        """Drop the whole cache."""
+        self.cache = make_prompt_cache(self.model, self.max_kv_size)
+        self.cached = []
+
+    def trimmable(self, n_extra: int = 0) -> bool:
+        """Whether every layer cache can later drop up to ``n_extra`` new tokens."""
+        for c in self.cache:
+            if isinstance(c, RotatingKVCache):
+                if c.offset + n_extra >= c.max_size:
+                    return False
+            elif not (hasattr(c, "trim") and c.is_trimmable()):
+                return False
+        return True
+
+    def _require_trimmable(self, n_extra: int) -> None:
+        if not self.trimmable(n_extra):
+            kinds = sorted({type(c).__name__ for c in self.cache})
+            raise CacheNotTrimmableError(
+                f"The KV cache ({', '.join(kinds)}) cannot drop rejected draft tokens: a "
+                f"sliding-window cache is full or a layer keeps recurrent state (cache holds "
+                f"{self.offset} tokens, this step adds {n_extra}). Speculative decoding stops "
+                "here instead of corrupting the output; use --method ntp, or a larger "
+                "--max-kv-size."
+            )
+
+    def trim_to(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens.
+
+        Raises:
+            CacheNotTrimmableError: a layer cache cannot be trimmed, or trimmed
+                fewer tokens than asked.
+        """
+        drop = self.offset - n
+        if drop < 0:
+            raise ValueError(f"cannot trim {self.offset} cached tokens to {n}")
+        if drop == 0:
+            return
+        for c in self.cache:
+            if not (hasattr(c, "trim") and c.is_trimmable()):
+                raise CacheNotTrimmableError(
+                    f"{type(c).__name__} cannot be trimmed (sliding window wrapped or "
+                    "recurrent state)."
+                )
+            got = c.trim(drop)
+            if got != drop:
+                raise CacheNotTrimmableError(f"{type(c).__name__} trimmed {got} of {drop} tokens")
+        del self.cached[n:]
+
+    def sync(self, tokens: list[int], chunk: int = 512) -> int:
+        """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
+
+        Returns:
+            The number of tokens that had to be processed (prefill length).
+        """
+        common = 0
+        for a, b in zip(self.cached, tokens):
+            if a != b:
+                break
+            common += 1
+        if common < self.offset:
+            try:
+                self.trim_to(common)
+            except CacheNotTrimmableError:
+                self.reset()
+                common = 0
+        rest = tokens[common:]
+        for i in range(0, len(rest), chunk):
+            piece = rest[i : i + chunk]
+            (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.cached.extend(piece)
+        return len(rest)
+
+    # --------------------------------------------------------------- forward
+    def forward_chain(
+        self, tokens: list[int], hidden: bool = False
+    ) -> tuple[mx.array, mx.array | None]:
+        """Causal forward of ``tokens`` after the cache; they are appended to it.
+
+        Returns:
+            logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
+            if ``hidden``.
+        """
+        self.cached.extend(tokens)
+        self.forward_passes += 1
+        if self.backbone is None:
+            return self.model(mx.array(tokens)[None], cache=self.cache)[0], None
+        h = self.backbone(mx.array(tokens)[None], cache=self.cache)[0]
+        return self.lm_head(h), (h if hidden else None)
+
+    def embed_tokens(self, tokens: list[int] | np.ndarray) -> mx.array:
+        """Input embeddings (L, D) of token ids."""
+        return self.embed(mx.array(np.asarray(tokens, dtype=np.int32)))
+
+    def forward_tree(
+        self,
+        embeddings: mx.array,
+        parents: np.ndarray,
+        slot_tokens: list[int],
+        hidden: bool = False,
+    ) -> tuple[mx.array, mx.array | None]:
+        """One forward pass over a tree of N slots placed after the cache.
+
+        Slot i attends to the whole cache, to its ancestors and to itself; its
+        RoPE position is ``cache length + depth(i)``. Slot 0 is the root
+        (parent -1); every other slot's parent comes before it.
+
+        Args:
+            embeddings: (N, D) input embeddings of the slots (token embeddings
+                or mask vectors).
+            parents: (N,) int array, parent slot of each slot (-1 for the root).
+            slot_tokens: N ids recorded in ``engine.cached`` for the slots
+                (-1 for mask slots); only kept slots stay there after
+                :meth:`keep`.
+            hidden: also return the hidden states.
+
+        Returns:
+            logits (N, V) and optionally hidden states (N, D).
+
+        Raises:
+            CacheNotTrimmableError: the cache could not drop the rejected slots.
+        """
+        n = len(parents)
+        self._require_trimmable(n)
+        anc, depth = ancestors(parents)
+        L = self.offset
+        mask = np.concatenate([np.ones((n, L), dtype=bool), anc], axis=1)
+        positions = mx.array((L + depth).astype(np.int32))
+        mask_mx = mx.array(mask)
+        views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]
+        h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
+        self.cached.extend(slot_tokens)
+        self.forward_passes += 1
+        return self.lm_head(h), (h if hidden else None)
+
+    def keep(self, start: int, slots: list[int]) -> None:
+        """After a tree forward that began at cache offset ``start``, keep only the
+        given slots (in order) at contiguous positions ``start, start+1, ...``.
+
+        Raises:
+            CacheNotTrimmableError: the cache could not be trimmed exactly.
+        """
+        n_new = self.offset - start
+        slots = list(slots)
+        if slots != list(range(len(slots))):
+            idx = mx.array([start + s for s in slots])
+            for c in self.cache:
+                _gather_rows(c, start, idx)
+            kept = [self.cached[start + s] for s in slots]
+            self.cached[start : start + len(slots)] = kept
+        if n_new > len(slots):
+            self.trim_to(start + len(slots))
+
+
+def _gather_rows(c: Any, start: int, idx: mx.array) -> None:
+    """Move cache rows ``idx`` (absolute positions) to ``start, start+1, ...``."""
+    end = start + idx.size
+    if isinstance(c, QuantizedKVCache):
+        for group in (c.keys, c.values):
+            for arr in group:
+                arr[..., start:end, :] = arr[..., idx, :]
+    elif isinstance(c, (KVCache, RotatingKVCache)):
+        c.keys[..., start:end, :] = c.keys[..., idx, :]
+        c.values[..., start:end, :] = c.values[..., idx, :]
+    else:
+        raise CacheNotTrimmableError(f"cannot rearrange a {type(c).__name__} after verification")
+
+
+def ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ancestor-or-self matrix and depth of a tree given by parent indices.
+
+    Args:
+        parents: (N,) ints; parents[0] == -1 and parents[i] < i.
+
+    Returns:
+        ``anc`` (N, N) bool with anc[i, j] true iff j is i or an ancestor of i,
+        and ``depth`` (N,) int32 with depth[root] == 0.
+    """
+    n = len(parents)
+    anc = np.eye(n, dtype=bool)
+    depth = np.zeros(n, dtype=np.int32)
+    for i in range(1, n):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise ValueError(f"slot {i} has parent {p}; parents must come first")
+        anc[i] |= anc[p]
+        depth[i] = depth[p] + 1
+    return anc, depth

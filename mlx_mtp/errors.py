@@ -1,0 +1,36 @@
+"""Errors raised by mlx-mtp. Every one carries a message that names the problem
+and what to do; the CLI prints it without a traceback."""
+
+
+class MTPError(Exception):
+    """Base class of every mlx-mtp error."""
+
+
+class ModelNotFoundError(MTPError):
+    """A model spec that is not a folder, a file, an alias or a reachable repo."""
+
+
+class ModelLoadError(MTPError):
+    """A model folder that exists but cannot be loaded (corrupt or incomplete)."""
+
+
+class UnsupportedModelError(MTPError):
+    """A model whose architecture a method cannot run."""
+
+
+class UnknownMethodError(MTPError):
+    """A ``--method`` name that does not exist or is not built yet."""
+
+
+class CacheNotTrimmableError(MTPError):
+    """A KV cache that cannot drop rejected draft tokens (wrapped sliding window,
+    recurrent state). Speculative methods refuse to continue rather than corrupt
+    the output."""
+
+
+class CheckpointMismatchError(MTPError):
+    """Extra weights (heads, masks, adapters) made for another base model."""
+
+
+class InvalidArgumentError(MTPError, ValueError):
+    """A bad argument: empty prompt, max_tokens <= 0, out-of-range option."""

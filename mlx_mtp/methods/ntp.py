@@ -1,0 +1,25 @@
+"""``ntp``: plain next-token decoding, the baseline every method is measured against."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..engine import Engine
+from .base import Method, StepOutput
+
+
+class NTP(Method):
+    """One token per forward pass: argmax (greedy) or a draw from mlx-lm's sampler."""
+
+    name = "ntp"
+    lossless = True
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        logits, _ = engine.forward_chain([root])
+        last = logits[-1:]
+        if self.sampler is None:
+            tok = mx.argmax(last, axis=-1)
+        else:
+            last = last.astype(mx.float32)
+            tok = self.sampler(last - mx.logsumexp(last, axis=-1, keepdims=True))
+        return StepOutput([int(tok.item())])

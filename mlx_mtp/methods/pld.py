@@ -1,0 +1,68 @@
+"""``pld``: prompt-lookup decoding (Saxena, 2023), a training-free n-gram baseline.
+
+Match the last n tokens (n = window down to 1) against the earlier context and
+propose up to ``max_draft`` tokens that followed the most recent match; verify
+them as one chain in a single forward pass (lossless).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..engine import Engine
+from .base import ChainDraftMethod, parse_int
+
+
+def lookup_candidates(
+    context: np.ndarray, window: int, max_draft: int, limit: int = 1
+) -> list[list[int]]:
+    """Continuations of the longest suffix n-gram (n <= window) found earlier in
+    ``context``, most recent match first, at most ``limit`` distinct ones.
+
+    Args:
+        context: (T,) int token ids (prompt + generated, last one included).
+        window: longest n-gram to match.
+        max_draft: tokens per continuation.
+        limit: how many distinct continuations to return.
+    """
+    T = len(context)
+    out: list[list[int]] = []
+    for n in range(min(window, T - 1), 0, -1):
+        suffix = context[T - n :]
+        # windows ending before the suffix itself
+        view = np.lib.stride_tricks.sliding_window_view(context[: T - 1], n)
+        hits = np.flatnonzero((view == suffix).all(axis=1))
+        for start in hits[::-1]:
+            follow = context[start + n : start + n + max_draft].tolist()
+            if follow and follow not in out:
+                out.append(follow)
+                if len(out) >= limit:
+                    return out
+        if out:
+            return out
+    return out
+
+
+class PLD(ChainDraftMethod):
+    """Prompt lookup: n-gram window ``window`` (3), up to ``max_draft`` (10) tokens."""
+
+    name = "pld"
+    lossless = True
+
+    def __init__(self, window: Any = 3, max_draft: Any = 10):
+        self.window = parse_int("window", window, 1)
+        self.max_draft = parse_int("max_draft", max_draft, 1)
+
+    @property
+    def block_complexity(self) -> int:
+        return 1 + self.max_draft
+
+    def describe(self) -> str:
+        return f"pld(window={self.window}, max_draft={self.max_draft})"
+
+    def draft(self, engine: Engine, root: int) -> list[int]:
+        context = np.array([*engine.cached, root], dtype=np.int64)
+        cands = lookup_candidates(context, self.window, self.max_draft)
+        return cands[0] if cands else []

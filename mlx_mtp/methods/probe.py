@@ -1,0 +1,154 @@
+"""``probe``: training-free multi-token prediction by embedding-space probing.
+
+Goel, Gagrani, Lee, Lott, *Efficient Training-Free Multi-Token Prediction via
+Embedding-Space Probing* (ESP, arXiv 2603.17942). Read top to bottom:
+
+1. Mask slots are vectors in the input-embedding space, not vocabulary tokens.
+   One vector ``m`` starts as the mean embedding of the prompt (§3.1) and moves
+   towards each committed token ``e``: ``m <- m + lam * (e - m)``, lam = 0.1.
+2. One forward pass carries the root (the last committed token), the draft-tree
+   nodes, and k mask slots after every one of them (k = 1 or 2). A node at depth
+   d sits at position L + d, its masks at L + d + 1 ... L + d + k. A node sees
+   the cache, its ancestors and itself; a node's masks see that node's path and
+   the earlier masks of the same set (§3.2).
+3. Verification is lossless (greedy or sampling): the accepted path plus one
+   bonus token (see :mod:`mlx_mtp.verify`).
+4. The k masks after the deepest accepted node predict the tokens 2..k+1
+   positions after it, i.e. depths 1..k of the next step's tree, which is grown
+   by cumulative probability within the block-complexity budget
+   ``BC = (k + 1) * (1 + nodes)`` (§3.3), or laid out by a fixed template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..engine import Engine, check_tree_support
+from ..errors import InvalidArgumentError
+from ..tree import block_complexity, build_tree
+from ..verify import Sampler, target_tokens, walk_tree
+from .base import Method, StepOutput, parse_int
+
+
+def parse_template(tree: str, masks: int) -> list[int] | None:
+    """``"dynamic"`` -> None; ``"14"`` or ``"6,3"`` -> nodes per depth.
+
+    Raises:
+        InvalidArgumentError: not a list of positive integers, or deeper than
+            the number of masks (mask i can only draft depth i).
+    """
+    if tree == "dynamic":
+        return None
+    try:
+        per_depth = [int(x) for x in str(tree).replace("x", ",").split(",") if x.strip()]
+    except ValueError:
+        per_depth = []
+    if not per_depth or min(per_depth) < 1:
+        raise InvalidArgumentError(
+            f"--tree must be 'dynamic' or nodes per depth like '14' or '6,3', got {tree!r}"
+        )
+    if len(per_depth) > masks:
+        raise InvalidArgumentError(
+            f"--tree {tree} has depth {len(per_depth)} but --masks {masks} can draft only "
+            f"{masks} level(s); use --masks {len(per_depth)} or a shallower template."
+        )
+    return per_depth
+
+
+class Probe(Method):
+    """ESP embedding-space probing with a lossless draft tree.
+
+    Args:
+        bc: block complexity, tokens per forward pass (10 and 30 are the edge
+            settings, 60 the paper's large one). Ignored by a template, whose
+            BC is ``(masks + 1) * (1 + sum(template))``.
+        masks: mask slots after every node, k = 1 or 2 (3 allowed).
+        tree: ``"dynamic"`` or a template of nodes per depth (``"14"``, ``"6,3"``).
+        lam: step size of the mask-vector update (0.1 in the paper).
+
+    Raises:
+        InvalidArgumentError: a BC too small for one node, bad masks or tree.
+    """
+
+    name = "probe"
+    lossless = True
+
+    def __init__(self, bc: Any = 30, masks: Any = 1, tree: str = "dynamic", lam: Any = 0.1):
+        self.masks = parse_int("masks", masks, 1, 3)
+        self.template = parse_template(str(tree), self.masks)
+        if self.template is None:
+            bc = parse_int("bc", bc, 2 * (self.masks + 1))
+            self.nodes = bc // (self.masks + 1) - 1
+        else:
+            self.nodes = sum(self.template)
+        try:
+            self.lam = float(lam)
+        except ValueError:
+            raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
+        if not 0.0 <= self.lam <= 1.0:
+            raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
+
+    @property
+    def block_complexity(self) -> int:
+        return block_complexity(self.masks, self.nodes)
+
+    def describe(self) -> str:
+        tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
+        return f"probe(bc={self.block_complexity}, masks={self.masks}, tree={tree})"
+
+    def prepare(self, engine: Engine) -> None:
+        check_tree_support(engine.model, self.name)
+
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(engine, prompt, sampler)
+        self.mask_embedding = mx.mean(engine.embed_tokens(prompt), axis=0)
+        self.dists: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
+        # m <- m + lam (e - m), once per committed token, in order
+        e = engine.embed_tokens(tokens)
+        m = self.mask_embedding
+        for i in range(len(tokens)):
+            m = m + self.lam * (e[i] - m)
+        self.mask_embedding = m
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        k = self.masks
+        node_toks, node_par, _ = build_tree(self.dists, self.nodes, root, self.template)
+        n_tok = 1 + len(node_toks)
+        # slots: [root, nodes...] then k chained masks after every token slot
+        parents = [-1] + [p + 1 for p in node_par]
+        for anchor in range(n_tok):
+            for j in range(k):
+                parents.append(anchor if j == 0 else len(parents) - 1)
+        parents_np = np.array(parents, dtype=np.int64)
+        slot_tokens = np.array([root, *node_toks] + [-1] * (n_tok * k), dtype=np.int64)
+        emb = engine.embed_tokens(slot_tokens[:n_tok])
+        masks = mx.broadcast_to(self.mask_embedding.astype(emb.dtype), (n_tok * k, emb.shape[1]))
+        start = engine.offset
+        logits, _ = engine.forward_tree(
+            mx.concatenate([emb, masks]), parents_np, slot_tokens.tolist()
+        )
+
+        # one host sync: target tokens at token slots, top candidates at mask slots
+        mask_logits = logits[n_tok:].astype(mx.float32)
+        m = min(max(self.nodes, 1), mask_logits.shape[-1])
+        top = mx.argpartition(-mask_logits, kth=m - 1, axis=-1)[:, :m]
+        top_p = mx.take_along_axis(mx.softmax(mask_logits, axis=-1), top, axis=-1)
+        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler)
+        top_np, top_p_np = np.array(top), np.array(top_p)
+        path, bonus = walk_tree(parents_np, slot_tokens, dict(enumerate(targets.tolist())))
+
+        vstar = path[-1] if path else 0
+        self.dists = []
+        for j in range(k):
+            row = vstar * k + j
+            order = np.argsort(-top_p_np[row])
+            self.dists.append((top_np[row][order], top_p_np[row][order]))
+        engine.keep(start, [0, *path])
+        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
+        self._update_mask(engine, committed)
+        return StepOutput(committed, drafted=len(node_toks), accepted=len(path))

@@ -1,0 +1,92 @@
+"""Lossless verification of a draft tree (greedy and sampling).
+
+Pure functions of the target logits and the tree: easy to test by hand.
+
+Greedy (ESP paper §3.3; Medusa/EAGLE tree verification): starting at the root,
+follow the child whose token equals the argmax at its parent; the deepest
+accepted node gives one bonus token (its own argmax).
+
+Sampling at temperature > 0: at every visited node draw the target token from
+the target model's processed distribution (same sampler as plain decoding) and
+follow the child carrying that token if there is one. Each committed token is
+then an exact draw from the target distribution given the committed prefix, so
+the output distribution equals plain sampling (SpecInfer-style tree sampling
+with deterministic drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def target_tokens(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -> np.ndarray:
+    """The target model's token at each of ``rows``.
+
+    Args:
+        logits: (N, V) logits of a forward pass.
+        rows: (R,) slot indices to evaluate.
+        sampler: None for greedy (argmax), else an mlx-lm sampler taking
+            (R, V) log-probabilities and returning (R,) token ids.
+
+    Returns:
+        (R,) int64 numpy array.
+    """
+    sel = logits[mx.array(rows)] if len(rows) != logits.shape[0] else logits
+    if sampler is None:
+        out = mx.argmax(sel, axis=-1)
+    else:
+        sel = sel.astype(mx.float32)
+        out = sampler(sel - mx.logsumexp(sel, axis=-1, keepdims=True))
+    return np.array(out, dtype=np.int64)
+
+
+def walk_tree(
+    parents: np.ndarray,
+    slot_tokens: np.ndarray,
+    targets: dict[int, int],
+) -> tuple[list[int], int]:
+    """Follow the tree from the root along children that match the target token.
+
+    Args:
+        parents: (N,) parent slot of each slot (-1 for the root, slot 0).
+        slot_tokens: (N,) token id of each slot; -1 marks a mask slot, which is
+            never accepted.
+        targets: target token at each token slot that may be visited.
+
+    Returns:
+        (accepted path as slot indices, excluding the root; bonus token).
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i in range(1, len(parents)):
+        tok = int(slot_tokens[i])
+        if tok >= 0:
+            children.setdefault(int(parents[i]), {}).setdefault(tok, i)
+    cur, path = 0, []
+    while True:
+        nxt = children.get(cur, {}).get(targets[cur])
+        if nxt is None:
+            return path, targets[cur]
+        path.append(nxt)
+        cur = nxt
+
+
+def verify(
+    logits: mx.array,
+    parents: np.ndarray,
+    slot_tokens: np.ndarray,
+    sampler: Sampler | None = None,
+) -> tuple[list[int], int]:
+    """Verify a draft tree against the logits of one forward pass over it.
+
+    Returns:
+        (accepted slots in order, excluding the root; bonus token id).
+    """
+    rows = np.flatnonzero(slot_tokens >= 0)
+    rows = np.concatenate([[0], rows[rows > 0]])
+    toks = target_tokens(logits, rows, sampler)
+    return walk_tree(parents, slot_tokens, dict(zip(rows.tolist(), toks.tolist())))
