@@ -22,7 +22,7 @@ from .errors import InvalidArgumentError
 from .loading import EMBEDDED_MODEL, LoadedModel, load_model
 from .methods import Method, make_method
 
-Prompt = Union[str, list[int], list[dict[str, str]]]
+Prompt = Union[str, list[int], list[dict[str, str]]]  # noqa: UP007 (py3.10 alias)
 
 
 @dataclass

@@ -11,12 +11,13 @@ from .errors import MTPError
 
 app = typer.Typer(
     add_completion=False,
+    pretty_exceptions_enable=False,
     no_args_is_help=True,
     help="Several tokens per forward pass for MLX language models.",
 )
 
 MODEL = typer.Option("smollm2-135m", "--model", "-m", help="Alias, folder, .gguf or HF repo id.")
-METHOD = typer.Option("ntp", "--method", help="ntp, pld, probe (clp, confadapt: planned).")
+METHOD = typer.Option("ntp", "--method", help="ntp, pld, probe, ... (see `mlx-mtp models`).")
 DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 or auto (as stored).")
 MAX_TOKENS = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens per answer.")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
@@ -25,13 +26,15 @@ SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
 BC = typer.Option(None, "--bc", help="probe: block complexity (tokens per forward), e.g. 10/30/60.")
 MASKS = typer.Option(None, "--masks", help="probe: mask slots per node (1 or 2).")
 TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e.g. '14'.")
+K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
+TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
 OPT = typer.Option(None, "--opt", help="Extra method option key=value (repeatable).")
 MAX_KV = typer.Option(None, "--max-kv-size", help="Sliding-window KV cache size in tokens.")
 
 
-def _options(bc, masks, tree, opt) -> dict:
+def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
     out = {}
-    for key, val in (("bc", bc), ("masks", masks), ("tree", tree)):
+    for key, val in (("bc", bc), ("masks", masks), ("tree", tree), ("k", k), ("tau", tau)):
         if val is not None:
             out[key] = val
     for item in opt or []:
@@ -62,6 +65,8 @@ def generate(
     bc: int | None = BC,
     masks: int | None = MASKS,
     tree: str | None = TREE,
+    k: int | None = K,
+    tau: float | None = TAU,
     opt: list[str] | None = OPT,
     max_kv_size: int | None = MAX_KV,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -69,7 +74,7 @@ def generate(
     """Generate one answer and print statistics."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt))
+    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
     last = None
     for chunk in m.stream_generate(
         prompt, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, chat_template=not raw
@@ -93,11 +98,13 @@ def chat(
     bc: int | None = BC,
     masks: int | None = MASKS,
     tree: str | None = TREE,
+    k: int | None = K,
+    tau: float | None = TAU,
     opt: list[str] | None = OPT,
     max_kv_size: int | None = MAX_KV,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt))
+    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
     session = m.chat()
     typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
     while True:
@@ -131,15 +138,33 @@ def chat(
 def models():
     """List model aliases, methods, and converted models in the cache."""
     from .loading import ALIASES, cache_home, cached_models
-    from .methods import METHODS, PLANNED
+    from .methods import DESCRIPTIONS, available_methods
 
     typer.echo("aliases:")
     for k, v in ALIASES.items():
         typer.echo(f"  {k:18s} {v}")
-    typer.echo("methods: " + ", ".join(METHODS) + "   (planned: " + ", ".join(PLANNED) + ")")
+    typer.echo("methods:")
+    for name in available_methods():
+        typer.echo(f"  {name:18s} {DESCRIPTIONS[name]}")
     typer.echo(f"cache: {cache_home()}")
     for p in cached_models():
         typer.echo(f"  {p.name}")
+
+
+def _register_commands() -> None:
+    """Add the sub-commands of every module in ``mlx_mtp/commands`` (each
+    defines ``register(app)``), so features add commands without editing this
+    file."""
+    import importlib
+    import pkgutil
+
+    from . import commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
+        importlib.import_module(f"{commands.__name__}.{info.name}").register(app)
+
+
+_register_commands()
 
 
 def main() -> None:

@@ -110,8 +110,9 @@ def resolve_model(spec: str) -> Path:
                 "Hugging Face model folder)."
             )
         return path
-    looks_like_path = target.startswith((".", "/", "~")) or target.endswith(".gguf")
-    if looks_like_path or target.count("/") != 1:
+    if target.startswith((".", "/", "~")) or target.endswith(".gguf"):
+        raise ModelNotFoundError(f"No such model file or folder: {path}")
+    if target.count("/") != 1:
         known = ", ".join(sorted(ALIASES))
         raise ModelNotFoundError(
             f"Model {spec!r} is not a known alias, an existing path or a Hugging Face repo id "

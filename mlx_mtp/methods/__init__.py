@@ -1,7 +1,7 @@
 """Method registry: ``--method`` name -> class.
 
-A method listed in :data:`PLANNED` parses but is refused with a clear message
-until it is built; nothing ever falls back to plain decoding silently.
+A method whose module is not in this install is refused with a clear message;
+nothing ever falls back to plain decoding silently.
 """
 
 from __future__ import annotations
@@ -17,15 +17,29 @@ METHODS: dict[str, str] = {
     "ntp": "mlx_mtp.methods.ntp:NTP",
     "pld": "mlx_mtp.methods.pld:PLD",
     "probe": "mlx_mtp.methods.probe:Probe",
+    "clp": "mlx_mtp.methods.clp:CLP",
+    "confadapt": "mlx_mtp.methods.confadapt:ConfAdapt",
+    "lookahead": "mlx_mtp.methods.lookahead:Lookahead",
+    "hybrid": "mlx_mtp.methods.hybrid:Hybrid",
 }
 
-#: names users may know from the docs that are not built yet
-PLANNED: dict[str, str] = {
+#: what each method is, for messages about methods not built into this install
+DESCRIPTIONS: dict[str, str] = {
+    "ntp": "plain next-token decoding",
+    "pld": "prompt-lookup decoding",
+    "probe": "ESP embedding-space probing",
     "clp": "CLP heads + span predictor",
     "confadapt": "ConfAdapt decoding of self-distilled MTP checkpoints",
     "lookahead": "lookahead (Jacobi) decoding",
     "hybrid": "hybrid probe + n-gram draft tree",
 }
+
+
+def available_methods() -> list[str]:
+    """Names of the methods whose module is present in this install."""
+    import importlib.util
+
+    return [n for n, t in METHODS.items() if importlib.util.find_spec(t.split(":")[0])]
 
 
 def method_class(name: str) -> type[Method]:
@@ -34,15 +48,16 @@ def method_class(name: str) -> type[Method]:
     Raises:
         UnknownMethodError: unknown name, or a method that is not built yet.
     """
-    if name in METHODS:
+    if name in METHODS and name in available_methods():
         mod, cls = METHODS[name].split(":")
         return getattr(importlib.import_module(mod), cls)
-    if name in PLANNED:
+    avail = ", ".join(available_methods())
+    if name in METHODS:
         raise UnknownMethodError(
-            f"--method {name} ({PLANNED[name]}) is not available in this version of mlx-mtp. "
-            f"Available: {', '.join(METHODS)}."
+            f"--method {name} ({DESCRIPTIONS[name]}) is not available in this version of "
+            f"mlx-mtp. Available: {avail}."
         )
-    raise UnknownMethodError(f"Unknown method {name!r}. Available: {', '.join(METHODS)}.")
+    raise UnknownMethodError(f"Unknown method {name!r}. Available: {avail}.")
 
 
 def make_method(name: str, **options: Any) -> Method:
@@ -50,4 +65,4 @@ def make_method(name: str, **options: Any) -> Method:
     return method_class(name)(**options)
 
 
-__all__ = ["METHODS", "Method", "StepOutput", "make_method", "method_class"]
+__all__ = ["METHODS", "available_methods", "Method", "StepOutput", "make_method", "method_class"]

@@ -68,6 +68,10 @@ class Probe(Method):
         masks: mask slots after every node, k = 1 or 2 (3 allowed).
         tree: ``"dynamic"`` or a template of nodes per depth (``"14"``, ``"6,3"``).
         lam: step size of the mask-vector update (0.1 in the paper).
+        mask_init: ``"mean"`` (the paper: mean prompt embedding, moved towards
+            every committed token) or ``"learned"`` (fixed per-slot vectors
+            trained by ``mlx-mtp train masks`` for this model; see
+            :mod:`mlx_mtp.learned_masks`).
 
     Raises:
         InvalidArgumentError: a BC too small for one node, bad masks or tree.
@@ -76,7 +80,14 @@ class Probe(Method):
     name = "probe"
     lossless = True
 
-    def __init__(self, bc: Any = 30, masks: Any = 1, tree: str = "dynamic", lam: Any = 0.1):
+    def __init__(
+        self,
+        bc: Any = 30,
+        masks: Any = 1,
+        tree: str = "dynamic",
+        lam: Any = 0.1,
+        mask_init: str = "mean",
+    ):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
@@ -90,6 +101,10 @@ class Probe(Method):
             raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
         if not 0.0 <= self.lam <= 1.0:
             raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
+        if mask_init not in ("mean", "learned"):
+            raise InvalidArgumentError(f"mask_init must be 'mean' or 'learned', got {mask_init!r}")
+        self.mask_init = mask_init
+        self.learned: mx.array | None = None
 
     @property
     def block_complexity(self) -> int:
@@ -97,18 +112,36 @@ class Probe(Method):
 
     def describe(self) -> str:
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
-        return f"probe(bc={self.block_complexity}, masks={self.masks}, tree={tree})"
+        init = "" if self.mask_init == "mean" else ", masks=learned"
+        return f"probe(bc={self.block_complexity}, masks={self.masks}, tree={tree}{init})"
 
     def prepare(self, engine: Engine) -> None:
         check_tree_support(engine.model, self.name)
+        if self.mask_init == "learned":
+            from ..learned_masks import load_learned_masks
+
+            learned = load_learned_masks(engine.model)  # (slots, D), checked for this model
+            if learned.shape[0] < self.masks:
+                raise InvalidArgumentError(
+                    f"the learned mask file has {learned.shape[0]} slot(s); --masks "
+                    f"{self.masks} needs {self.masks}. Retrain with more slots."
+                )
+            self.learned = learned[: self.masks]
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        self.mask_embedding = mx.mean(engine.embed_tokens(prompt), axis=0)
+        if self.learned is not None:
+            self.mask_embedding = self.learned
+        else:
+            mean = mx.mean(engine.embed_tokens(prompt), axis=0)
+            self.mask_embedding = mx.broadcast_to(mean, (self.masks, mean.shape[0]))
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
-        # m <- m + lam (e - m), once per committed token, in order
+        # m <- m + lam (e - m), once per committed token, in order (mean init only;
+        # learned vectors stay fixed)
+        if self.learned is not None:
+            return
         e = engine.embed_tokens(tokens)
         m = self.mask_embedding
         for i in range(len(tokens)):
@@ -127,7 +160,7 @@ class Probe(Method):
         parents_np = np.array(parents, dtype=np.int64)
         slot_tokens = np.array([root, *node_toks] + [-1] * (n_tok * k), dtype=np.int64)
         emb = engine.embed_tokens(slot_tokens[:n_tok])
-        masks = mx.broadcast_to(self.mask_embedding.astype(emb.dtype), (n_tok * k, emb.shape[1]))
+        masks = mx.tile(self.mask_embedding.astype(emb.dtype), (n_tok, 1))  # slot j of each set
         start = engine.offset
         logits, _ = engine.forward_tree(
             mx.concatenate([emb, masks]), parents_np, slot_tokens.tolist()
