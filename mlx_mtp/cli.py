@@ -162,6 +162,8 @@ def _register_commands() -> None:
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         importlib.import_module(f"{commands.__name__}.{info.name}").register(app)
+    for name, sub in commands.groups().items():
+        app.add_typer(sub, name=name)
 
 
 _register_commands()

@@ -1,2 +1,28 @@
-"""CLI sub-commands. Each module defines ``register(app: typer.Typer) -> None``
-and is picked up by :mod:`mlx_mtp.cli` automatically."""
+"""CLI sub-commands.
+
+Each module here defines ``register(app: typer.Typer) -> None`` and is picked
+up by :mod:`mlx_mtp.cli` automatically. Commands that share a group (``convert``,
+``train``) get it from :func:`group`, so several modules can add to one group.
+"""
+
+from __future__ import annotations
+
+import typer
+
+_GROUPS: dict[str, typer.Typer] = {}
+_HELP = {
+    "convert": "Import heads and checkpoints from other formats.",
+    "train": "Train MTP heads, mask vectors or adapters on this machine.",
+}
+
+
+def group(name: str) -> typer.Typer:
+    """The shared sub-app ``mlx-mtp NAME ...`` (created on first use)."""
+    if name not in _GROUPS:
+        _GROUPS[name] = typer.Typer(help=_HELP.get(name, ""), no_args_is_help=True)
+    return _GROUPS[name]
+
+
+def groups() -> dict[str, typer.Typer]:
+    """All groups created so far."""
+    return dict(_GROUPS)
