@@ -1,0 +1,1 @@
+"""``mlx-mtp bench``: Spec-Bench / GSM8K harness, metrics, reports and plots."""

@@ -1,0 +1,2 @@
+"""On-device training: CLP heads and span predictor (``clp``), self-distilled MTP
+adaptation (``mtp``), learned mask embeddings (``masks``)."""
