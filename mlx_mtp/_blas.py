@@ -1,15 +1,19 @@
 """Make MLX's CPU backend use OpenBLAS on Linux (see DESIGN §4).
 
-mlx-cpu bundles a reference BLAS that makes matmuls about ten times slower than
-OpenBLAS. Preloading Debian's ``libopenblas0-pthread`` swaps it in. A preload
-only works before the process starts, so :func:`ensure_fast_blas` re-executes
-the current command once with ``LD_PRELOAD`` set. It does nothing on macOS
-(Metal), when the library is absent, when it is already loaded, or when
-``MLX_MTP_NO_BLAS_FIX=1``.
+mlx-cpu ships a reference BLAS (a separate shared library next to ``libmlx``)
+that makes matmuls about ten times slower than OpenBLAS. Loading Debian's
+``libopenblas0-pthread`` with ``RTLD_GLOBAL`` *before* MLX is imported puts its
+``cblas_*`` symbols first in the global lookup scope, so ``libmlx`` binds to
+them instead - the same effect as ``LD_PRELOAD``, without restarting the
+process. :mod:`mlx_mtp` does this on import, so it is automatic whenever
+``mlx_mtp`` is imported before ``mlx`` (the CLI and the tests do). Set
+``MLX_MTP_NO_BLAS_FIX=1`` to turn it off. Where MLX was imported first, use
+``LD_PRELOAD=<path printed by blas_status()>``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -19,46 +23,48 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
 )
 
+_loaded: str | None = None
+
 
 def openblas_path() -> str | None:
-    """Return the path of Debian's OpenBLAS ``libblas.so.3``, or None if absent."""
+    """Path of Debian's OpenBLAS ``libblas.so.3``, or None if it is not installed."""
     for p in OPENBLAS_CANDIDATES:
         if Path(p).exists():
             return p
     return None
 
 
+def preload_openblas() -> bool:
+    """Load OpenBLAS globally so that MLX binds to it. Returns True if it is (or
+    already was) loaded ahead of MLX; False on macOS, when disabled with
+    ``MLX_MTP_NO_BLAS_FIX=1``, when OpenBLAS is missing, or when ``mlx.core``
+    was imported first (then it is too late in this process)."""
+    global _loaded
+    if _loaded:
+        return True
+    if sys.platform != "linux" or os.environ.get("MLX_MTP_NO_BLAS_FIX") == "1":
+        return False
+    lib = openblas_path()
+    if lib is None:
+        return False
+    if lib in os.environ.get("LD_PRELOAD", ""):
+        _loaded = lib
+        return True
+    if "mlx.core" in sys.modules:
+        return False
+    try:
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return False
+    _loaded = lib
+    return True
+
+
 def blas_status() -> str:
-    """Describe which BLAS this process uses: 'metal', 'openblas' or 'reference'."""
+    """Which BLAS MLX uses in this process: 'metal' (macOS), 'openblas',
+    'reference' (slow, see the module docstring) or 'unknown'."""
     if sys.platform == "darwin":
         return "metal"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    return "openblas" if "openblas" in maps else "reference"
-
-
-def ensure_fast_blas() -> None:
-    """Re-execute this process with OpenBLAS preloaded, when that helps.
-
-    Called by the CLI entry point and the test suite before MLX does any work.
-    Raises nothing: if the re-exec is not possible the process goes on as is.
-    """
-    if sys.platform != "linux" or os.environ.get("MLX_MTP_NO_BLAS_FIX") == "1":
-        return
-    lib = openblas_path()
-    if lib is None or lib in os.environ.get("LD_PRELOAD", ""):
-        return
-    if os.environ.get("_MLX_MTP_BLAS_REEXEC") == "1":  # tried once already
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    env["_MLX_MTP_BLAS_REEXEC"] = "1"
-    argv = list(getattr(sys, "orig_argv", [])) or [sys.executable, *sys.argv]
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
-    except OSError:
-        return
+    if _loaded or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return "openblas"
+    return "reference" if sys.platform == "linux" else "unknown"

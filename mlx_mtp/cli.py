@@ -6,7 +6,6 @@ import sys
 
 import typer
 
-from ._blas import ensure_fast_blas
 from .errors import MTPError
 
 app = typer.Typer(
@@ -170,8 +169,8 @@ _register_commands()
 
 
 def main() -> None:
-    """Console entry point: OpenBLAS preload on Linux, clean errors."""
-    ensure_fast_blas()
+    """Console entry point (OpenBLAS is preloaded by ``import mlx_mtp``); errors
+    from mlx-mtp are printed without a traceback and exit with status 2."""
     try:
         app(standalone_mode=False)
     except MTPError as e:

@@ -202,6 +202,8 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
         ) from e
     if dtype != "auto":
         if "quantization" in config:
+            # scales/biases to float32 first so the dequantized weights are exact
+            model.set_dtype(mx.float32)
             model = dequantize_model(model)
         model.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters())

@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from mlx_mtp._blas import ensure_fast_blas
-
-ensure_fast_blas()  # re-exec with OpenBLAS preloaded on Linux (DESIGN §4)
+import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
 
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
 
