@@ -59,6 +59,7 @@ class MTPModel:
         self.tokenizer = loaded.tokenizer
         self.method = method
         self.engine = Engine(self.model, max_kv_size=max_kv_size)
+        self.engine.loaded = loaded  # the folder and tokenizer, for methods (confadapt)
         method.prepare(self.engine)
 
     @property

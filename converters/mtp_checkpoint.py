@@ -1,0 +1,263 @@
+"""Import a self-distilled MTP checkpoint into an MLX model folder for ``confadapt``.
+
+Kirchenbauer et al., *Multi-Token Prediction via Self-Distillation* (arXiv
+2602.06019; DESIGN §2.3) release plain ``Qwen3ForCausalLM`` /
+``LlamaForCausalLM`` checkpoints (``jwkirchenbauer/Qwen3-4B-Inst-2507-MTP``,
+``jwkirchenbauer/L3-1-8B-Magpie-MTP``): sharded bf16 safetensors with an index,
+and a tokenizer with one added mask token ``<|mtp_special_token_0|>``.
+
+The conversion is mlx-lm's own (``mlx_lm.utils.load`` / ``quantize_model`` /
+``save_model`` / ``save_config``); this module adds the checks, the MTP
+metadata file (:data:`~mlx_mtp.methods.confadapt.MTP_CONFIG`: mask token id
+looked up in the tokenizer, EOS ids, prompt format, default k) and the prompt
+format: ``plain`` (BOS + input + "\\n\\n", the Qwen checkpoint's format, which
+becomes the folder's chat template; the original one is kept in the metadata)
+or ``chat`` (the checkpoint's own chat template).
+
+Atomic: everything is written into a temporary sibling folder whose
+``config.json`` only gets its name at the very end, then the folder is renamed
+into place. An interrupted conversion leaves no folder that loads as a model.
+An existing destination is never replaced unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlx_mtp.errors import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    UnsupportedModelError,
+)
+from mlx_mtp.methods.confadapt import (
+    MASK_TOKEN,
+    PROMPT_FORMATS,
+    MissingMaskTokenError,
+    MTPMetadata,
+    no_mask_token_message,
+    tokenizer_eos_ids,
+    tokenizer_mask_id,
+    write_metadata,
+)
+
+#: model types whose checkpoints confadapt can decode (llama-style layout)
+SUPPORTED_MODEL_TYPES = {"llama", "qwen3", "qwen2", "mistral"}
+
+#: chat template of the ``plain`` prompt format: BOS + each message + "\n\n"
+PLAIN_TEMPLATE = (
+    "{{ bos_token if bos_token else '' }}"
+    "{% for message in messages %}{{ message['content'] }}\n\n{% endfor %}"
+)
+
+
+class MTPCheckpointError(CheckpointMismatchError):
+    """A checkpoint folder that is incomplete, corrupt or not an MTP checkpoint."""
+
+
+def default_prompt_format(model_type: str) -> str:
+    """``plain`` for Qwen3 checkpoints (the paper's format), ``chat`` otherwise."""
+    return "plain" if model_type == "qwen3" else "chat"
+
+
+def check_shards(src: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, checked against its index.
+
+    Raises:
+        MTPCheckpointError: no weights, a shard listed in the index is missing,
+            or the index is not valid JSON.
+    """
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise MTPCheckpointError(f"{index} is not a valid safetensors index ({e}).") from e
+        shards = sorted({src / f for f in weight_map.values()})
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise MTPCheckpointError(
+                f"{src} is incomplete: shard(s) {', '.join(missing)} listed in "
+                f"{index.name} are missing. Download the checkpoint again."
+            )
+        return shards
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise MTPCheckpointError(f"{src} has no .safetensors weights.")
+    return shards
+
+
+def convert_mtp_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    quantize: int | None = None,
+    group_size: int = 64,
+    dtype: str | None = None,
+    prompt_format: str | None = None,
+    k: int = 16,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a self-distilled MTP checkpoint into an MLX folder with MTP metadata.
+
+    Args:
+        src: a Hugging Face repo id (downloaded with ``huggingface_hub``), an
+            alias, or a local folder laid out like the released repos.
+        dst: the folder to create.
+        quantize: None (keep float weights), 4 or 8 bits (affine, ``group_size``).
+        dtype: cast float weights (``bfloat16``, ``float16``, ``float32``);
+            default: as stored.
+        prompt_format: ``plain`` or ``chat``; default by model type
+            (:func:`default_prompt_format`).
+        k: default block size recorded in the metadata.
+        overwrite: replace an existing ``dst``.
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        InvalidArgumentError: ``dst`` exists and not ``overwrite``; bad options.
+        ModelNotFoundError: ``src`` is neither a folder nor a reachable repo.
+        MissingMaskTokenError: the tokenizer has no ``<|mtp_special_token_0|>``.
+        UnsupportedModelError: not a llama/qwen-style causal LM.
+        MTPCheckpointError: missing or corrupt shards, mask id outside the vocabulary.
+    """
+    from mlx_lm.utils import load_tokenizer, quantize_model, save_config, save_model
+
+    from mlx_mtp.loading import resolve_model
+
+    dst = Path(dst).expanduser()
+    if quantize not in (None, 4, 8):
+        raise InvalidArgumentError(f"--quantize must be 4 or 8 bits, got {quantize}.")
+    if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+        raise InvalidArgumentError(f"--prompt-format must be plain or chat, got {prompt_format!r}.")
+    if dst.exists() and not overwrite:
+        raise InvalidArgumentError(
+            f"{dst} already exists; choose another destination or pass --overwrite."
+        )
+    path = resolve_model(str(src))
+    config = _read_config(path)
+    mtype = config.get("model_type", "?")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{src}: model type {mtype!r} is not supported by confadapt (supported: "
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})."
+        )
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:
+        raise MTPCheckpointError(
+            f"{src}: cannot read the tokenizer ({type(e).__name__}: {e})."
+        ) from e
+    mask_id = tokenizer_mask_id(tokenizer)
+    if mask_id is None:
+        raise MissingMaskTokenError(no_mask_token_message(f"The checkpoint {src}"))
+    vocab = int(config.get("vocab_size", 0))
+    if not 0 <= mask_id < vocab:
+        raise MTPCheckpointError(
+            f"{src}: the mask token id {mask_id} is outside the model's vocabulary ({vocab} "
+            "rows); the checkpoint does not match its tokenizer."
+        )
+    check_shards(path)
+    fmt = prompt_format or default_prompt_format(mtype)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        model, config = _load_weights(path, dtype)
+        if quantize:
+            model, config = quantize_model(model, config, group_size, quantize)
+        save_model(tmp, model, donate_model=True)
+        # config.json gets its real name last: a partial folder never loads
+        save_config(config, config_path=tmp / "config.json.partial")
+        original_template = getattr(tokenizer, "chat_template", None)
+        if fmt == "plain":
+            tokenizer._tokenizer.chat_template = PLAIN_TEMPLATE
+        tokenizer.save_pretrained(str(tmp))
+        for extra in ("generation_config.json",):
+            if (path / extra).is_file():
+                shutil.copy(path / extra, tmp / extra)
+        meta = MTPMetadata(
+            mask_token_id=mask_id,
+            eos_token_ids=_eos_ids(tokenizer, path),
+            prompt_format=fmt,
+            k=k,
+            source=str(src),
+        )
+        write_metadata(tmp, meta)
+        if fmt == "plain" and original_template:
+            d = json.loads((tmp / "mtp_config.json").read_text())
+            d["chat_template_original"] = original_template
+            (tmp / "mtp_config.json").write_text(json.dumps(d, indent=2) + "\n")
+        os.replace(tmp / "config.json.partial", tmp / "config.json")
+        if dst.exists():
+            backup = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, backup / dst.name)
+            os.replace(tmp, dst)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MTPCheckpointError(f"{path}/config.json cannot be read ({e}).") from e
+
+
+def _load_weights(path: Path, dtype: str | None) -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's loader; float weights are cast to ``dtype`` (default: as stored)
+    and evaluated so a corrupt shard fails here, inside the temp folder's life."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(path, lazy=True)
+        if dtype is not None:
+            target = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}.get(
+                dtype
+            )
+            if target is None:
+                raise InvalidArgumentError(f"--dtype must be bfloat16, float16 or float32: {dtype}")
+            model.set_dtype(target)
+            config["torch_dtype"] = dtype
+        mx.eval([v for _, v in tree_flatten(model.parameters())])
+    except InvalidArgumentError:
+        raise
+    except Exception as e:
+        raise MTPCheckpointError(
+            f"The weights in {path} cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); a shard is corrupt or does "
+            "not match config.json. Download the checkpoint again."
+        ) from e
+    return model, config
+
+
+def _eos_ids(tokenizer: Any, path: Path) -> list[int]:
+    ids = set(tokenizer_eos_ids(tokenizer))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [] if e is None else [e])
+        except (json.JSONDecodeError, OSError):
+            pass
+    return sorted(int(i) for i in ids)
+
+
+__all__ = [
+    "MASK_TOKEN",
+    "MTPCheckpointError",
+    "PLAIN_TEMPLATE",
+    "check_shards",
+    "convert_mtp_checkpoint",
+]

@@ -1,0 +1,152 @@
+"""``mlx-mtp convert mtp-checkpoint`` and ``mlx-mtp train mtp`` (confadapt, DESIGN §2.3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+#: names that ``--data`` accepts besides a JSONL file
+DATA_SETS = {
+    "gsm8k-train": "gsm8k/train.jsonl",
+}
+
+
+def resolve_data(data: str) -> Path:
+    """A prompts file: a JSONL path, or ``gsm8k-train`` (the shared GSM8K train
+    questions, ``$MLX_MTP_DATA`` or ``../shared/data`` next to the repo).
+
+    Raises:
+        InvalidArgumentError: neither an existing file nor a known name.
+    """
+    import os
+
+    from ..errors import InvalidArgumentError
+
+    if data in DATA_SETS:
+        roots = [os.environ.get("MLX_MTP_DATA", ""), "/work/shared/data"]
+        roots.append(str(Path(__file__).resolve().parents[3] / "shared" / "data"))
+        for root in roots:
+            if root and (Path(root) / DATA_SETS[data]).is_file():
+                return Path(root) / DATA_SETS[data]
+        raise InvalidArgumentError(
+            f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
+            "the folder that holds it, or pass a JSONL file."
+        )
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise InvalidArgumentError(f"--data {data}: no such file (expected prompts as JSONL).")
+    return p
+
+
+def run_train_mtp(
+    model: str,
+    data: str,
+    out: Path | None = None,
+    lora: bool = True,
+    steps: int | None = None,
+    lr: float | None = None,
+    seed: int = 0,
+    resume: bool = True,
+    dtype: str = "float32",
+    prompt_format: str = "chat",
+    **config: int | float,
+) -> Path:
+    """Adapt ``model`` for confadapt by self-distillation and write the result.
+
+    Returns:
+        The output folder: an adapter (``--lora``, found automatically by the
+        base model's fingerprint when it lies in ``$MLX_MTP_HOME/confadapt/``)
+        or a full model folder with ``mtp_config.json``.
+    """
+    from ..fingerprint import model_fingerprint
+    from ..loading import cache_home, load_model
+    from ..training.mtp import TrainConfig, Trainer, read_prompts
+
+    prompts = read_prompts(resolve_data(data))
+    cfg = TrainConfig(lora=lora, lr=lr, seed=seed, **config)
+    if steps is not None:
+        cfg.steps = steps
+    lm = load_model(model, dtype=dtype)
+    if out is None:
+        fp = model_fingerprint(lm.model)
+        name = "" if model.count("/") else f"{model}-"
+        out = cache_home() / ("confadapt" if lora else "models") / f"{name}mtp-{fp}"
+    trainer = Trainer(lm, prompts, out, cfg, prompt_format=prompt_format)
+    return trainer.run(resume=resume)
+
+
+def register(app: typer.Typer) -> None:
+    from . import group
+
+    @group("convert").command("mtp-checkpoint")
+    def convert_mtp_checkpoint(
+        src: str = typer.Argument(..., help="Hub repo id or checkpoint folder."),
+        dst: Path = typer.Argument(..., help="Output MLX folder (must not exist)."),
+        quantize: int | None = typer.Option(None, "--quantize", help="4 or 8 bits."),
+        dtype: str | None = typer.Option(None, "--dtype", help="Cast float weights."),
+        prompt_format: str | None = typer.Option(
+            None, "--prompt-format", help="plain (BOS + input + blank line) or chat."
+        ),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+    ) -> None:
+        """Convert a self-distilled MTP checkpoint (Kirchenbauer et al.) for --method confadapt."""
+        from ..converters.mtp_checkpoint import convert_mtp_checkpoint as convert
+
+        out = convert(
+            src,
+            dst,
+            quantize=quantize,
+            dtype=dtype,
+            prompt_format=prompt_format,
+            overwrite=overwrite,
+        )
+        typer.echo(f"Wrote {out}. Use: mlx-mtp generate --model {out} --method confadapt")
+
+    @group("train").command("mtp")
+    def train_mtp(
+        model: str = typer.Option("smollm2-135m", "--model", help="Base model to adapt."),
+        data: str = typer.Option(..., "--data", help="Prompts JSONL, or 'gsm8k-train'."),
+        lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapter or full fine-tune."),
+        steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default 60)."),
+        lr: float | None = typer.Option(None, "--lr", help="Peak lr (5e-4 LoRA, 1e-5 full)."),
+        rank: int = typer.Option(8, "--rank", help="LoRA rank."),
+        regions: int = typer.Option(6, "--regions", help="Mask regions per sequence."),
+        gen_tokens: int = typer.Option(64, "--gen-tokens", help="Teacher tokens per prompt."),
+        seed: int = typer.Option(0, "--seed"),
+        out: Path | None = typer.Option(None, "--out", help="Output folder."),
+        resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a checkpoint."),
+        dtype: str = typer.Option("float32", "--dtype", help="Training dtype."),
+        prompt_format: str = typer.Option("chat", "--prompt-format", help="chat or plain."),
+    ) -> None:
+        """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
+        from ..errors import InvalidArgumentError
+
+        if prompt_format not in ("chat", "plain"):
+            raise InvalidArgumentError(f"--prompt-format must be chat or plain: {prompt_format}")
+        if rank < 1 or regions < 1 or gen_tokens < 2:
+            raise InvalidArgumentError("--rank, --regions must be >= 1 and --gen-tokens >= 2.")
+        path = run_train_mtp(
+            model,
+            data,
+            out,
+            lora,
+            steps,
+            lr,
+            seed,
+            resume,
+            dtype,
+            prompt_format,
+            rank=rank,
+            regions=regions,
+            gen_tokens=gen_tokens,
+        )
+        from ..methods.confadapt import adapter_dirs
+
+        if not lora:
+            how = f" --model {path}"
+        elif path.resolve() in [d.resolve() for d in adapter_dirs()]:
+            how = f" --model {model}"
+        else:
+            how = f" --model {model} --opt adapter={path}"
+        typer.echo(f"Wrote {path}. Use: mlx-mtp generate{how} --method confadapt")

@@ -1,0 +1,217 @@
+"""confadapt decoding (Kirchenbauer et al., arXiv 2602.06019) on tiny random models.
+
+A tiny model gets a mask token through ``mtp_config.json`` in a temporary
+folder; its predictions at the masks are random, which is all the plumbing
+tests need: block lengths, EOS inside a block, the cache after each step, and
+equality with plain greedy decoding where the paper's rule says so.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine
+from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.methods import make_method
+from mlx_mtp.methods.confadapt import (
+    ConfAdapt,
+    MissingMaskTokenError,
+    confadapt_length,
+)
+from mlx_mtp.testing import make_tiny_model
+
+MASK_ID = 255  # last row of the tiny models' 256-token vocabulary
+PROMPT = [3, 17, 42, 9, 100, 7, 12]
+
+
+class _Tok:
+    """A tokenizer stand-in: no mask token in its vocabulary, fixed EOS ids."""
+
+    def __init__(self, eos=()):
+        self.eos_token_ids = list(eos)
+
+    def get_vocab(self):
+        return {}
+
+
+def _engine(tmp_path, family="llama", eos=(), seed=0, with_meta=True):
+    model = make_tiny_model(family, seed=seed)
+    if with_meta:
+        meta = {"mask_token_id": MASK_ID, "eos_token_ids": list(eos), "prompt_format": "chat"}
+        (tmp_path / "mtp_config.json").write_text(json.dumps(meta))
+    engine = Engine(model)
+    engine.loaded = SimpleNamespace(path=tmp_path, tokenizer=_Tok(eos), name="tiny")
+    return engine
+
+
+def _run(engine, method, prompt=PROMPT, max_tokens=24, eos=frozenset()):
+    method.prepare(engine)
+    toks, last = [], None
+    for step in generate_steps(engine, method, prompt, max_tokens=max_tokens, eos_ids=eos):
+        toks += step.tokens
+        last = step
+    return toks, last.stats, last.finish_reason
+
+
+def _greedy(tmp_path, family="llama", max_tokens=24, prompt=PROMPT):
+    engine = _engine(tmp_path, family)
+    return _run(engine, make_method("ntp"), prompt, max_tokens)[0]
+
+
+def test_confadapt_length_rule():
+    c = np.array([0.95, 0.92, 0.5, 0.99])
+    assert confadapt_length(c, 0.9) == 2
+    assert confadapt_length(c, 0.0) == 4
+    assert confadapt_length(np.array([0.5, 0.99, 0.99]), 0.9) == 1  # leading run only
+    assert confadapt_length(np.array([1.0, 1.0]), 1.01) == 1
+    assert confadapt_length(np.array([0.95, 0.95]), 0.9) == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_k1_equals_greedy(tmp_path, family):
+    ref = _greedy(tmp_path, family)
+    toks, stats, _ = _run(_engine(tmp_path, family), ConfAdapt(k=1, mode="static"))
+    assert toks == ref
+    assert stats.forward_passes == len(ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tau_above_one_equals_greedy(tmp_path, family):
+    ref = _greedy(tmp_path, family)
+    toks, stats, _ = _run(_engine(tmp_path, family), ConfAdapt(k=8, tau=1.01))
+    assert toks == ref
+    assert stats.tau == pytest.approx(1.0)
+    assert stats.drafted == 7 * len(ref) and stats.accepted == 0
+
+
+def test_all_confident_emits_k_per_step_and_refeeds(tmp_path):
+    k, n = 5, 23
+    engine = _engine(tmp_path)
+    toks, stats, finish = _run(engine, ConfAdapt(k=k, tau=0.0), max_tokens=n)
+    assert finish == "length" and len(toks) == n
+    assert stats.accept_lengths[:-1] == [k] * (len(stats.accept_lengths) - 1)
+    assert stats.forward_passes == -(-n // k)
+    assert stats.tau == pytest.approx(n / stats.forward_passes)  # Eff. k
+    # the first block is the root's greedy token, then the masks' predictions
+    assert toks[0] == _greedy(tmp_path, max_tokens=1)[0]
+    # the cache holds only committed tokens, at matching positions
+    full = PROMPT + toks
+    assert engine.cached == full[: len(engine.cached)]
+    assert all(c.offset == len(engine.cached) for c in engine.cache)
+    # static mode is the same as tau = 0
+    toks2, _, _ = _run(_engine(tmp_path), ConfAdapt(k=k, mode="static"), max_tokens=n)
+    assert toks2 == toks
+
+
+def test_step_feeds_pending_tokens_then_masks(tmp_path):
+    """Each step processes n + k - 1 tokens: the n tokens emitted last step
+    (n - 1 re-fed plus the root) and k - 1 masks; only the real ones stay cached."""
+    k = 4
+    engine = _engine(tmp_path)
+    method = ConfAdapt(k=k, tau=0.0)
+    method.prepare(engine)
+    engine.sync(PROMPT[:-1])
+    method.begin(engine, PROMPT, None)
+    seen = []
+    orig = engine.forward_chain
+
+    def spy(tokens, hidden=False):
+        seen.append(list(tokens))
+        return orig(tokens, hidden)
+
+    engine.forward_chain = spy
+    out1 = method.step(engine, PROMPT[-1])
+    assert seen[0] == [PROMPT[-1]] + [MASK_ID] * (k - 1)
+    assert engine.cached == PROMPT
+    out2 = method.step(engine, out1.tokens[-1])
+    assert seen[1] == out1.tokens + [MASK_ID] * (k - 1)
+    assert engine.cached == PROMPT + out1.tokens
+    assert len(out2.tokens) == k
+
+
+def test_eos_inside_a_block(tmp_path):
+    k = 6
+    toks, _, _ = _run(_engine(tmp_path), ConfAdapt(k=k, tau=0.0), max_tokens=k)
+    pos = next(i for i in range(1, k) if toks[i] not in toks[:i])
+    eos = toks[pos]
+    engine = _engine(tmp_path, eos=[eos])
+    got, stats, finish = _run(engine, ConfAdapt(k=k, tau=0.0), max_tokens=50, eos={eos})
+    assert got == toks[: pos + 1]
+    assert finish == "stop"
+    assert stats.generated_tokens == pos + 1
+    assert stats.accept_lengths == [pos + 1]
+    assert stats.accepted == pos and stats.forward_passes == 1
+    assert engine.cached == (PROMPT + got)[: len(engine.cached)]
+
+
+def test_multi_turn_reuses_cache(tmp_path):
+    k = 4
+    engine = _engine(tmp_path)
+    first, _, _ = _run(engine, ConfAdapt(k=k, tau=0.0), max_tokens=10)
+    turn2 = PROMPT + first + [5, 6, 7]
+    again, _, _ = _run(engine, ConfAdapt(k=k, tau=0.0), prompt=turn2, max_tokens=10)
+    fresh, _, _ = _run(_engine(tmp_path), ConfAdapt(k=k, tau=0.0), prompt=turn2, max_tokens=10)
+    assert again == fresh
+
+
+def test_no_mask_token_is_refused(tmp_path):
+    engine = _engine(tmp_path, with_meta=False)
+    with pytest.raises(MissingMaskTokenError, match="mlx-mtp train mtp"):
+        ConfAdapt().prepare(engine)
+
+
+@pytest.mark.parametrize(
+    "opts", [{"k": 0}, {"k": "x"}, {"tau": -0.1}, {"tau": "nan"}, {"mode": "fast"}]
+)
+def test_bad_options(opts):
+    with pytest.raises(InvalidArgumentError):
+        ConfAdapt(**opts)
+
+
+def test_options_from_strings_and_describe():
+    m = make_method("confadapt", k="8", tau="0.6")
+    assert (m.k, m.tau, m.block_complexity, m.lossless) == (8, 0.6, 8, False)
+    assert m.describe() == "confadapt(k=8, tau=0.6)"
+    assert ConfAdapt().k == 16 and ConfAdapt().tau == 0.9
+
+
+def test_shipped_adapter_for_embedded_model(smollm):
+    """The embedded SmolLM2 decodes with confadapt out of the box (shipped
+    adapter, found by fingerprint) without modifying the caller's model; with
+    tau > 1 it is the adapted model's own greedy decoding."""
+    import mlx.core as mx
+
+    from mlx_mtp.fingerprint import model_fingerprint
+    from mlx_mtp.methods.confadapt import find_adapter
+
+    if find_adapter(model_fingerprint(smollm.model)) is None:
+        pytest.fail("no shipped confadapt adapter for the embedded model")
+    before = mx.array(smollm.model.model.layers[0].self_attn.q_proj.weight)
+    prompt = smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True
+    )
+    eos = set(smollm.tokenizer.eos_token_ids)
+
+    def run(method, n=24):
+        engine = Engine(smollm.model)
+        engine.loaded = smollm
+        method.prepare(engine)
+        toks, st = [], None
+        for s in generate_steps(engine, method, prompt, max_tokens=n, eos_ids=eos):
+            toks += s.tokens
+            st = s.stats
+        return toks, st, engine
+
+    greedy, _, eng = run(ConfAdapt(k=1, mode="static"))
+    assert eng.model is not smollm.model
+    slow, _, _ = run(ConfAdapt(k=8, tau=1.5))
+    assert slow == greedy
+    fast, st, _ = run(ConfAdapt(k=8, tau=0.6))
+    assert st.tau > 1.0  # Eff. k
+    assert fast[:1] == greedy[:1]
+    assert mx.array_equal(before, smollm.model.model.layers[0].self_attn.q_proj.weight)

@@ -1,0 +1,262 @@
+"""Self-distilled MTP checkpoints: the converter and on-device adaptation.
+
+Synthetic checkpoints are laid out like the released repos
+(``jwkirchenbauer/Qwen3-4B-Inst-2507-MTP``: Qwen3ForCausalLM, tied embeddings;
+``jwkirchenbauer/L3-1-8B-Magpie-MTP``: LlamaForCausalLM, untied LM head): tiny
+configs, random bf16 weights in two ``model-0000x-of-00002.safetensors`` shards
+with ``model.safetensors.index.json``, and the embedded SmolLM2 tokenizer with
+the added ``<|mtp_special_token_0|>``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_mtp.errors import CheckpointMismatchError, InvalidArgumentError, ModelNotFoundError
+from mlx_mtp.methods.confadapt import MASK_TOKEN, MissingMaskTokenError, read_metadata
+
+LAYOUTS = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 16, "tie_word_embeddings": True},
+    "llama": {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(smollm, tmp_path_factory):
+    """SmolLM2's tokenizer saved twice: with and without the mask token."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tok")
+    out = {}
+    for with_mask in (True, False):
+        tok = AutoTokenizer.from_pretrained(str(smollm.path))
+        if with_mask:
+            tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+        d = root / ("mask" if with_mask else "plain")
+        tok.save_pretrained(str(d))
+        out[with_mask] = (d, len(tok))
+    return out
+
+
+def make_checkpoint(dest: Path, family: str, tokenizer_dirs, with_mask=True, seed=0) -> Path:
+    """A tiny HF-style checkpoint folder (see the module docstring)."""
+    from mlx_mtp.testing import make_tiny_model
+
+    tok_dir, n_tok = tokenizer_dirs[with_mask]
+    vocab = -(-n_tok // 8) * 8  # padded, like Qwen's 151936 > 151670
+    config = {
+        "model_type": family,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        **LAYOUTS[family],
+    }
+    model = make_tiny_model(
+        family, seed=seed, **{k: v for k, v in config.items() if k != "architectures"}
+    )
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    dest.mkdir(parents=True)
+    names = sorted(weights)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:]), 1):
+        fname = f"model-0000{i}-of-00002.safetensors"
+        mx.save_safetensors(str(dest / fname), {n: weights[n] for n in part}, {"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    (dest / "config.json").write_text(json.dumps(config))
+    for f in tok_dir.iterdir():
+        shutil.copy(f, dest / f.name)
+    return dest
+
+
+def _convert(src, dst, **kw):
+    from mlx_mtp.converters.mtp_checkpoint import convert_mtp_checkpoint
+
+    return convert_mtp_checkpoint(src, dst, **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_convert_round_trip_and_decode(tmp_path, tokenizer_dirs, family):
+    import mlx_mtp
+
+    src = make_checkpoint(tmp_path / "src", family, tokenizer_dirs)
+    dst = _convert(src, tmp_path / "out")
+    meta = read_metadata(dst)
+    _, n_tok = tokenizer_dirs[True]
+    assert meta.mask_token_id == n_tok - 1  # the added token, looked up in the tokenizer
+    assert meta.prompt_format == ("plain" if family == "qwen3" else "chat")
+    assert meta.k == 16 and meta.eos_token_ids
+    # the weights are the checkpoint's (bf16, as stored)
+    m = mlx_mtp.load(str(dst), method="confadapt", dtype="auto", k=4, tau=0.0)
+    src_w = mx.load(str(src / "model-00001-of-00002.safetensors"))
+    name = sorted(src_w)[0]
+    got = dict(tree_flatten(m.model.parameters()))[name]
+    assert mx.array_equal(got, src_w[name])
+    assert m.method.mask_id == meta.mask_token_id
+    res = m.generate("Hello there", max_tokens=12)
+    assert res.stats.generated_tokens >= 1
+    assert res.stats.tau > 1.0 or res.finish_reason == "stop"
+    if family == "qwen3":  # plain format: BOS (none in this tokenizer) + text + blank line
+        ids = m.encode("Hello there")
+        assert m.tokenizer.decode(ids).endswith("Hello there\n\n")
+
+
+def test_convert_quantized(tmp_path, tokenizer_dirs):
+    import mlx_mtp
+
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+    dst = _convert(src, tmp_path / "q4", quantize=4)
+    assert json.loads((dst / "config.json").read_text())["quantization"]["bits"] == 4
+    m = mlx_mtp.load(str(dst), method="confadapt", dtype="auto", k=3, tau=0.0)
+    assert m.generate("Hi", max_tokens=6).stats.generated_tokens >= 1
+
+
+def test_convert_refuses_checkpoint_without_mask_token(tmp_path, tokenizer_dirs):
+    src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs, with_mask=False)
+    with pytest.raises(MissingMaskTokenError, match="mlx-mtp train mtp"):
+        _convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_never_overwrites(tmp_path, tokenizer_dirs):
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(InvalidArgumentError, match="--overwrite"):
+        _convert(src, dst)
+    assert (dst / "keep.txt").read_text() == "mine"
+    _convert(src, dst, overwrite=True)
+    assert not (dst / "keep.txt").exists() and read_metadata(dst) is not None
+
+
+def test_convert_corrupt_or_missing_shard(tmp_path, tokenizer_dirs):
+    from mlx_mtp.converters.mtp_checkpoint import MTPCheckpointError
+
+    src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs)
+    shard = src / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # truncated download
+    with pytest.raises(MTPCheckpointError):
+        _convert(src, tmp_path / "out")
+    shard.unlink()
+    with pytest.raises(MTPCheckpointError, match="missing"):
+        _convert(src, tmp_path / "out")
+    # nothing that loads is left behind: no DST, no partial sibling with a config.json
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if (p / "config.json").exists() and p != src]
+
+
+def test_convert_interrupted_leaves_nothing_loadable(tmp_path, tokenizer_dirs, monkeypatch):
+    import mlx_lm.utils
+
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlx_lm.utils, "save_config", boom)
+    with pytest.raises(KeyboardInterrupt):
+        _convert(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_convert_hub_offline_error(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFoundError, match="offline"):
+        _convert("jwkirchenbauer/Qwen3-4B-Inst-2507-MTP", tmp_path / "out")
+
+
+# ------------------------------------------------------------------ training
+def _trainer(src, out, **cfg):
+    from mlx_mtp.loading import load_model
+    from mlx_mtp.training.mtp import TrainConfig, Trainer
+
+    lm = load_model(str(src), dtype="float32")
+    base = dict(steps=2, gen_tokens=6, regions=2, k_max=4, save_every=1, warmup=1)
+    base.update(cfg)
+    prompts = ["What is two plus two?", "Name a colour.", "Count to three."]
+    return lm, Trainer(lm, prompts, out, TrainConfig(**base))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_train_lora_adapter_adds_mask_token(tmp_path, tokenizer_dirs, family):
+    """LoRA adaptation of a model without the mask token (untied llama head,
+    tied qwen3 embeddings): the adapter decodes through --method confadapt,
+    only for its base model, and a run resumes from its checkpoint."""
+    import mlx_mtp
+    from mlx_mtp.fingerprint import model_fingerprint
+
+    src = make_checkpoint(tmp_path / "src", family, tokenizer_dirs, with_mask=False)
+    lm, tr = _trainer(src, tmp_path / "adapter")
+    _, n_tok = tokenizer_dirs[False]
+    assert tr.mask_id == n_tok  # first unused row of the padded vocabulary
+    before = mx.array(tr.student.model.embed_tokens.mask_embedding)
+    out = tr.run()
+    cfg = json.loads((out / "mtp_adapter.json").read_text())
+    assert cfg["base_fingerprint"] == model_fingerprint(lm.model)
+    w = mx.load(str(out / "adapter.safetensors"))
+    assert not mx.array_equal(w["mask_embedding"], before)  # the new row is trained too
+    assert any(float(mx.abs(v).max()) > 0 for k, v in w.items() if k.endswith("lora_b"))
+    m = mlx_mtp.load(str(src), method="confadapt", adapter=str(out), k=4, tau=0.0)
+    assert m.method.mask_id == n_tok
+    assert m.generate("Hello", max_tokens=8).stats.generated_tokens >= 1
+    # another base model is refused
+    other = make_checkpoint(tmp_path / "other", family, tokenizer_dirs, with_mask=False, seed=3)
+    with pytest.raises(CheckpointMismatchError, match="trained for"):
+        mlx_mtp.load(str(other), method="confadapt", adapter=str(out))
+    # resume: a new trainer with the same settings starts at the saved step
+    _, tr2 = _trainer(src, tmp_path / "adapter")
+    assert tr2.resume() and tr2.step == 2
+    _, tr3 = _trainer(src, tmp_path / "adapter", steps=5)
+    with pytest.raises(InvalidArgumentError, match="other settings"):
+        tr3.resume()
+
+
+def test_train_full_writes_loadable_folder(tmp_path, tokenizer_dirs):
+    import mlx_mtp
+
+    src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs, with_mask=False)
+    _, tr = _trainer(src, tmp_path / "full", lora=False, steps=1)
+    out = tr.run()
+    meta = read_metadata(out)
+    m = mlx_mtp.load(str(out), method="confadapt", k=3, tau=0.0)
+    assert m.method.mask_id == meta.mask_token_id
+    assert m.generate("Hello", max_tokens=6).stats.generated_tokens >= 1
+
+
+def test_region_layout_mask_and_positions():
+    from mlx_mtp.training.mtp import region_layout, region_rows
+
+    lay = region_layout(5, [1, 3], [3, 2])
+    assert lay.n_slots == 3
+    assert lay.positions.tolist() == [0, 1, 2, 3, 4, 2, 3, 4]
+    m = lay.mask
+    assert m[:5, :5].tolist() == np.tril(np.ones((5, 5), bool)).tolist()
+    assert not m[:5, 5:].any()  # real tokens never see a mask
+    assert m[5].tolist() == [1, 1, 0, 0, 0, 1, 0, 0]
+    assert m[6].tolist() == [1, 1, 0, 0, 0, 1, 1, 0]
+    assert m[7].tolist() == [1, 1, 1, 1, 0, 0, 0, 1]
+    pred, src = region_rows(lay)
+    assert pred.tolist() == [1, 5, 6, 3, 7] and src.tolist() == [1, 5, 3]
