@@ -1,0 +1,151 @@
+"""Closing figures of the CLP issue (DESIGN §2.2, §4).
+
+On the Spec-Bench evaluation prompts (``spec_bench_sample(per_task)``, 48 at
+the default 8 per task) x ``max_tokens``, greedy, float32, in one process with
+the methods interleaved prompt by prompt:
+
+* head top-1 accuracy per offset (head j vs the greedy token n+1+j, teacher
+  forced on the ntp output);
+* for ``clp`` paper and verified mode, with the linear span predictor and with
+  the ~1M-parameter gate baseline: tau, wall-clock speedup over ``ntp``,
+  repetition rate (share of repeated 4-grams within an output) next to ntp's
+  own, and for paper mode the share of outputs identical to greedy.
+
+    python examples/clp_figures.py [--per-task 8] [--max-tokens 128] [--out clp.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mlx_mtp._blas import ensure_fast_blas
+
+ensure_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mlx_mtp.data import spec_bench_sample  # noqa: E402
+from mlx_mtp.decoding import generate_steps  # noqa: E402
+from mlx_mtp.engine import Engine  # noqa: E402
+from mlx_mtp.loading import load_model  # noqa: E402
+from mlx_mtp.methods import make_method  # noqa: E402
+
+try:
+    from mlx_mtp.bench.metrics import repetition_rate  # noqa: E402
+except ImportError:  # pragma: no cover
+
+    def repetition_rate(tokens, n=4):
+        grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+        return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
+SETTINGS = {
+    "ntp": ("ntp", {}),
+    "clp-verified": ("clp", {"mode": "verified"}),
+    "clp-paper": ("clp", {"mode": "paper"}),
+    "gate-verified": ("clp", {"mode": "verified", "predictor": "gate"}),
+    "gate-paper": ("clp", {"mode": "paper", "predictor": "gate"}),
+}
+
+
+def head_accuracy(engine: Engine, heads, prompt: list[int], out: list[int]) -> np.ndarray:
+    """(k, 2) counts [correct, total] of head j on the greedy output ``out``."""
+    engine.reset()
+    seq = prompt + out
+    _, h = engine.forward_chain(seq[:-1], hidden=True)
+    P = len(prompt)
+    n0 = P - 1  # h[n] predicts seq[n+1]; heads use seq[n+1], predict seq[n+1+j]
+    pos = np.arange(n0, len(seq) - 2)
+    if len(pos) == 0:
+        return np.zeros((heads.k, 2))
+    hl = heads.head_logits(
+        h[mx.array(pos)], engine.embed_tokens([seq[p + 1] for p in pos]), engine.lm_head
+    )
+    pred = np.array(mx.argmax(hl, axis=-1))
+    counts = np.zeros((heads.k, 2))
+    for j in range(heads.k):
+        ok = [(p + 2 + j) < len(seq) for p in pos]
+        tgt = np.array([seq[p + 2 + j] if o else -1 for p, o in zip(pos, ok)])
+        counts[j] = [((pred[j] == tgt) & np.array(ok)).sum(), sum(ok)]
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-task", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    lm = load_model("smollm2-135m", dtype="float32")
+    tok = lm.tokenizer
+    qs = spec_bench_sample(args.per_task)
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
+        )
+        for q in qs
+    ]
+    eos = {tok.eos_token_id}
+    names = args.settings.split(",")
+    runs = {}
+    for name in names:
+        mname, opts = SETTINGS[name]
+        m = make_method(mname, **opts)
+        e = Engine(lm.model)
+        m.prepare(e)
+        runs[name] = (m, e)
+    rec = {n: {"tokens": 0, "time": 0.0, "forwards": 0, "rep": [], "same": 0} for n in names}
+    outs: dict[str, list[list[int]]] = {n: [] for n in names}
+    heads = runs[next(n for n in names if n != "ntp")][0].heads
+    acc = np.zeros((heads.k, 2))
+    acc_engine = Engine(lm.model)
+    for i, p in enumerate(tqdm(prompts, desc="prompts")):
+        order = names if i % 2 == 0 else names[::-1]  # interleave, alternate order
+        for name in order:
+            m, e = runs[name]
+            toks = []
+            for s in generate_steps(e, m, p, max_tokens=args.max_tokens, eos_ids=eos):
+                toks.extend(s.tokens)
+            r = rec[name]
+            r["tokens"] += s.stats.generated_tokens
+            r["time"] += s.stats.decode_time
+            r["forwards"] += s.stats.forward_passes
+            r["rep"].append(repetition_rate(toks))
+            outs[name].append(toks)
+        if "ntp" in names:
+            acc += head_accuracy(acc_engine, heads, p, outs["ntp"][-1])
+            for name in names:
+                rec[name]["same"] += int(outs[name][-1] == outs["ntp"][-1])
+    ntp_tps = rec["ntp"]["tokens"] / rec["ntp"]["time"] if "ntp" in rec else float("nan")
+    table = {
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "head_top1": [float(c / t) if t else 0.0 for c, t in acc],
+        "span_predictor_params": runs.get("clp-paper", runs[names[-1]])[0].predictor_params(),
+        "settings": {},
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    for name in names:
+        r = rec[name]
+        tps = r["tokens"] / r["time"] if r["time"] else 0.0
+        table["settings"][name] = {
+            "tau": r["tokens"] / max(r["forwards"], 1),
+            "decode_tps": tps,
+            "speedup_vs_ntp": tps / ntp_tps,
+            "repetition_rate": float(np.mean(r["rep"])),
+            "identical_to_greedy": r["same"] / len(prompts),
+        }
+    print(json.dumps(table, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(table, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

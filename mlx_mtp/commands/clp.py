@@ -1,0 +1,99 @@
+"""``mlx-mtp train clp`` and ``mlx-mtp convert clp-heads`` (CLP heads, DESIGN §2.2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from . import group
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train clp`` and ``convert clp-heads``."""
+
+    @group("train").command("clp")
+    def train_clp_cmd(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Base model (frozen)."),
+        data: list[str] = typer.Option(
+            ...,
+            "--data",
+            help="Prompt jsonl (turns/prompt/question field), repeatable; 'spec-bench' = the "
+            "packaged Spec-Bench. The 48 evaluation prompts are always left out.",
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="Heads folder (default: $MLX_MTP_HOME/clp/<model>-<fingerprint>)."
+        ),
+        k: int = typer.Option(2, "--k", help="Horizon: heads for tokens n+2 .. n+1+k."),
+        bottleneck: int = typer.Option(256, "--bottleneck", help="Width of each head's block."),
+        limit: int | None = typer.Option(
+            None, "--limit", help="At most this many prompts per --data file."
+        ),
+        max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy tokens/prompt."),
+        max_prompt_tokens: int = typer.Option(
+            256, "--max-prompt-tokens", help="Keep the last N tokens of longer prompts."
+        ),
+        gen_batch: int = typer.Option(32, "--gen-batch", help="Prompts per generation batch."),
+        epochs: int = typer.Option(3, "--epochs", help="Head training epochs."),
+        batch_size: int = typer.Option(128, "--batch-size", help="Positions per head step."),
+        lr: float = typer.Option(1e-3, "--lr", help="Head learning rate (AdamW, cosine)."),
+        gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
+        seed: int = typer.Option(0, "--seed", help="Random seed."),
+        resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
+        dtype: str = typer.Option("float32", "--dtype", help="Backbone compute dtype."),
+    ):
+        """Train CLP heads + span predictor on the backbone's own greedy continuations."""
+        from ..fingerprint import model_fingerprint
+        from ..loading import cache_home, load_model
+        from ..training.clp import TrainConfig, train_clp
+
+        loaded = load_model(model, dtype=dtype)
+        if out is None:
+            name = Path(model).name if "/" in model else model
+            out = cache_home() / "clp" / f"{name}-{model_fingerprint(loaded.model)}"
+        cfg = TrainConfig(
+            k=k,
+            bottleneck=bottleneck,
+            max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            limit=limit,
+            gen_batch=gen_batch,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            gate=gate,
+            seed=seed,
+            data=list(data),
+        )
+        hidden = loaded.model.args.hidden_size
+        typer.echo(
+            f"span predictor: nn.Linear({hidden}, {k + 1}) = {hidden * (k + 1) + k + 1:,} "
+            "parameters",
+            err=True,
+        )
+        train_clp(loaded, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
+        typer.echo(f"heads written to {out}")
+
+    @group("convert").command("clp-heads")
+    def convert_clp_heads_cmd(
+        src: str = typer.Argument(
+            ...,
+            help="Heads folder/repo (this package's format), a Medusa repo/folder, or a "
+            "MiMo checkpoint folder with model.mtp_layers.*",
+        ),
+        dst: Path = typer.Argument(..., help="Output heads folder."),
+        model: str = typer.Option(
+            "smollm2-135m", "--model", "-m", help="Base model the heads belong to."
+        ),
+        source: str = typer.Option(
+            "auto", "--from", help="auto, clp, medusa or mimo-mtp (how to read SRC)."
+        ),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+    ):
+        """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
+        from ..converters.clp_heads import convert
+        from ..loading import load_model
+
+        loaded = load_model(model, dtype="float32")
+        summary = convert(src, dst, loaded, source=source, overwrite=overwrite)
+        typer.echo(summary)

@@ -1,0 +1,196 @@
+"""``clp``: MTP heads with a one-layer span predictor, backbone as architect.
+
+Xie & Zhou, *CLP: Collocation-Length Prediction for Zero-Loss Adaptive
+Multi-Token Inference* (arXiv 2606.10935; DESIGN §2.2). Read top to bottom:
+
+1. The backbone's own LM head always writes token n+1 (argmax, or a sample at
+   temperature > 0). MTP head j (j = 1..k) only writes token n+1+j, from the
+   backbone's final-norm hidden state ``h_n`` and the embedding of that token
+   n+1 (see :mod:`mlx_mtp.clp_heads`). A head never competes with the backbone
+   for a position.
+2. The span predictor, one ``nn.Linear(hidden_size, k + 1)`` on ``h_n``, says
+   how many of the k head tokens to keep this step (0..k).
+3. ``mode=paper`` (the paper's decoding, no verifier): commit token n+1 plus
+   the kept head tokens as they are. One forward pass per step carries the
+   tokens committed by the previous step (they need their KV anyway); its last
+   hidden state feeds the backbone's LM head and the heads. Not lossless: the
+   quality watch is the repetition rate. Between steps the cache lags behind
+   the committed text by the previous step's tokens (they are fed at the next
+   step; ``engine.sync`` fills them in before another turn).
+4. ``mode=verified`` (default): the kept head tokens are drafts. One forward
+   pass over ``[root, drafts...]`` verifies them (greedy or sampling, exact);
+   the same pass gives the hidden state and target token at every position,
+   so the heads at the last accepted position draft the next step without an
+   extra forward pass. Output equals plain decoding exactly.
+
+Options (``--opt key=value``; ``--k``):
+    mode: ``verified`` (default, lossless) or ``paper`` (no verifier).
+    k: heads to use (1..the heads' k; default all).
+    predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
+        parameter MLP gate baseline) or ``all`` (always keep all k heads).
+    heads: a heads folder or hub repo id; default: the user's trained heads
+        for this model, else the heads shipped for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
+from ..engine import Engine
+from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from ..verify import Sampler
+from .base import Method, StepOutput, parse_int
+
+MODES = ("verified", "paper")
+PREDICTORS = ("linear", "gate", "all")
+
+
+class CLP(Method):
+    """CLP heads + span predictor, in the paper's mode or a verified mode.
+
+    Args:
+        mode: ``"verified"`` (lossless) or ``"paper"`` (no verifier).
+        k: number of heads to use (default: all heads in the file).
+        predictor: ``"linear"``, ``"gate"`` or ``"all"``.
+        heads: heads folder or hub repo id (default: found by fingerprint).
+
+    Raises:
+        InvalidArgumentError: unknown mode or predictor, bad k.
+    """
+
+    name = "clp"
+
+    def __init__(
+        self,
+        mode: str = "verified",
+        k: Any = None,
+        predictor: str = "linear",
+        heads: str | None = None,
+    ):
+        if mode not in MODES:
+            raise InvalidArgumentError(f"clp: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if predictor not in PREDICTORS:
+            raise InvalidArgumentError(
+                f"clp: predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}"
+            )
+        self.mode = mode
+        self.lossless = mode == "verified"  # instance attribute: exactness depends on mode
+        self.k = None if k is None else parse_int("k", k, 1, 8)
+        self.predictor = predictor
+        self.heads_spec = heads
+        self.heads: CLPHeads | None = None
+
+    @property
+    def block_complexity(self) -> int:
+        return 1 + (self.k or 0)
+
+    def describe(self) -> str:
+        return f"clp(mode={self.mode}, k={self.k}, predictor={self.predictor})"
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self, engine: Engine) -> None:
+        if engine.backbone is None:
+            raise UnsupportedModelError(
+                "--method clp needs a model with the llama-style layout (hidden states and an "
+                "LM head); use --method ntp for this model."
+            )
+        if self.heads_spec:
+            folder = resolve_heads(self.heads_spec)
+        else:
+            folder = find_heads(engine.model)
+            if folder is None:
+                name = getattr(getattr(engine, "loaded", None), "name", "this model")
+                raise ModelNotFoundError(
+                    f"--method clp: no CLP heads for {name}. Train them with "
+                    f"`mlx-mtp train clp --model {name} --data prompts.jsonl`, import them with "
+                    "`mlx-mtp convert clp-heads`, or pass --opt heads=FOLDER."
+                )
+        self.heads = load_heads(folder, engine.model)
+        self.heads_folder = folder
+        if self.k is None:
+            self.k = self.heads.k
+        elif self.k > self.heads.k:
+            raise InvalidArgumentError(
+                f"--k {self.k}: the heads in {folder} predict only {self.heads.k} token(s) "
+                "beyond the backbone's; use a smaller --k or train more heads."
+            )
+        if self.predictor == "gate" and not hasattr(self.heads, "gate"):
+            raise InvalidArgumentError(
+                f"--opt predictor=gate: the heads in {folder} have no gate baseline; retrain "
+                "with `mlx-mtp train clp --gate` or use predictor=linear."
+            )
+        if self.predictor == "all":
+            self.selector = None
+        else:
+            self.selector = self.heads.predictor if self.predictor == "linear" else self.heads.gate
+
+    def predictor_params(self) -> int:
+        """Parameters of the span selector in use (1,731 for SmolLM2's linear one at k=2)."""
+        return count_params(self.selector) if self.selector is not None else 0
+
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(engine, prompt, sampler)
+        self._root: int | None = None  # root the carried-over state belongs to
+        self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
+
+    # ------------------------------------------------------------- internals
+    def _targets(self, logits: mx.array) -> mx.array:
+        """Backbone token at each row (argmax, or a sample), lazily: (N,)."""
+        if self.sampler is None:
+            return mx.argmax(logits, axis=-1)
+        lg = logits.astype(mx.float32)
+        return self.sampler(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+
+    def _heads(self, engine: Engine, h: mx.array, nxt: mx.array) -> tuple[mx.array, mx.array]:
+        """Head tokens (N, k) and kept span (N,) at hidden states h (N, D) whose
+        backbone tokens are ``nxt`` (N,), lazily."""
+        k = self.k
+        hl = self.heads.head_logits(h, engine.embed(nxt), engine.lm_head)[:k]  # (k, N, V)
+        toks = mx.argmax(hl, axis=-1).T
+        if self.selector is None:
+            span = mx.full((h.shape[0],), k, dtype=mx.int32)
+        else:
+            span = mx.minimum(mx.argmax(self.selector(h.astype(mx.float32)), axis=-1), k)
+        return toks, span
+
+    # ------------------------------------------------------------------ step
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        if self.mode == "paper":
+            return self._step_paper(engine, root)
+        return self._step_verified(engine, root)
+
+    def _step_verified(self, engine: Engine, root: int) -> StepOutput:
+        drafts = self._carry if self._root == root else []
+        start = engine.offset
+        if drafts:
+            engine._require_trimmable(len(drafts) + 1)
+        logits, h = engine.forward_chain([root, *drafts], hidden=True)
+        tgt = self._targets(logits)  # (n,) backbone token after each row
+        toks, span = self._heads(engine, h, tgt)  # heads at every row, one eval
+        mx.eval(tgt, toks, span)
+        tgt_np, toks_np, span_np = np.array(tgt), np.array(toks), np.array(span)
+        m = 0  # accepted drafts: leading drafts equal to the backbone's tokens
+        while m < len(drafts) and drafts[m] == int(tgt_np[m]):
+            m += 1
+        bonus = int(tgt_np[m])
+        engine.keep(start, list(range(m + 1)))
+        self._root = bonus
+        self._carry = toks_np[m, : int(span_np[m])].tolist()
+        return StepOutput([*drafts[:m], bonus], drafted=len(drafts), accepted=m)
+
+    def _step_paper(self, engine: Engine, root: int) -> StepOutput:
+        pending = self._carry if self._root == root else []
+        _, h = engine.forward_chain([*pending, root], hidden=True)
+        h = h[-1:]
+        nxt = self._targets(engine.lm_head(h))  # only the last row goes through the LM head
+        toks, span = self._heads(engine, h, nxt)
+        mx.eval(nxt, toks, span)
+        s = int(np.array(span)[0])
+        committed = [int(np.array(nxt)[0]), *np.array(toks)[0, :s].tolist()]
+        self._root = committed[-1]
+        self._carry = committed[:-1]
+        return StepOutput(committed, drafted=s, accepted=s)

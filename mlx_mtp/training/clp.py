@@ -1,0 +1,459 @@
+"""On-device training of CLP heads and the span predictor (backbone frozen).
+
+Xie & Zhou, *CLP* (arXiv 2606.10935; DESIGN §2.2). Three phases:
+
+1. **Self-distillation data.** The frozen backbone continues every prompt
+   greedily (batched, left-padded); each decode step also yields the backbone's
+   final-norm hidden state ``h_n``. A position n of a continuation gives one
+   example: input ``(h_n, e_{n+1})`` with ``t_{n+1}`` the backbone's own token,
+   targets ``t_{n+2} .. t_{n+1+k}`` (teacher forcing on the greedy sequence).
+2. **Heads.** Cross-entropy of head j's logits (through the frozen LM head)
+   against ``t_{n+1+j}``; AdamW; only the heads train.
+3. **Span predictor** (and the gate baseline): labels are the longest run of
+   correct head predictions (:func:`mlx_mtp.clp_heads.span_labels`), loss is
+   cross-entropy over the k+1 classes, input ``h_n``.
+
+Checkpoints go to ``OUT/.train/`` (generated data after every batch, head
+weights and optimizer state every ``checkpoint_every`` steps); a rerun with
+``resume=True`` continues from them. Everything is seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from ..clp_heads import (
+    CLPHeads,
+    base_config,
+    count_params,
+    gate_hidden_for,
+    save_heads,
+    span_labels,
+)
+from ..engine import model_parts
+from ..errors import InvalidArgumentError
+
+
+@dataclass
+class TrainConfig:
+    """Settings of ``mlx-mtp train clp`` (defaults are those of the shipped heads)."""
+
+    k: int = 2
+    bottleneck: int = 256
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 256
+    limit: int | None = None
+    gen_batch: int = 32
+    epochs: int = 3
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    predictor_epochs: int = 20
+    predictor_lr: float = 5e-3
+    gate: bool = True
+    val_fraction: float = 0.05
+    checkpoint_every: int = 200
+    seed: int = 0
+    exclude_eval: bool = True
+    data: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- data
+def _prompt_text(rec: dict[str, Any]) -> str | None:
+    turns = rec.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return turns[0]
+    for key in ("prompt", "question", "instruction", "text"):
+        if isinstance(rec.get(key), str):
+            return rec[key]
+    return None
+
+
+def read_prompts(paths: list[str | Path], exclude_eval: bool = True) -> list[str]:
+    """Prompt texts from jsonl files (fields ``turns[0]``, ``prompt``, ``question``,
+    ``instruction`` or ``text``). ``spec-bench`` names the packaged Spec-Bench.
+
+    With ``exclude_eval`` the 48 evaluation prompts (``spec_bench_sample(8)``)
+    are dropped wherever they appear.
+
+    Raises:
+        InvalidArgumentError: a missing file, a line that is not JSON, or no
+            prompt at all.
+    """
+    from ..data import SPEC_BENCH, spec_bench_sample
+
+    held_out = {q["turns"][0] for q in spec_bench_sample(8)} if exclude_eval else set()
+    out: list[str] = []
+    for p in paths:
+        path = SPEC_BENCH if str(p) == "spec-bench" else Path(p)
+        if not path.is_file():
+            raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InvalidArgumentError(f"{path}:{i} is not JSON ({e})") from e
+                text = _prompt_text(rec) if isinstance(rec, dict) else None
+                if text is None:
+                    raise InvalidArgumentError(
+                        f"{path}:{i} has no prompt field (turns, prompt, question, "
+                        "instruction or text)"
+                    )
+                if text not in held_out:
+                    out.append(text)
+    if not out:
+        raise InvalidArgumentError(f"no prompts in {', '.join(map(str, paths))}")
+    return out
+
+
+def greedy_continuations(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new: int,
+    eos_ids: set[int],
+    batch: int = 32,
+    progress: tqdm | None = None,
+) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy continuations of token-id prompts, with the hidden state per step.
+
+    Prompts are left-padded into batches (mlx-lm ``BatchKVCache``). For each
+    prompt returns ``(continuation, H)``: ``continuation`` the greedy tokens
+    (up to and including an EOS, at most ``max_new``) and ``H`` (T, D) float16,
+    ``H[i]`` the final-norm hidden state at the position whose argmax is
+    ``continuation[i]``.
+    """
+    from mlx_lm.models.cache import BatchKVCache
+
+    backbone, lm_head, _ = model_parts(model)
+    out: list[tuple[list[int], np.ndarray]] = []
+    for b0 in range(0, len(prompts), batch):
+        group = prompts[b0 : b0 + batch]
+        rows = group if len(group) > 1 else group * 2  # B=1 would hit per-token RoPE
+        width = max(len(p) for p in rows)
+        pad = [width - len(p) for p in rows]
+        x = mx.array([[0] * n + p for n, p in zip(pad, rows)], dtype=mx.int32)
+        cache = [BatchKVCache(pad) for _ in model.layers]
+        h = backbone(x, cache=cache)[:, -1:]
+        toks, hids = [], []
+        done = np.zeros(len(rows), dtype=bool)
+        for _ in range(max_new):
+            y = mx.argmax(lm_head(h), axis=-1)  # (B, 1)
+            mx.eval(y, h)
+            yn = np.array(y)[:, 0]
+            toks.append(yn)
+            hids.append(np.array(h[:, 0].astype(mx.float16)))
+            done |= np.isin(yn, list(eos_ids))
+            if progress is not None:
+                progress.update(0)
+            if done.all():
+                break
+            h = backbone(y, cache=cache)
+        T = np.stack(toks, axis=1)
+        Hs = np.stack(hids, axis=1)
+        for r in range(len(group)):
+            cont = T[r].tolist()
+            for i, t in enumerate(cont):
+                if t in eos_ids:
+                    cont = cont[: i + 1]
+                    break
+            out.append((cont, Hs[r, : len(cont)]))
+        if progress is not None:
+            progress.update(len(group))
+    return out
+
+
+def examples(
+    seqs: list[tuple[list[int], np.ndarray]], k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Flatten continuations into training examples.
+
+    Returns:
+        ``H`` (N, D) float16 hidden states h_n, ``nxt`` (N,) the backbone's token
+        n+1, ``tgt`` (N, k) tokens n+2..n+1+k (0 where missing), ``valid`` (N, k).
+    """
+    H, nxt, tgt, valid = [], [], [], []
+    for cont, hs in seqs:
+        T = len(cont)
+        c = np.array(cont + [0] * k, dtype=np.int64)
+        for i in range(T - 1):  # the last token has no successor to predict
+            H.append(hs[i])
+            nxt.append(c[i])
+            tgt.append(c[i + 1 : i + 1 + k])
+            valid.append(np.arange(i + 1, i + 1 + k) < T)
+    if not H:
+        raise InvalidArgumentError("the continuations are too short to train on")
+    return (
+        np.stack(H),
+        np.array(nxt, dtype=np.int64),
+        np.stack(tgt).astype(np.int64),
+        np.stack(valid),
+    )
+
+
+# ------------------------------------------------------------------ training
+def _head_loss(clp: CLPHeads, lm_head, embed, h, nxt, tgt, valid):
+    logits = clp.head_logits(h, embed(nxt), lm_head)  # (k, B, V)
+    ce = nn.losses.cross_entropy(logits, tgt.T, reduction="none")  # (k, B)
+    m = valid.T.astype(ce.dtype)
+    return (ce * m).sum() / mx.maximum(m.sum(), 1)
+
+
+def head_predictions(
+    clp: CLPHeads, lm_head, embed, H: np.ndarray, nxt: np.ndarray, batch: int = 512
+) -> np.ndarray:
+    """Argmax of every head at every example: (N, k) int64."""
+    out = []
+    for i in range(0, len(H), batch):
+        h = mx.array(H[i : i + batch]).astype(mx.float32)
+        lg = clp.head_logits(h, embed(mx.array(nxt[i : i + batch])), lm_head)
+        out.append(np.array(mx.argmax(lg, axis=-1)).T)
+    return np.concatenate(out).astype(np.int64)
+
+
+def _save_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer, state: dict) -> None:
+    params = dict(tree_flatten(module.trainable_parameters()))
+    opt_state = {f"opt.{k}": v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)}
+    tmp = ckdir / "heads_ckpt.tmp.safetensors"
+    mx.save_safetensors(str(tmp), {**params, **opt_state})
+    tmp.rename(ckdir / "heads_ckpt.safetensors")
+    (ckdir / "heads_state.json").write_text(json.dumps(state))
+
+
+def _load_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer) -> dict | None:
+    f, s = ckdir / "heads_ckpt.safetensors", ckdir / "heads_state.json"
+    if not (f.is_file() and s.is_file()):
+        return None
+    w = mx.load(str(f))
+    module.load_weights([(k, v) for k, v in w.items() if not k.startswith("opt.")], strict=False)
+    from mlx.utils import tree_unflatten
+
+    opt_items = [(k[4:], v) for k, v in w.items() if k.startswith("opt.")]
+    if opt_items:
+        opt.state = tree_unflatten(opt_items)
+    return json.loads(s.read_text())
+
+
+def train_clp(
+    loaded: Any,
+    out: str | Path,
+    cfg: TrainConfig,
+    resume: bool = False,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train CLP heads + span predictor (+ gate) for ``loaded`` and save to ``out``.
+
+    Args:
+        loaded: a :class:`mlx_mtp.loading.LoadedModel` (float32 recommended).
+        out: heads folder to write (atomically, at the end).
+        cfg: settings; ``cfg.data`` lists the prompt files.
+        resume: continue from ``out/../.<name>.train`` checkpoints.
+        log: where progress lines go.
+
+    Returns:
+        Metrics: head top-1 accuracy per offset and predictor accuracy on the
+        held-out split, parameter counts, example counts, wall time.
+
+    Raises:
+        InvalidArgumentError: bad data or settings.
+    """
+    t_start = time.time()
+    if cfg.k < 1 or cfg.k > 8:
+        raise InvalidArgumentError(f"k must be in [1, 8], got {cfg.k}")
+    out = Path(out)
+    ckdir = out.parent / f".{out.name}.train"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for f in ckdir.glob("*"):
+            f.unlink()
+    model, tok = loaded.model, loaded.tokenizer
+    model.eval()
+    mx.random.seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    _, lm_head, embed = model_parts(model)
+
+    # ---- phase 1: self-distilled data
+    texts = []
+    for path in cfg.data:  # shuffled per file; ``limit`` caps each file
+        part = read_prompts([path], cfg.exclude_eval)
+        rng.shuffle(part)
+        texts.extend(part[: cfg.limit] if cfg.limit else part)
+    rng.shuffle(texts)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)[
+            -cfg.max_prompt_tokens :
+        ]
+        for t in texts
+    ]
+    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
+    data_file = ckdir / "data.npz"
+    seqs: list[tuple[list[int], np.ndarray]] = []
+    if data_file.is_file():
+        d = np.load(data_file)
+        lens = d["lens"].tolist()
+        starts = np.cumsum([0] + lens)
+        seqs = [(d["toks"][a:b].tolist(), d["H"][a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        log(f"resumed {len(seqs)} generated continuations from {data_file}")
+    # generate in order of prompt length (less left padding); seqs[i] <-> prompts[i]
+    by_len = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    prompts = [prompts[i] for i in by_len]
+    todo = list(range(len(seqs), len(prompts)))
+    bar = tqdm(total=len(prompts), initial=len(seqs), desc="greedy continuations", unit="prompt")
+    for b0 in range(0, len(todo), cfg.gen_batch):
+        idx = todo[b0 : b0 + cfg.gen_batch]
+        order = sorted(idx, key=lambda i: len(prompts[i]))
+        got = greedy_continuations(
+            model, [prompts[i] for i in order], cfg.max_new_tokens, eos, len(order), bar
+        )
+        by_idx = dict(zip(order, got))
+        seqs.extend(by_idx[i] for i in idx)
+        lens = [len(c) for c, _ in seqs]
+        np.savez(
+            ckdir / "data.tmp.npz",
+            lens=np.array(lens),
+            toks=np.concatenate([np.array(c, dtype=np.int64) for c, _ in seqs]),
+            H=np.concatenate([h for _, h in seqs]),
+        )
+        (ckdir / "data.tmp.npz").rename(data_file)
+    bar.close()
+
+    n_val = max(1, int(len(seqs) * cfg.val_fraction)) if len(seqs) > 1 else 0
+    split = np.random.default_rng(cfg.seed + 3).permutation(len(seqs))
+    val_seqs = [seqs[i] for i in split[:n_val]]
+    train_seqs = [seqs[i] for i in split[n_val:]]
+    H, nxt, tgt, valid = examples(train_seqs, cfg.k)
+    log(f"{len(train_seqs)} training continuations, {len(H)} positions; {len(val_seqs)} held out")
+
+    # ---- phase 2: heads
+    config = base_config(
+        model,
+        loaded.name,
+        cfg.k,
+        "resblock",
+        bottleneck=cfg.bottleneck,
+        gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
+    )
+    clp = CLPHeads(config)
+    mx.eval(clp.parameters())
+    clp.predictor.freeze()
+    if cfg.gate:
+        clp.gate.freeze()
+    steps_per_epoch = math.ceil(len(H) / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    sched = optim.cosine_decay(cfg.lr, max(total, 1), cfg.lr * 0.05)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
+    state = _load_ckpt(ckdir, clp, opt) if resume else None
+    step = state["step"] if state else 0
+    if state:
+        log(f"resumed head training at step {step}/{total}")
+    loss_and_grad = nn.value_and_grad(clp, lambda m, *a: _head_loss(m, lm_head, embed, *a))
+    perm_rng = np.random.default_rng(cfg.seed + 1)
+    perms = [perm_rng.permutation(len(H)) for _ in range(cfg.epochs)]
+    bar = tqdm(total=total, initial=step, desc="heads", unit="step")
+    ema = None
+    while step < total:
+        ep, s = divmod(step, steps_per_epoch)
+        sel = perms[ep][s * cfg.batch_size : (s + 1) * cfg.batch_size]
+        loss, grads = loss_and_grad(
+            clp,
+            mx.array(H[sel]).astype(mx.float32),
+            mx.array(nxt[sel]),
+            mx.array(tgt[sel]),
+            mx.array(valid[sel]),
+        )
+        opt.update(clp, grads)
+        mx.eval(clp.parameters(), opt.state, loss)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if step % cfg.checkpoint_every == 0 or step == total:
+            _save_ckpt(ckdir, clp, opt, {"step": step, "loss": ema})
+    bar.close()
+    clp.eval()
+
+    # ---- phase 3: span predictor (and gate) on "longest run of correct heads"
+    pred = head_predictions(clp, lm_head, embed, H, nxt)
+    labels = span_labels(pred, tgt, valid)
+    clp.unfreeze()
+    results: dict[str, Any] = {}
+    predictors = [("predictor", clp.predictor)] + ([("gate", clp.gate)] if cfg.gate else [])
+    for name, module in predictors:
+        _train_predictor(module, H, labels, cfg, log, name)
+    clp.eval()
+
+    # ---- held-out metrics
+    if val_seqs:
+        vH, vnxt, vtgt, vvalid = examples(val_seqs, cfg.k)
+        vpred = head_predictions(clp, lm_head, embed, vH, vnxt)
+        acc = [
+            float(((vpred[:, j] == vtgt[:, j]) & vvalid[:, j]).sum() / max(vvalid[:, j].sum(), 1))
+            for j in range(cfg.k)
+        ]
+        vlab = span_labels(vpred, vtgt, vvalid)
+        results["val_head_top1"] = acc
+        results["val_label_mean"] = float(vlab.mean())
+        for name, module in predictors:
+            p = np.array(mx.argmax(module(mx.array(vH).astype(mx.float32)), axis=-1))
+            results[f"val_{name}_accuracy"] = float((p == vlab).mean())
+            results[f"val_{name}_overshoot"] = float((p > vlab).mean())
+    results.update(
+        train_positions=int(len(H)),
+        train_label_hist=np.bincount(labels, minlength=cfg.k + 1).tolist(),
+        head_params=count_params(clp) - sum(count_params(m) for _, m in predictors),
+        predictor_params=count_params(clp.predictor),
+        gate_params=count_params(clp.gate) if cfg.gate else 0,
+        wall_s=round(time.time() - t_start, 1),
+    )
+    clp.config["training"] = {
+        **{k: v for k, v in asdict(cfg).items() if k != "data"},
+        "data": [Path(p).name for p in cfg.data],
+        "metrics": results,
+    }
+    save_heads(clp, out)
+    log(json.dumps(results, indent=2))
+    return results
+
+
+def _train_predictor(
+    module: nn.Module, H: np.ndarray, labels: np.ndarray, cfg: TrainConfig, log: Any, name: str
+) -> None:
+    """Cross-entropy training of a span predictor or gate on (h_n, label)."""
+    log(f"{name}: {count_params(module):,} parameters")
+    steps_per_epoch = math.ceil(len(H) / 512)
+    total = steps_per_epoch * cfg.predictor_epochs
+    opt = optim.AdamW(
+        learning_rate=optim.cosine_decay(cfg.predictor_lr, total, cfg.predictor_lr * 0.05),
+        weight_decay=0.0,
+    )
+    module.train()
+
+    def loss_fn(m, x, y):
+        return nn.losses.cross_entropy(m(x), y, reduction="mean")
+
+    lg = nn.value_and_grad(module, loss_fn)
+    rng = np.random.default_rng(cfg.seed + 2)
+    Hm = mx.array(H).astype(mx.float32)
+    ym = mx.array(labels)
+    for _ in tqdm(range(cfg.predictor_epochs), desc=name, unit="epoch"):
+        perm = mx.array(rng.permutation(len(H)))
+        for s in range(steps_per_epoch):
+            sel = perm[s * 512 : (s + 1) * 512]
+            loss, g = lg(module, Hm[sel], ym[sel])
+            opt.update(module, g)
+            mx.eval(module.parameters(), opt.state)
+    module.eval()

@@ -1,0 +1,242 @@
+"""CLP heads, span predictor, decoding modes (DESIGN §2.2)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.clp_heads import (
+    ASSETS,
+    CLPHeads,
+    GatePredictor,
+    SpanPredictor,
+    base_config,
+    count_params,
+    find_heads,
+    gate_hidden_for,
+    load_heads,
+    read_heads,
+    save_heads,
+    span_labels,
+)
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine
+from mlx_mtp.errors import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+from mlx_mtp.methods import make_method
+from mlx_mtp.testing import make_tiny_model
+
+SHIPPED = ASSETS / "smollm2-135m"
+
+
+def _tiny_heads(model, tmp_path, seed=0, name="heads", gate=True):
+    cfg = base_config(model, "tiny", 2, "resblock", bottleneck=16, gate_hidden=32 if gate else None)
+    mx.random.seed(seed)
+    heads = CLPHeads(cfg)
+    # non-zero residual branch so the heads differ from the backbone's LM head
+    for h in heads.heads:
+        h.w2.weight = mx.random.normal(h.w2.weight.shape) * 0.5
+    mx.eval(heads.parameters())
+    return heads, save_heads(heads, tmp_path / name)
+
+
+def _decode(engine, method, prompt, n):
+    out = []
+    for step in generate_steps(engine, method, prompt, max_tokens=n):
+        out.extend(step.tokens)
+    return out, step.stats
+
+
+# ------------------------------------------------------------------ pure parts
+def test_span_labels_longest_run_of_correct_heads():
+    heads = np.array([[5, 6], [5, 9], [1, 6], [5, 6]])
+    true = np.array([[5, 6], [5, 6], [5, 6], [5, 6]])
+    valid = np.array([[1, 1], [1, 1], [1, 1], [1, 0]], dtype=bool)
+    # all right -> 2; first right -> 1; first wrong (second right) -> 0; missing target -> 1
+    assert span_labels(heads, true, valid).tolist() == [2, 1, 0, 1]
+    assert span_labels(heads, true).tolist() == [2, 1, 0, 2]
+
+
+def test_span_predictor_is_one_linear_layer_of_1731_params():
+    p = SpanPredictor(576, 2)
+    assert count_params(p) == 1731 == 576 * 3 + 3
+    assert count_params(SpanPredictor(1536, 2)) == 4611  # the paper's 4.6K (Qwen2.5-1.5B)
+    gate = GatePredictor(576, 2, gate_hidden_for(576, 2))
+    assert 0.95e6 < count_params(gate) < 1.05e6
+
+
+# ------------------------------------------------------------ format + refusal
+def test_heads_roundtrip_and_mismatched_model_refused(tmp_path):
+    model = make_tiny_model("llama", seed=0)
+    heads, folder = _tiny_heads(model, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["format_version"] == 1 and cfg["k"] == 2 and cfg["hidden_size"] == 64
+    back = load_heads(folder, model)
+    h = mx.random.normal((3, 64))
+    e = model.model.embed_tokens(mx.array([1, 2, 3]))
+    lm = model.model.embed_tokens.as_linear
+    a, b = heads.head_logits(h, e, lm), back.head_logits(h, e, lm)
+    assert a.shape == (2, 3, 256)
+    assert mx.allclose(a, b, atol=5e-2 * float(mx.abs(a).max())).item()  # float16 on disk
+
+    other = make_tiny_model("llama", seed=1)  # same shapes, other weights
+    with pytest.raises(CheckpointMismatchError, match="fingerprint"):
+        load_heads(folder, other)
+    wider = make_tiny_model("llama", seed=0, hidden_size=96)
+    with pytest.raises(CheckpointMismatchError, match="hidden size"):
+        load_heads(folder, wider)
+
+
+def test_corrupt_heads_folder_refused(tmp_path):
+    model = make_tiny_model("llama")
+    _, folder = _tiny_heads(model, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["bottleneck"] = 8  # weights no longer fit the config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shape"):
+        read_heads(folder)
+    with pytest.raises(ModelLoadError, match="not a CLP heads folder"):
+        read_heads(tmp_path)
+
+
+def test_method_options_and_missing_heads(tmp_path):
+    with pytest.raises(InvalidArgumentError):
+        make_method("clp", mode="fast")
+    with pytest.raises(InvalidArgumentError):
+        make_method("clp", predictor="mlp")
+    with pytest.raises(InvalidArgumentError):
+        make_method("clp", k="zero")
+    assert make_method("clp", mode="paper").lossless is False
+    assert make_method("clp").lossless is True
+    model = make_tiny_model("llama", seed=3)
+    assert find_heads(model, [tmp_path]) is None
+    with pytest.raises(ModelNotFoundError, match="train clp"):
+        make_method("clp").prepare(Engine(model))
+    _, folder = _tiny_heads(model, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="--k 3"):
+        make_method("clp", k=3, heads=str(folder)).prepare(Engine(model))
+
+
+# ------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("predictor", ["linear", "all", "gate"])
+def test_verified_mode_exact_on_tiny_model(tmp_path, predictor):
+    model = make_tiny_model("llama", seed=0)
+    _, folder = _tiny_heads(model, tmp_path)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        prompt = rng.integers(0, 256, 12).tolist()
+        ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 24)
+        m = make_method("clp", heads=str(folder), predictor=predictor)
+        eng = Engine(model)
+        m.prepare(eng)
+        got, stats = _decode(eng, m, prompt, 24)
+        assert got == ref
+        if predictor == "all":
+            assert stats.drafted > 0  # drafts really go through verification
+
+
+def test_paper_mode_commits_backbone_token_first_and_keeps_cache_consistent(tmp_path):
+    model = make_tiny_model("llama", seed=0)
+    _, folder = _tiny_heads(model, tmp_path)
+    prompt = list(range(10, 22))
+    ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 16)
+    m = make_method("clp", heads=str(folder), mode="paper", predictor="all")
+    eng = Engine(model)
+    m.prepare(eng)
+    got, stats = _decode(eng, m, prompt, 16)
+    assert len(got) == 16 and got[0] == ref[0]  # the backbone always writes n+1
+    assert stats.tau > 1.5  # predictor=all keeps both head tokens
+    full = prompt + got
+    assert eng.cached == full[: len(eng.cached)]  # cache lags, never diverges
+    # each step = [backbone token, head tokens...]: the backbone's tokens follow
+    # greedy given the committed prefix
+    e2 = Engine(model)
+    e2.sync(full[: len(prompt) + 2])
+    logits, _ = e2.forward_chain([full[len(prompt) + 2]])
+    assert int(mx.argmax(logits[-1])) == got[3]
+
+
+def test_verified_exact_vs_ntp_smollm_30_prompts(smollm, spec_prompts):
+    _exact_vs_ntp(smollm, spec_prompts[:30], 32)
+
+
+@pytest.mark.slow
+def test_verified_exact_vs_ntp_smollm_30x64(smollm, spec_prompts):
+    _exact_vs_ntp(smollm, spec_prompts[:30], 64)
+
+
+def _exact_vs_ntp(smollm, prompts, n):
+    eng_ref = Engine(smollm.model)
+    method = make_method("clp")  # shipped heads, found by fingerprint
+    eng = Engine(smollm.model)
+    method.prepare(eng)
+    assert method.heads_folder == SHIPPED
+    accepted = 0
+    eos = {smollm.tokenizer.eos_token_id}
+    for i, p in enumerate(prompts):
+        ref = []
+        for s in generate_steps(eng_ref, make_method("ntp"), p, max_tokens=n, eos_ids=eos):
+            ref.extend(s.tokens)
+        got = []
+        for s in generate_steps(eng, method, p, max_tokens=n, eos_ids=eos):
+            got.extend(s.tokens)
+        assert got == ref, f"prompt {i}: verified CLP differs from greedy"
+        accepted += s.stats.accepted
+    assert accepted > 0  # the shipped heads draft tokens the backbone accepts
+
+
+def test_shipped_heads_paper_mode(smollm, spec_prompts):
+    method = make_method("clp", mode="paper")
+    eng = Engine(smollm.model)
+    method.prepare(eng)
+    assert method.predictor_params() == 1731
+    got = []
+    for s in generate_steps(eng, method, spec_prompts[0], max_tokens=24):
+        got.extend(s.tokens)
+    assert len(got) == 24
+    assert s.stats.forward_passes <= 24
+
+
+def test_shipped_heads_refused_for_other_model():
+    with pytest.raises(CheckpointMismatchError):
+        load_heads(SHIPPED, make_tiny_model("llama", hidden_size=576, vocab_size=49152))
+
+
+def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch):
+    """Self-distillation on a tiny model: data, heads, predictor, resume."""
+    from mlx_mtp.training.clp import TrainConfig, read_prompts, train_clp
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(6)))
+    model = make_tiny_model("llama", seed=0)
+
+    class Tok:
+        eos_token_id = 255
+
+        def apply_chat_template(self, msgs, add_generation_prompt=True):
+            return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
+
+    loaded = SimpleNamespace(model=model, tokenizer=Tok(), name="tiny")
+    cfg = TrainConfig(
+        k=2, bottleneck=8, max_new_tokens=10, gen_batch=4, epochs=2, batch_size=16,
+        predictor_epochs=2, checkpoint_every=2, data=[str(data)],
+    )  # fmt: skip
+    out = tmp_path / "heads"
+    res = train_clp(loaded, out, cfg, log=lambda s: None)
+    assert res["predictor_params"] == 64 * 3 + 3 and len(res["val_head_top1"]) == 2
+    heads = load_heads(out, model)
+    assert heads.k == 2 and hasattr(heads, "gate")
+    assert (tmp_path / ".heads.train" / "data.npz").is_file()
+    res2 = train_clp(loaded, out, cfg, resume=True, log=lambda s: None)  # reuses data + ckpt
+    assert res2["train_positions"] == res["train_positions"]
+    assert len(read_prompts([data])) == 6
+    with pytest.raises(InvalidArgumentError):
+        read_prompts([tmp_path / "missing.jsonl"])
