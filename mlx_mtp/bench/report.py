@@ -1,0 +1,260 @@
+"""Aggregate per-generation records into ``results.json`` and ``report.md``.
+
+The schema of ``results.json`` is documented in the README (section "mlx-mtp
+bench"); :data:`SCHEMA` names its version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from . import metrics
+from .config import BenchConfig
+
+SCHEMA = "mlx-mtp-bench/1"
+
+#: per-generation fields copied into results.json (tokens and text stay in records.jsonl)
+PROMPT_FIELDS = (
+    "qid",
+    "task",
+    "category",
+    "turn",
+    "repeat",
+    "method",
+    "prompt_tokens",
+    "generated_tokens",
+    "forward_passes",
+    "drafted",
+    "accepted",
+    "decode_time",
+    "decode_tps",
+    "tau",
+    "peak_memory_gb",
+    "repetition_rate",
+    "finish_reason",
+    "correct",
+    "pred",
+    "gold",
+)
+
+
+def build_results(
+    config: BenchConfig,
+    methods: dict[str, Any],
+    records: list[dict[str, Any]],
+    groups: list[str],
+    environment: dict[str, Any],
+) -> dict[str, Any]:
+    """The results dict (see the README for the schema).
+
+    Args:
+        config: the run's settings.
+        methods: label -> Method instance (for name, BC, lossless, describe).
+        records: per-generation records from ``records.jsonl``.
+        groups: task/category order for tables and plots.
+        environment: platform description.
+    """
+    ref_label = config.methods[0].label
+    by_method: dict[str, list[dict]] = {label: [] for label in methods}
+    for r in records:
+        if r["method"] in by_method:
+            by_method[r["method"]].append(r)
+    ref = {metrics.record_key(r): r for r in by_method[ref_label]}
+    exact_check = config.temp == 0
+
+    prompts_out = []
+    method_out = []
+    for spec in config.methods:
+        label, m = spec.label, methods[spec.label]
+        recs = by_method[label]
+        mismatches, checked = [], 0
+        for r in recs:
+            row = {k: r[k] for k in PROMPT_FIELDS if k in r}
+            a = ref.get(metrics.record_key(r))
+            row["speedup"] = None
+            if a is not None and a["decode_time"] > 0 and r["decode_time"] > 0:
+                sp = metrics.aggregate_speedup(
+                    [(a["generated_tokens"], a["decode_time"])],
+                    [(r["generated_tokens"], r["decode_time"])],
+                )
+                row["speedup"] = None if math.isnan(sp) else sp
+            row["exact"] = None
+            if m.lossless and exact_check and a is not None and label != ref_label:
+                checked += 1
+                fm = metrics.first_mismatch(a["tokens"], r["tokens"])
+                row["exact"] = fm is None
+                if fm is not None:
+                    row["first_mismatch"] = fm
+                    mismatches.append(
+                        {
+                            "qid": r["qid"],
+                            "turn": r["turn"],
+                            "repeat": r["repeat"],
+                            "task": r["task"],
+                            "first_mismatch": fm,
+                        }
+                    )
+            prompts_out.append(row)
+        tasks = {
+            g: metrics.summarize([r for r in recs if r["task"] == g], ref)
+            for g in groups
+            if any(r["task"] == g for r in recs)
+        }
+        exactness = None
+        if m.lossless and exact_check and label != ref_label:
+            exactness = {
+                "checked": checked,
+                "exact": checked - len(mismatches),
+                "mismatches": mismatches,
+            }
+        method_out.append(
+            {
+                "label": label,
+                "name": spec.name,
+                "options": spec.options,
+                "describe": m.describe(),
+                "lossless": bool(m.lossless),
+                "block_complexity": int(m.block_complexity),
+                "overall": metrics.summarize(recs, ref),
+                "tasks": tasks,
+                "exactness": exactness,
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "settings": config.settings(),
+        "environment": environment,
+        "reference": ref_label,
+        "tasks": [g for g in groups if any(r["task"] == g for r in records)],
+        "definitions": {
+            "tau": "generated tokens / target forward passes (bonus included), summed over "
+            "prompts before dividing",
+            "speedup": "aggregate decode tokens/s of the method / aggregate decode tokens/s "
+            "of the reference over the same (prompt, turn, repeat) entries",
+            "repetition_rate": f"share of {metrics.REPETITION_N}-grams of an output already "
+            "seen earlier in the same output, counts pooled over prompts",
+            "exact": "lossless method's tokens equal the reference's (temp 0 only)",
+            "accuracy": "GSM8K: last number of the output equals the number after ####",
+        },
+        "methods": method_out,
+        "prompts": prompts_out,
+    }
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:{spec}}{suffix}"
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The Spec-Bench style report: per-task speedup and tau, then details."""
+    s, env = results["settings"], results["environment"]
+    tasks = results["tasks"]
+    lines = [
+        f"# mlx-mtp bench: {s['model']} ({s['mode']})",
+        "",
+        f"- settings: max_tokens {s['max_tokens']}, limit {s['limit']} per category, "
+        f"turns {s['turns']}, temp {s['temp']}, seed {s['seed']}, repeats {s['repeats']}, "
+        f"dtype {s['dtype'] or 'default'}",
+        f"- environment: {env.get('platform')}, mlx {env.get('mlx')}, mlx-lm "
+        f"{env.get('mlx_lm')}, device {env.get('device')}, BLAS {env.get('blas')}, "
+        f"{env.get('date')}",
+        f"- reference: `{results['reference']}`; speedup = aggregate decode tokens/s "
+        "ratio vs the reference over the same prompts (methods interleaved prompt by prompt, "
+        "same process, after a warm-up); tau = tokens per forward pass (bonus included).",
+        "",
+    ]
+    if s["mode"] == "gsm8k":
+        lines += [
+            "| Method | BC | Accuracy | tau (tokens/forward) | tok/s | Speedup | Rep. rate |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for m in results["methods"]:
+            o = m["overall"]
+            lines.append(
+                f"| {m['label']} | {m['block_complexity']} | {_fmt(o.get('accuracy'), '.1%')} "
+                f"| {_fmt(o['tau'])} | {_fmt(o['decode_tps'], '.1f')} "
+                f"| {_fmt(o['speedup'], '.2f', 'x')} | {_fmt(o['repetition_rate'], '.3f')} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    head = " | ".join(tasks)
+    lines += [
+        "## Speedup per task (Spec-Bench style)",
+        "",
+        f"| Method | BC | {head} | Overall | Mean accepted tokens (tau) |",
+        "|---|---:|" + "---:|" * len(tasks) + "---:|---:|",
+    ]
+    for m in results["methods"]:
+        cells = [_fmt(m["tasks"].get(t, {}).get("speedup"), ".2f", "x") for t in tasks]
+        o = m["overall"]
+        lines.append(
+            f"| {m['label']} | {m['block_complexity']} | {' | '.join(cells)} "
+            f"| {_fmt(o['speedup'], '.2f', 'x')} | {_fmt(o['tau'])} |"
+        )
+    lines += [
+        "",
+        "## Mean accepted tokens per forward (tau) per task",
+        "",
+        f"| Method | {head} | Overall |",
+        "|---|" + "---:|" * len(tasks) + "---:|",
+    ]
+    for m in results["methods"]:
+        cells = [_fmt(m["tasks"].get(t, {}).get("tau")) for t in tasks]
+        lines.append(f"| {m['label']} | {' | '.join(cells)} | {_fmt(m['overall']['tau'])} |")
+    lines += [
+        "",
+        "## Details (overall)",
+        "",
+        "| Method | settings | prompts | tokens | forwards/token | decode tok/s | peak mem GB "
+        "| rep. rate (4-gram) | drafted / accepted | exact vs ntp |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in results["methods"]:
+        o, ex = m["overall"], m["exactness"]
+        if ex is None:
+            exact = "reference" if m["label"] == results["reference"] else "n/a"
+        else:
+            exact = f"{ex['exact']}/{ex['checked']}"
+            if ex["mismatches"]:
+                first = ex["mismatches"][0]
+                exact += (
+                    f" (first: {first['qid']} turn {first['turn']} @ {first['first_mismatch']})"
+                )
+        lines.append(
+            f"| {m['label']} | {m['describe']} | {o['n']} | {o['generated_tokens']} "
+            f"| {_fmt(o['forwards_per_token'], '.3f')} | {_fmt(o['decode_tps'], '.1f')} "
+            f"| {_fmt(o['peak_memory_gb'])} | {_fmt(o['repetition_rate'], '.3f')} "
+            f"| {o['drafted']} / {o['accepted']} | {exact} |"
+        )
+    mism = [
+        (m["label"], x)
+        for m in results["methods"]
+        if m["exactness"]
+        for x in m["exactness"]["mismatches"]
+    ]
+    if mism:
+        lines += ["", "## Exactness mismatches (lossless methods vs ntp, temp 0)", ""]
+        for label, x in mism:
+            lines.append(
+                f"- `{label}`: question {x['qid']} ({x['task']}) turn {x['turn']} repeat "
+                f"{x['repeat']}: first differing token at index {x['first_mismatch']}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> None:
+    """Write ``results.json``, ``report.md`` and (optionally) the PNG plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out / "results.json")
+    (out / "report.md").write_text(render_markdown(results), encoding="utf-8")
+    if plots:
+        from .plots import write_plots
+
+        write_plots(results, out)

@@ -1,0 +1,353 @@
+"""Run methods side by side over Spec-Bench or GSM8K, resumable.
+
+One process, one loaded model shared by every method (each method gets its own
+:class:`~mlx_mtp.api.MTPModel`, i.e. its own engine and KV cache). After one
+warm-up generation per method, methods run interleaved prompt by prompt: for
+each prompt (and turn, and repeat) every method in turn, ``ntp`` first, with
+the engine's cache reset before each generation so no method reuses another's
+prefill. Every finished generation is appended to ``records.jsonl`` in the
+output folder; a rerun with the same settings skips the (prompt, turn, repeat,
+method) entries found there and recomputes the aggregates.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..data import TASKS, load_questions
+from ..errors import InvalidArgumentError
+from . import metrics
+from .config import DEFAULT_GSM8K, BenchConfig
+from .plots import PLOT_FILES
+
+RECORDS = "records.jsonl"
+SETTINGS = "settings.json"
+RESULTS = "results.json"
+REPORT = "report.md"
+GSM8K_INSTRUCTION = "\nSolve the problem step by step and end with the final numeric answer."
+
+
+@dataclass
+class BenchPrompt:
+    """One benchmark question: ``turns`` are user messages; ``answer`` is the
+    GSM8K reference solution (None for Spec-Bench)."""
+
+    qid: str
+    task: str
+    category: str
+    turns: list[str]
+    answer: str | None = None
+
+
+# ------------------------------------------------------------------ prompts
+def select_prompts(config: BenchConfig) -> tuple[list[BenchPrompt], list[str]]:
+    """The prompts of a run, round-robin over categories, and the category order.
+
+    Raises:
+        InvalidArgumentError: missing question file, unknown category, no prompt.
+    """
+    if config.mode == "gsm8k":
+        return _gsm8k_prompts(config), ["gsm8k"]
+    path = config.questions
+    try:
+        qs = load_questions(path)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"--questions {path}: no such file.") from None
+    except ValueError as e:
+        raise InvalidArgumentError(f"--questions: {e}") from None
+    if config.categories:
+        groups = list(dict.fromkeys(config.categories))
+        known = {q["task"] for q in qs} | {q.get("category", "") for q in qs}
+        bad = [g for g in groups if g not in known]
+        if bad:
+            raise InvalidArgumentError(
+                f"--categories: unknown {', '.join(bad)}; the questions have tasks/categories "
+                f"{', '.join(sorted(k for k in known if k))}."
+            )
+        member = {g: [q for q in qs if g in (q["task"], q.get("category"))] for g in groups}
+    else:
+        present = [t for t in TASKS if any(q["task"] == t for q in qs)]
+        extra = sorted({q["task"] for q in qs} - set(TASKS))
+        groups = present + extra
+        member = {g: [q for q in qs if q["task"] == g] for g in groups}
+    if config.limit:
+        member = {g: v[: config.limit] for g, v in member.items()}
+    out: list[BenchPrompt] = []
+    seen: set[str] = set()
+    for i in range(max((len(v) for v in member.values()), default=0)):
+        for g in groups:
+            if i < len(member[g]):
+                q = member[g][i]
+                qid = str(q.get("question_id", f"{g}-{i}"))
+                if qid in seen:
+                    continue
+                seen.add(qid)
+                out.append(BenchPrompt(qid, g, q.get("category", g), list(q["turns"])))
+    if not out:
+        raise InvalidArgumentError("No prompts selected; check --categories and --questions.")
+    return out, groups
+
+
+def _gsm8k_prompts(config: BenchConfig) -> list[BenchPrompt]:
+    path = Path(config.gsm8k) if config.gsm8k else DEFAULT_GSM8K
+    if not path.is_file():
+        raise InvalidArgumentError(
+            f"GSM8K file {path} not found; pass --gsm8k PATH to a jsonl with 'question' and "
+            "'answer' fields (the answer's number after '####')."
+        )
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                out.append(
+                    BenchPrompt(f"gsm8k-{i}", "gsm8k", "gsm8k", [q["question"]], q["answer"])
+                )
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InvalidArgumentError(f"{path}:{i + 1}: not a GSM8K record ({e})") from e
+            if config.limit and len(out) >= config.limit:
+                break
+    if not out:
+        raise InvalidArgumentError(f"{path} holds no GSM8K questions.")
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation, with the chat template when there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
+
+
+# ------------------------------------------------------------------ storage
+class ResultStore:
+    """The per-generation records of one output folder (``records.jsonl``) and
+    the settings they were made with (``settings.json``).
+
+    Raises:
+        InvalidArgumentError: the folder holds a run with other settings and
+            ``overwrite`` is false.
+    """
+
+    def __init__(self, out: Path, settings: dict[str, Any], overwrite: bool = False):
+        self.out = out
+        self.path = out / RECORDS
+        out.mkdir(parents=True, exist_ok=True)
+        spath = out / SETTINGS
+        old = json.loads(spath.read_text()) if spath.is_file() else None
+        if old != settings and (old is not None or self.path.exists()):
+            if not overwrite:
+                diff = sorted(k for k in settings if (old or {}).get(k) != settings[k])
+                raise InvalidArgumentError(
+                    f"{out} holds a benchmark run with different settings "
+                    f"(differs in: {', '.join(diff) or 'unknown'}). Use another --out, or "
+                    "--overwrite to discard it."
+                )
+        if old != settings or overwrite:
+            for name in (RECORDS, RESULTS, REPORT, *PLOT_FILES):
+                (out / name).unlink(missing_ok=True)
+        spath.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+    def load(self) -> list[dict[str, Any]]:
+        """All complete records; a half-written record (interrupted run) is cut off."""
+        if not self.path.exists():
+            return []
+        good, lines = [], self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        keep = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                if not line.endswith("\n"):
+                    raise ValueError("no newline")
+            except ValueError:
+                continue
+            good.append(rec)
+            keep.append(line)
+        if len(keep) != len(lines):
+            self.path.write_text("".join(keep), encoding="utf-8")
+        return good
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record and flush it to disk."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def entry_key(qid: str, turn: int, repeat: int, method: str) -> tuple[str, int, int, str]:
+    """Identity of one generation in ``records.jsonl``."""
+    return (str(qid), int(turn), int(repeat), method)
+
+
+# ------------------------------------------------------------------ running
+def run_bench(
+    config: BenchConfig,
+    loaded: Any = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) a benchmark and write ``results.json``, ``report.md``
+    and the plots into ``config.out``.
+
+    Args:
+        config: the settings.
+        loaded: an already loaded :class:`~mlx_mtp.loading.LoadedModel` (tests,
+            notebooks); None loads ``config.model`` with ``config.dtype``.
+        overwrite: discard a run with other settings in the same folder.
+        progress: show a tqdm progress bar.
+        plots: write the PNG plots.
+
+    Returns:
+        The results dict written to ``results.json``.
+
+    Raises:
+        InvalidArgumentError: bad settings, or a folder with another run.
+        UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
+    """
+    from ..api import MTPModel
+    from ..methods import make_method
+
+    config.validate()
+    methods = {s.label: make_method(s.name, **s.options) for s in config.methods}
+    prompts, groups = select_prompts(config)
+    out = Path(config.out)
+    store = ResultStore(out, config.settings(), overwrite)
+    done = {entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r for r in store.load()}
+
+    todo = []
+    for p in prompts:
+        for turn in range(1, min(config.turns, len(p.turns)) + 1):
+            for rep in range(config.repeats):
+                for label in methods:
+                    if entry_key(p.qid, turn, rep, label) not in done:
+                        todo.append((p, turn, rep, label))
+
+    if todo:
+        if loaded is None:
+            from ..loading import load_model
+
+            loaded = load_model(config.model, config.dtype)
+        models = {label: MTPModel(loaded, m) for label, m in methods.items()}
+        _warm_up(models, loaded.tokenizer)
+        bar = _progress(len(todo), progress)
+        try:
+            for p, turn, rep, label in todo:
+                bar.set_postfix_str(f"{p.task} {label}", refresh=False)
+                rec = _run_one(config, models[label], label, p, turn, rep, done, loaded.tokenizer)
+                store.append(rec)
+                done[entry_key(p.qid, turn, rep, label)] = rec
+                bar.update(1)
+        finally:
+            bar.close()
+
+    from .report import build_results, write_outputs
+
+    results = build_results(config, methods, store.load(), groups, _environment())
+    write_outputs(results, out, plots=plots)
+    return results
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="gen", disable=not enabled, dynamic_ncols=True)
+
+
+def _warm_up(models: dict[str, Any], tokenizer: Any) -> None:
+    """One short untimed generation per method (compiles kernels, fills caches)."""
+    ids = render_prompt(tokenizer, [{"role": "user", "content": "Say hello in three words."}])
+    for m in models.values():
+        m.engine.reset()
+        m.generate(ids, max_tokens=8)
+        m.engine.reset()
+
+
+def _run_one(
+    config: BenchConfig,
+    m: Any,
+    label: str,
+    p: BenchPrompt,
+    turn: int,
+    rep: int,
+    done: dict,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    messages = [{"role": "user", "content": p.turns[0]}]
+    if config.mode == "gsm8k":
+        messages = [{"role": "user", "content": p.turns[0] + GSM8K_INSTRUCTION}]
+    if turn == 2:
+        first = done[entry_key(p.qid, 1, rep, config.methods[0].label)]
+        messages += [
+            {"role": "assistant", "content": first["text"]},
+            {"role": "user", "content": p.turns[1]},
+        ]
+    ids = render_prompt(tokenizer, messages)
+    seed = (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
+    m.engine.reset()
+    res = m.generate(ids, max_tokens=config.max_tokens, temp=config.temp, seed=seed)
+    m.engine.reset()
+    s = res.stats
+    rep_n, rep_total = metrics.repetition_counts(res.tokens)
+    rec: dict[str, Any] = {
+        "qid": p.qid,
+        "task": p.task,
+        "category": p.category,
+        "turn": turn,
+        "repeat": rep,
+        "method": label,
+        "prompt_tokens": s.prompt_tokens,
+        "prefill_tokens": s.prefill_tokens,
+        "prefill_time": s.prefill_time,
+        "generated_tokens": s.generated_tokens,
+        "forward_passes": s.forward_passes,
+        "steps": s.steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "decode_time": s.decode_time,
+        "decode_tps": s.decode_tps,
+        "tau": s.tau,
+        "peak_memory_gb": s.peak_memory_gb,
+        "finish_reason": res.finish_reason,
+        "rep_repeated": rep_n,
+        "rep_total": rep_total,
+        "repetition_rate": rep_n / rep_total if rep_total else 0.0,
+        "tokens": list(map(int, res.tokens)),
+        "text": res.text,
+        "time": time.time(),
+    }
+    if p.answer is not None:
+        ok, pred, gold = metrics.gsm8k_correct(res.text, p.answer)
+        rec.update(correct=ok, pred=pred, gold=gold)
+    return rec
+
+
+def _environment() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from .. import _blas
+
+    try:
+        from importlib.metadata import version
+
+        mlx_ver, lm_ver = version("mlx"), version("mlx-lm")
+    except Exception:  # pragma: no cover - metadata missing in odd installs
+        mlx_ver = lm_ver = "unknown"
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mlx_ver,
+        "mlx_lm": lm_ver,
+        "device": str(mx.default_device()),
+        "blas": _blas.blas_status(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

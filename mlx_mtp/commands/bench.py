@@ -1,0 +1,71 @@
+"""``mlx-mtp bench``: compare methods on Spec-Bench or GSM8K (see :mod:`mlx_mtp.bench`)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``bench`` command to the CLI."""
+
+    @app.command()
+    def bench(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Model spec."),
+        methods: str = typer.Option(
+            "ntp,pld,lookahead,probe",
+            "--methods",
+            help="Comma-separated methods with optional settings, e.g. "
+            "'ntp,pld,lookahead,probe:bc=10,probe:bc=30,masks=2' (ntp is always added).",
+        ),
+        mode: str = typer.Option("specbench", "--mode", help="specbench or gsm8k."),
+        questions: str | None = typer.Option(
+            None, "--questions", help="Spec-Bench style jsonl (default: the packaged copy)."
+        ),
+        gsm8k: str | None = typer.Option(
+            None, "--gsm8k", help="GSM8K jsonl (default ../shared/data/gsm8k/test.jsonl)."
+        ),
+        categories: str | None = typer.Option(
+            None, "--categories", help="Comma-separated tasks or categories (default: all six)."
+        ),
+        limit: int | None = typer.Option(None, "--limit", help="Prompts per category."),
+        max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="New tokens per answer."),
+        turns: int = typer.Option(1, "--turns", help="1, or 2 for MT-bench second turns."),
+        temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+        seed: int = typer.Option(0, "--seed", help="Base random seed."),
+        repeats: int = typer.Option(1, "--repeats", help="Runs per prompt and method."),
+        dtype: str | None = typer.Option(None, "--dtype", help="float32, bfloat16, float16, auto."),
+        out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Discard an earlier run with other settings in --out."
+        ),
+        no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
+    ):
+        """Run methods side by side (interleaved, one process) and write results.json,
+        report.md and plots into --out. An interrupted run resumes where it stopped."""
+        from pathlib import Path
+
+        from ..bench.config import BenchConfig, parse_methods
+        from ..bench.runner import run_bench
+
+        cfg = BenchConfig(
+            model=model,
+            methods=parse_methods(methods),
+            mode=mode,
+            questions=str(Path(questions).resolve()) if questions else None,
+            gsm8k=str(Path(gsm8k).resolve()) if gsm8k else None,
+            categories=[c.strip() for c in categories.split(",") if c.strip()]
+            if categories
+            else None,
+            limit=limit,
+            max_tokens=max_tokens,
+            turns=turns,
+            temp=temp,
+            seed=seed,
+            repeats=repeats,
+            dtype=dtype,
+            out=out,
+        )
+        run_bench(cfg, overwrite=overwrite, plots=not no_plots)
+        report = Path(out) / "report.md"
+        typer.echo(report.read_text())
+        typer.echo(f"wrote {Path(out) / 'results.json'}, {report} and plots", err=True)

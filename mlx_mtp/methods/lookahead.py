@@ -1,0 +1,197 @@
+"""``lookahead``: lookahead decoding (LADE), a training-free n-gram baseline.
+
+Fu, Bailis, Stoica, Zhang, *Break the Sequential Dependency of LLM Inference
+Using Lookahead Decoding* (ICML 2024, arXiv 2402.02057), §3. Read top to bottom:
+
+1. A 2D *lookahead window* of ``N - 1`` levels x ``W`` columns holds past
+   Jacobi trajectories (N = ``level``, W = ``window``). Level 0 starts as W
+   tokens drawn from the prompt; the window fills one level per step.
+2. Every step is ONE forward pass over the root (the last committed token), the
+   *verification branch* and the *lookahead branch*. With the LADE attention
+   pattern (paper Fig. 2b) the lookahead branch is itself a tree: level-0
+   column j follows level-0 columns 0..j-1 (a causal chain after the root), and
+   level-l column j follows level-(l-1) column j (the diagonal). So a token at
+   level l, column j sits at position ``L + 1 + j + l`` and sees the cache, the
+   root, level 0 up to column j and its own column above it. That is exactly a
+   parent-indexed tree mask, so :meth:`Engine.forward_tree` runs it unchanged.
+3. The outputs at the last level are one Jacobi update: ``out[j]`` continues
+   the diagonal ``level0[j], level1[j], ..., level_{N-2}[j]``. Once the window
+   is full, each column gives an N-gram whose first token is the key and whose
+   N-1 other tokens enter the *n-gram pool* (at most ``guess`` per key, most
+   recent first). Then the window shifts: level l <- level l+1, last level <-
+   ``out`` (the paper's shift by one step).
+4. The verification branch holds up to G = ``guess`` pool entries keyed by the
+   root, laid out as a trie from the root (entries sharing a prefix share
+   slots). Verification walks that trie with the target tokens (greedy argmax
+   or the same sampler as plain decoding), so the output is exactly plain
+   decoding's (lossless; deterministic drafts keep the target distribution at
+   temperature > 0). Only the root and the accepted path stay in the KV cache
+   (:meth:`Engine.keep`); the lookahead branch is dropped every step.
+
+Block complexity (tokens per forward) is ``1 + (N - 1) * (W + G)``: 57 at the
+paper's defaults N=5, W=7, G=7 (the verification branch may be smaller when the
+pool has fewer entries or they share prefixes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..engine import Engine, check_tree_support
+from ..verify import Sampler, target_tokens, walk_tree
+from .base import Method, StepOutput, parse_int
+
+
+class NGramPool:
+    """Candidate continuations keyed by their first token, most recent first.
+
+    Args:
+        per_key: how many distinct continuations to keep per key (LADE keeps G).
+    """
+
+    def __init__(self, per_key: int):
+        self.per_key = per_key
+        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, key: int, continuation: tuple[int, ...]) -> None:
+        """Insert (or refresh) one continuation; the oldest one per key drops out."""
+        entries = self._pool.setdefault(key, OrderedDict())
+        entries.pop(continuation, None)
+        entries[continuation] = None
+        while len(entries) > self.per_key:
+            entries.popitem(last=False)
+
+    def get(self, key: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to ``limit`` continuations of ``key``, most recent first."""
+        entries = self._pool.get(key)
+        if not entries:
+            return []
+        return list(reversed(entries))[:limit]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._pool.values())
+
+
+def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Merge candidate chains (all starting after the root) into a trie.
+
+    Returns:
+        (node tokens, node parents), parents indexing the node list with -1 for
+        the root; parents come before children.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}
+    for cand in candidates:
+        parent = -1
+        for tok in cand:
+            key = (parent, int(tok))
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(int(tok))
+                parents.append(parent)
+            parent = index[key]
+    return tokens, parents
+
+
+def lookahead_parents(levels: int, window: int, offset: int) -> np.ndarray:
+    """Parent slots of the lookahead branch (LADE Fig. 2b attention as a tree).
+
+    Slots are laid out level by level, column by column, starting at slot
+    ``offset``. Level-0 column 0 hangs off the root (slot 0), level-0 column j
+    off level-0 column j-1, level-l column j off level-(l-1) column j.
+
+    Returns:
+        (levels * window,) int64 parent slot indices.
+    """
+    par = np.empty((levels, window), dtype=np.int64)
+    for lv in range(levels):
+        for j in range(window):
+            if lv == 0:
+                par[lv, j] = 0 if j == 0 else offset + j - 1
+            else:
+                par[lv, j] = offset + (lv - 1) * window + j
+    return par.reshape(-1)
+
+
+class Lookahead(Method):
+    """Lookahead decoding with a lossless verification branch.
+
+    Args:
+        level: N, the n-gram size (the window has N - 1 levels); 5 in the paper.
+        window: W, Jacobi columns per level; 7 in the paper.
+        guess: G, pool candidates verified per step (and kept per key); 7.
+        seed: seed of the random prompt tokens that start level 0.
+
+    Raises:
+        InvalidArgumentError: an option out of range (level >= 2, window >= 1,
+            guess >= 1).
+    """
+
+    name = "lookahead"
+    lossless = True
+
+    def __init__(self, level: Any = 5, window: Any = 7, guess: Any = 7, seed: Any = 0):
+        self.level = parse_int("level", level, 2, 16)
+        self.window = parse_int("window", window, 1, 64)
+        self.guess = parse_int("guess", guess, 1, 64)
+        self.seed = parse_int("seed", seed, 0)
+
+    @property
+    def block_complexity(self) -> int:
+        return 1 + (self.level - 1) * (self.window + self.guess)
+
+    def describe(self) -> str:
+        return f"lookahead(level={self.level}, window={self.window}, guess={self.guess})"
+
+    def prepare(self, engine: Engine) -> None:
+        check_tree_support(engine.model, self.name)
+
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(engine, prompt, sampler)
+        rng = np.random.default_rng(self.seed)
+        # level 0: W tokens drawn from the prompt (LADE's initialisation)
+        self.levels: list[np.ndarray] = [rng.choice(np.asarray(prompt), size=self.window)]
+        self.pool = NGramPool(self.guess)
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        n_lv, w = len(self.levels), self.window
+        # verification branch: trie of the pool's candidates for the root
+        cand = self.pool.get(int(root), self.guess)
+        v_toks, v_par = build_trie(cand)
+        n_v = 1 + len(v_toks)
+        # lookahead branch: the current window, level by level
+        la_toks = np.concatenate(self.levels).astype(np.int64)
+        parents = np.concatenate(
+            [[-1], [p + 1 for p in v_par], lookahead_parents(n_lv, w, n_v)]
+        ).astype(np.int64)
+        slot_tokens = np.concatenate([[root], v_toks, la_toks]).astype(np.int64)
+
+        start = engine.offset
+        emb = engine.embed_tokens(slot_tokens)
+        logits, _ = engine.forward_tree(emb, parents, slot_tokens.tolist())
+        # Jacobi update: greedy outputs at the window's last level
+        last = n_v + (n_lv - 1) * w
+        out_mx = mx.argmax(logits[last : last + w], axis=-1)
+        targets = target_tokens(logits[:n_v], np.arange(n_v), self.sampler)
+        out = np.array(out_mx, dtype=np.int64)
+
+        path, bonus = walk_tree(parents[:n_v], slot_tokens[:n_v], dict(enumerate(targets.tolist())))
+        engine.keep(start, [0, *path])
+        self._update_window(out)
+        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
+        return StepOutput(committed, drafted=len(v_toks), accepted=len(path))
+
+    def _update_window(self, out: np.ndarray) -> None:
+        """Add the new level; once the window is full, harvest N-grams and shift."""
+        if len(self.levels) < self.level - 1:
+            self.levels.append(out)
+            return
+        grams = np.stack([*self.levels, out], axis=1)  # (W, N): one N-gram per column
+        for g in grams.tolist():
+            self.pool.add(g[0], tuple(g[1:]))
+        self.levels = [*self.levels[1:], out]

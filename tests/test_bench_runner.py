@@ -1,0 +1,203 @@
+"""The bench runner on the real model: results.json schema, report, plots,
+resume after interruption, settings guard, second turns, GSM8K mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_mtp.bench import runner
+from mlx_mtp.bench.config import BenchConfig, parse_methods
+from mlx_mtp.bench.report import SCHEMA
+from mlx_mtp.errors import InvalidArgumentError
+
+METHOD_KEYS = {
+    "label",
+    "name",
+    "options",
+    "describe",
+    "lossless",
+    "block_complexity",
+    "overall",
+    "tasks",
+    "exactness",
+}
+SUMMARY_KEYS = {
+    "n",
+    "generated_tokens",
+    "forward_passes",
+    "decode_time_s",
+    "tau",
+    "forwards_per_token",
+    "decode_tps",
+    "speedup",
+    "peak_memory_gb",
+    "repetition_rate",
+    "drafted",
+    "accepted",
+}
+
+
+def _cfg(tmp_path, **kw) -> BenchConfig:
+    base = dict(
+        model="smollm2-135m",
+        methods=parse_methods("ntp,pld"),
+        categories=["qa", "translation"],
+        limit=1,
+        max_tokens=8,
+        dtype="float32",
+        out=str(tmp_path / "out"),
+    )
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_results_schema_report_and_plots(smollm, tmp_path):
+    cfg = _cfg(tmp_path)
+    res = runner.run_bench(cfg, smollm, progress=False)
+    out = tmp_path / "out"
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(res))
+    assert res["schema"] == SCHEMA
+    assert {
+        "settings",
+        "environment",
+        "reference",
+        "tasks",
+        "definitions",
+        "methods",
+        "prompts",
+    } <= set(res)
+    assert res["tasks"] == ["qa", "translation"]
+    assert [m["label"] for m in res["methods"]] == ["ntp", "pld"]
+    for m in res["methods"]:
+        assert set(m) == METHOD_KEYS
+        assert SUMMARY_KEYS <= set(m["overall"])
+        assert set(m["tasks"]) == {"qa", "translation"}
+        assert m["overall"]["n"] == 2
+    ntp, pld = res["methods"]
+    assert ntp["overall"]["tau"] == 1.0 and ntp["overall"]["speedup"] == pytest.approx(1.0)
+    assert ntp["exactness"] is None
+    assert pld["exactness"]["checked"] == 2
+    assert pld["exactness"]["exact"] == 2 and pld["exactness"]["mismatches"] == []
+    assert len(res["prompts"]) == 4
+    assert all(p["exact"] is not False for p in res["prompts"])
+    report = (out / "report.md").read_text()
+    assert "| Method | BC | qa | translation | Overall | Mean accepted tokens (tau) |" in report
+    assert "| ntp | 1 | 1.00x | 1.00x | 1.00x | 1.00 |" in report
+    for png in ("speedup_per_task.png", "tau_vs_bc.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    path = tmp_path / "out" / runner.RECORDS
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 4
+    # interruption: two records complete, the third half-written
+    path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    ran = []
+    real = runner._run_one
+
+    def spy(config, m, label, p, turn, rep, done, tok):
+        ran.append((p.qid, label))
+        return real(config, m, label, p, turn, rep, done, tok)
+
+    monkeypatch.setattr(runner, "_run_one", spy)
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    first_two = {(json.loads(x)["qid"], json.loads(x)["method"]) for x in lines[:2]}
+    assert len(ran) == 2 and not set(ran) & first_two
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(recs) == 4
+    assert len({(r["qid"], r["method"]) for r in recs}) == 4
+    assert all(m["overall"]["n"] == 2 for m in res["methods"])
+    # a complete rerun generates nothing
+    ran.clear()
+    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    assert ran == []
+
+
+def test_other_settings_refused_unless_overwrite(smollm, tmp_path):
+    cfg = _cfg(tmp_path, methods=parse_methods("ntp"), categories=["qa"], max_tokens=4)
+    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    other = _cfg(tmp_path, methods=parse_methods("ntp"), categories=["qa"], max_tokens=5)
+    with pytest.raises(InvalidArgumentError, match="different settings.*max_tokens"):
+        runner.run_bench(other, smollm, progress=False, plots=False)
+    res = runner.run_bench(other, smollm, overwrite=True, progress=False, plots=False)
+    assert res["settings"]["max_tokens"] == 5
+    assert res["methods"][0]["overall"]["generated_tokens"] <= 5
+
+
+def test_second_turn_uses_ntp_answer(smollm, tmp_path):
+    cfg = _cfg(tmp_path, categories=["writing"], turns=2, max_tokens=6)
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    recs = [json.loads(x) for x in (tmp_path / "out" / runner.RECORDS).read_text().splitlines()]
+    assert sorted((r["turn"], r["method"]) for r in recs) == [
+        (1, "ntp"),
+        (1, "pld"),
+        (2, "ntp"),
+        (2, "pld"),
+    ]
+    t1 = next(r for r in recs if r["turn"] == 1 and r["method"] == "ntp")
+    t2 = [r for r in recs if r["turn"] == 2]
+    assert all(r["prompt_tokens"] > t1["prompt_tokens"] + t1["generated_tokens"] for r in t2)
+    assert res["methods"][1]["exactness"]["checked"] == 2
+
+
+def test_gsm8k_mode(smollm, tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text(
+        json.dumps({"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"})
+        + "\n"
+        + json.dumps({"question": "What is 10 minus 4?", "answer": "#### 6"})
+        + "\n"
+    )
+    cfg = _cfg(
+        tmp_path,
+        mode="gsm8k",
+        gsm8k=str(data),
+        categories=None,
+        limit=2,
+        temp=0.7,
+        seed=1,
+        methods=parse_methods("ntp,lookahead"),
+    )
+    res = runner.run_bench(cfg, smollm, progress=False)
+    assert res["tasks"] == ["gsm8k"]
+    for m in res["methods"]:
+        assert 0.0 <= m["overall"]["accuracy"] <= 1.0
+        assert m["exactness"] is None  # not checked at temp > 0
+    assert {p["gold"] for p in res["prompts"]} == {"5", "6"}
+    assert (tmp_path / "out" / "accuracy_vs_tau.png").exists()
+    assert "Accuracy" in (tmp_path / "out" / "report.md").read_text()
+    with pytest.raises(InvalidArgumentError, match="not found"):
+        runner.run_bench(
+            _cfg(
+                tmp_path, mode="gsm8k", gsm8k=str(tmp_path / "none.jsonl"), out=str(tmp_path / "o2")
+            ),
+            smollm,
+            progress=False,
+        )
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="unknown nope"):
+        runner.select_prompts(_cfg(tmp_path, categories=["nope"]))
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        runner.select_prompts(_cfg(tmp_path, questions=str(tmp_path / "q.jsonl")))
+    prompts, groups = runner.select_prompts(_cfg(tmp_path, categories=None, limit=2))
+    assert len(prompts) == 12 and len(groups) == 6
+    assert [p.task for p in prompts[:6]] == groups  # round-robin over tasks
+
+
+def test_cli_reports_bad_method_spec(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "--methods", "probe:bc", "--out", str(tmp_path / "x")])
+    assert r.exit_code != 0
+    assert isinstance(r.exception, InvalidArgumentError)
+    assert "key=value" in str(r.exception)
