@@ -1,0 +1,143 @@
+"""``mlx-mtp train masks``: learn mask embeddings for ``probe`` / ``hybrid``."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import typer
+
+
+def run_train_masks(
+    model: str,
+    data: list[Path],
+    slots: int = 2,
+    steps: int = 300,
+    max_tokens: int = 96,
+    limit: int | None = None,
+    val_fraction: float = 0.1,
+    lr: float = 3e-3,
+    anchors: int = 48,
+    seed: int = 0,
+    out: Path | None = None,
+    dtype: str | None = "float32",
+    progress: bool = True,
+) -> dict:
+    """Generate greedy continuations, train, evaluate before/after, save.
+
+    Returns:
+        A summary dict: path of the saved file, hit rates and losses on the
+        held-out prompts before (mean-prompt-embedding mask) and after training.
+
+    Raises:
+        InvalidArgumentError: bad data file or options.
+    """
+    from ..errors import InvalidArgumentError
+    from ..learned_masks import save_learned_masks
+    from ..loading import load_model
+    from ..training.masks import (
+        eval_masks,
+        greedy_continuations,
+        mean_prompt_vectors,
+        read_prompts,
+        train_masks,
+    )
+
+    if not 1 <= slots <= 3:
+        raise InvalidArgumentError(f"--slots must be 1, 2 or 3, got {slots}")
+    if steps < 1:
+        raise InvalidArgumentError(f"--steps must be >= 1, got {steps}")
+    if not 0.0 < val_fraction < 1.0:
+        raise InvalidArgumentError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    prompts: list[str] = []
+    for d in data:
+        prompts.extend(read_prompts(d))
+    random.Random(seed).shuffle(prompts)
+    if limit is not None:
+        prompts = prompts[:limit]
+    n_val = max(1, int(round(len(prompts) * val_fraction)))
+    if len(prompts) - n_val < 1:
+        raise InvalidArgumentError("need at least 2 prompts (one to train on, one held out)")
+    lm = load_model(model, dtype=dtype)
+    t0 = time.perf_counter()
+    seqs = greedy_continuations(lm.model, lm.tokenizer, prompts, max_tokens, progress)
+    val, train = seqs[:n_val], seqs[n_val:]
+    gen_s = time.perf_counter() - t0
+
+    def own_mean(s):
+        return mean_prompt_vectors(lm.model, [s], slots)
+
+    before = eval_masks(lm.model, val, own_mean, slots)
+    t0 = time.perf_counter()
+    res = train_masks(lm.model, train, slots, steps, lr, anchors, seed, progress=progress)
+    train_s = time.perf_counter() - t0
+    after = eval_masks(lm.model, val, res.vectors, slots)
+    info = {
+        "model": lm.name,
+        "trained_on": [str(d) for d in data],
+        "train_prompts": len(train),
+        "heldout_prompts": len(val),
+        "max_tokens": max_tokens,
+        "steps": steps,
+        "lr": lr,
+        "anchors_per_step": anchors,
+        "seed": seed,
+        "heldout_before_mean_mask": before,
+        "heldout_after": after,
+        "generation_seconds": round(gen_s, 1),
+        "training_seconds": round(train_s, 1),
+    }
+    path = save_learned_masks(res.vectors, lm.model, out, info)
+    return {"path": str(path), **info}
+
+
+def register(app: typer.Typer) -> None:
+    from . import group
+
+    @group("train").command("masks")
+    def train_masks_cmd(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, folder or repo."),
+        data: list[Path] = typer.Option(
+            ..., "--data", help="jsonl of prompts (turns/question/prompt/text); repeatable."
+        ),
+        slots: int = typer.Option(2, "--slots", help="Mask slots to learn (1-3)."),
+        steps: int = typer.Option(300, "--steps", help="Adam steps (one sequence each)."),
+        max_tokens: int = typer.Option(96, "--max-tokens", help="Greedy tokens per prompt."),
+        limit: int | None = typer.Option(None, "--limit", help="Use at most N prompts."),
+        val_fraction: float = typer.Option(0.1, "--val-fraction", help="Held-out share."),
+        lr: float = typer.Option(3e-3, "--lr", help="Adam learning rate."),
+        anchors: int = typer.Option(48, "--anchors", help="Anchors (mask sets) per step."),
+        seed: int = typer.Option(0, "--seed"),
+        out: Path | None = typer.Option(
+            None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
+        ),
+        dtype: str = typer.Option("float32", "--dtype", help="Compute dtype while training."),
+    ):
+        """Learn mask vectors (model frozen) so mask slot j predicts the token j+2
+        positions ahead; use them with --opt mask_init=learned."""
+        s = run_train_masks(
+            model,
+            data,
+            slots,
+            steps,
+            max_tokens,
+            limit,
+            val_fraction,
+            lr,
+            anchors,
+            seed,
+            out,
+            dtype,
+        )
+        b, a = s["heldout_before_mean_mask"], s["heldout_after"]
+        for j in range(slots):
+            d = j + 2
+            typer.echo(
+                f"held-out t+{d}: top-1 {b[f'top1_t+{d}']:.1%} -> {a[f'top1_t+{d}']:.1%}, "
+                f"top-5 {b[f'top5_t+{d}']:.1%} -> {a[f'top5_t+{d}']:.1%}"
+            )
+        typer.echo(f"held-out loss {b['loss']:.3f} -> {a['loss']:.3f}")
+        typer.echo(f"saved {s['path']}")
+        typer.echo(json.dumps({k: v for k, v in s.items() if k != "path"}), err=True)

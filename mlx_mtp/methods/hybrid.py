@@ -1,0 +1,459 @@
+"""``hybrid``: one lossless draft tree filled from several candidate sources.
+
+Not from a paper: it combines ESP embedding-space probing (Goel et al., arXiv
+2603.17942) with prompt-lookup decoding (Saxena, 2023) and a pool of the
+model's own earlier predictions (as lookahead decoding keeps, Fu et al., 2024).
+Read top to bottom:
+
+1. Candidate sources, each a set of token paths under the root:
+   ``pld`` (the most recent prompt-lookup match) and ``pld_alt`` (further
+   distinct matches) as chains; ``pool``: a chain followed through a table
+   ``(previous token, token) -> the model's own target token`` filled from
+   every verified slot of earlier trees, rejected branches included;
+   ``probe``: the masks after the previous step's deepest accepted node
+   predict depths 1..k, every depth-d candidate may hang under every
+   depth-(d-1) node (as in ESP's tree).
+2. One scale for all: each candidate child gets a conditional acceptance
+   estimate q (probability it is accepted given its parent is). Chains: per
+   source and depth, a Beta-smoothed acceptance rate learned online from this
+   generation's own accept/reject history (priors :data:`PRIORS`). Probe: the
+   mask probability times a per-depth calibration factor learned the same way.
+   Where sources propose the same token at the same place they are merged:
+   same source -> max, different sources -> noisy-or ``1 - prod(1 - q)``.
+3. Budget: block complexity ``BC`` = every slot of one forward pass (root +
+   nodes + mask slots). :func:`allocate` spends it best-first by value per
+   slot: a node's value is its path acceptance probability (product of q
+   along the path, so parents always come before children); a mask set (k
+   slots) after an anchor is worth ``P(path) * (1 - sum q of its candidate
+   children) * gain``, the estimated chance that this anchor ends up the
+   deepest accepted node (the only case where its masks are read) times the
+   tokens probe drafts add when masks are available (``gain``, learned online).
+   So masks are attached only where the next step is likely to need them.
+4. Verification: exactly :mod:`mlx_mtp.verify` (``target_tokens`` +
+   ``walk_tree`` on :meth:`Engine.forward_tree`), as in ``probe``: lossless.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..engine import Engine
+from ..errors import InvalidArgumentError
+from ..verify import Sampler, target_tokens, walk_tree
+from .base import StepOutput, parse_int
+from .pld import lookup_candidates
+from .probe import Probe
+
+#: prior conditional acceptance rate per chain source (Beta prior mean)
+PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3}
+#: weight of the priors, in pseudo-observations
+PRIOR_WEIGHT = 4.0
+#: deepest depth with its own statistics (deeper ones share the last bucket)
+MAX_STAT_DEPTH = 12
+
+Source = tuple[str, int, float]  # (source name, depth 1.., raw score: mask prob or q)
+
+
+@dataclass
+class Child:
+    """A candidate child of a tree node: token, conditional acceptance estimate
+    q in [0, 1], and the sources that proposed it."""
+
+    token: int
+    q: float
+    sources: list[Source] = field(default_factory=list)
+
+
+@dataclass
+class Allocation:
+    """A draft tree chosen within a slot budget.
+
+    ``tokens``/``parents``/``probs``/``sources`` describe nodes in selection
+    order (parents index earlier nodes, -1 = root; probs = path acceptance
+    estimates). ``mask_anchors`` are slot indices (0 = root, node i -> i + 1)
+    that get a mask set, in selection order.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    sources: list[list[Source]] = field(default_factory=list)
+    mask_anchors: list[int] = field(default_factory=list)
+
+    def slots(self, masks: int) -> int:
+        """Slots of the forward pass: root + nodes + mask slots."""
+        return 1 + len(self.tokens) + masks * len(self.mask_anchors)
+
+
+def combine(qs_by_source: dict[str, float]) -> float:
+    """Noisy-or over sources: ``1 - prod(1 - q)``."""
+    out = 1.0
+    for q in qs_by_source.values():
+        out *= 1.0 - min(max(q, 0.0), 1.0)
+    return 1.0 - out
+
+
+def merge_chains(
+    chains: Sequence[tuple[str, Sequence[int], Sequence[float]]],
+) -> dict[tuple[int, ...], dict[int, Child]]:
+    """Merge candidate chains into a trie: path (tokens below the root) ->
+    {token: Child}.
+
+    Args:
+        chains: (source name, tokens, per-depth conditional q) triples; q[d] is
+            the estimate for tokens[d] given tokens[:d] accepted.
+
+    Returns:
+        The trie. Where chains agree on a prefix they share nodes; a token
+        proposed by several chains gets q = noisy-or over sources of the max q
+        per source, and every proposing source is recorded.
+    """
+    per: dict[tuple[int, ...], dict[int, dict[str, float]]] = {}
+    srcs: dict[tuple[int, ...], dict[int, list[Source]]] = {}
+    for name, toks, qs in chains:
+        for d, (t, q) in enumerate(zip(toks, qs)):
+            path = tuple(int(x) for x in toks[:d])
+            slot = per.setdefault(path, {}).setdefault(int(t), {})
+            slot[name] = max(slot.get(name, 0.0), float(q))
+            lst = srcs.setdefault(path, {}).setdefault(int(t), [])
+            if all(s[0] != name for s in lst):
+                lst.append((name, d + 1, float(q)))
+    return {
+        path: {t: Child(t, combine(by_src), srcs[path][t]) for t, by_src in kids.items()}
+        for path, kids in per.items()
+    }
+
+
+def merged_children(
+    path: tuple[int, ...],
+    parent_token: int,
+    trie: dict[tuple[int, ...], dict[int, Child]],
+    probe_levels: Sequence[tuple[np.ndarray, np.ndarray]],
+    probe_scale: Sequence[float] = (),
+) -> list[Child]:
+    """Children of the node at ``path``: chain children from ``trie`` plus the
+    probe candidates of depth ``len(path) + 1`` (merged by noisy-or).
+
+    Args:
+        path: tokens from below the root to this node (empty for the root).
+        parent_token: this node's token (probe candidates repeating it are
+            pruned, as in ESP).
+        probe_levels: per depth, (tokens, mask probabilities).
+        probe_scale: per depth, calibration factor for mask probabilities.
+    """
+    kids = {t: Child(c.token, c.q, list(c.sources)) for t, c in trie.get(path, {}).items()}
+    d = len(path)
+    if d < len(probe_levels):
+        scale = probe_scale[d] if d < len(probe_scale) else 1.0
+        toks, ps = probe_levels[d]
+        for t, p in zip(toks.tolist(), ps.tolist()):
+            if t == parent_token:
+                continue
+            q = min(scale * p, 1.0)
+            if q <= 0.0:
+                continue
+            c = kids.get(t)
+            if c is None:
+                kids[t] = Child(t, q, [("probe", d + 1, p)])
+            else:
+                c.q = 1.0 - (1.0 - c.q) * (1.0 - q)
+                c.sources.append(("probe", d + 1, p))
+    return sorted(kids.values(), key=lambda c: -c.q)
+
+
+def allocate(
+    children: Callable[[tuple[int, ...], int], list[Child]],
+    root_token: int,
+    budget: int,
+    masks: int,
+    mask_gain: float,
+) -> Allocation:
+    """Spend ``budget`` slots (root included) best-first by value per slot.
+
+    Items: a node (cost 1, value = its path acceptance estimate) and, for the
+    root and every chosen node, a mask set (cost ``masks``, value = path
+    estimate * max(0, 1 - sum of its candidates' q) * ``mask_gain``). Children
+    are offered only once their parent is chosen, so parents come first.
+
+    Args:
+        children: ``(path, token of the node at path) -> candidate children``.
+        root_token: the root's token.
+        budget: BC, total slots of the forward pass (>= 1).
+        masks: mask slots per mask set (0 = never attach masks).
+        mask_gain: expected tokens the masks' drafts add next step.
+
+    Returns:
+        The :class:`Allocation` (``slots(masks) <= budget``).
+    """
+    out = Allocation()
+    left = budget - 1
+    heap: list[tuple[float, int, Any]] = []
+    tie = 0
+    paths: list[tuple[int, ...]] = [()]  # by slot index
+
+    def offer(slot: int, prob: float) -> None:
+        nonlocal tie
+        path = paths[slot]
+        tok = root_token if slot == 0 else out.tokens[slot - 1]
+        kids = children(path, tok)
+        for c in kids:
+            heapq.heappush(heap, (-prob * c.q, tie, ("node", slot, c, prob * c.q)))
+            tie += 1
+        if masks > 0 and mask_gain > 0:
+            stay = max(0.0, 1.0 - sum(c.q for c in kids))
+            value = prob * stay * mask_gain
+            if value > 0:
+                heapq.heappush(heap, (-value / masks, tie, ("masks", slot)))
+                tie += 1
+
+    offer(0, 1.0)
+    while heap and left > 0:
+        _, _, item = heapq.heappop(heap)
+        if item[0] == "masks":
+            if masks <= left:
+                out.mask_anchors.append(item[1])
+                left -= masks
+            continue
+        _, parent_slot, c, prob = item
+        if prob <= 0.0:
+            continue
+        out.tokens.append(c.token)
+        out.parents.append(parent_slot - 1)
+        out.probs.append(prob)
+        out.sources.append(c.sources)
+        paths.append(paths[parent_slot] + (c.token,))
+        left -= 1
+        offer(len(out.tokens), prob)
+    return out
+
+
+class AcceptanceStats:
+    """Online acceptance estimates of one generation (Beta-smoothed).
+
+    ``q(source, depth)``: chance a chain source's node at ``depth`` is accepted
+    given its parent is. ``probe_scale(depth)``: accepted / sum of mask
+    probabilities of tried probe nodes (prior 1). ``gain``: probe-drafted
+    tokens accepted per step in which mask drafts were available.
+    """
+
+    def __init__(self, priors: dict[str, float] | None = None, gain_prior: float = 0.5):
+        self.priors = dict(PRIORS if priors is None else priors)
+        self.acc: dict[tuple[str, int], float] = {}
+        self.tried: dict[tuple[str, int], float] = {}
+        self.gain_prior = gain_prior
+        self.gain_sum = 0.0
+        self.gain_n = 0
+
+    @staticmethod
+    def _key(source: str, depth: int) -> tuple[str, int]:
+        return source, min(depth, MAX_STAT_DEPTH)
+
+    def q(self, source: str, depth: int) -> float:
+        k = self._key(source, depth)
+        p0 = self.priors.get(source, 0.3)
+        return (self.acc.get(k, 0.0) + PRIOR_WEIGHT * p0) / (self.tried.get(k, 0.0) + PRIOR_WEIGHT)
+
+    def probe_scale(self, depth: int) -> float:
+        k = self._key("probe", depth)
+        return (self.acc.get(k, 0.0) + PRIOR_WEIGHT) / (self.tried.get(k, 0.0) + PRIOR_WEIGHT)
+
+    @property
+    def gain(self) -> float:
+        return (self.gain_sum + PRIOR_WEIGHT * self.gain_prior) / (self.gain_n + PRIOR_WEIGHT)
+
+    def record(self, sources: list[Source], accepted: bool) -> None:
+        """One tried node (its parent was accepted) and whether it was accepted.
+        For probe, ``tried`` accumulates the mask probability (calibration)."""
+        for name, depth, raw in sources:
+            k = self._key(name, depth)
+            self.tried[k] = self.tried.get(k, 0.0) + (raw if name == "probe" else 1.0)
+            self.acc[k] = self.acc.get(k, 0.0) + float(accepted)
+
+    def record_gain(self, probe_tokens: int) -> None:
+        self.gain_sum += probe_tokens
+        self.gain_n += 1
+
+
+class Hybrid(Probe):
+    """Hybrid draft tree: prompt lookup + probe masks + the model's own earlier
+    predictions, one acceptance scale, one block-complexity budget; lossless.
+
+    Args:
+        bc: block complexity = slots per forward pass (root + nodes + masks).
+        masks: mask slots per mask set, k = 1..3 (0 disables probing).
+        matches: distinct prompt-lookup continuations per step.
+        window: longest n-gram matched by prompt lookup.
+        max_draft: longest chain per source (default: bc - 1).
+        pool: 1 to draft from the table of the model's earlier predictions.
+        lam, mask_init: as in :class:`~mlx_mtp.methods.probe.Probe`
+            (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
+
+    Raises:
+        InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
+    """
+
+    name = "hybrid"
+    lossless = True
+
+    def __init__(
+        self,
+        bc: Any = 30,
+        masks: Any = 1,
+        tree: str = "dynamic",
+        lam: Any = 0.1,
+        mask_init: str = "mean",
+        matches: Any = 3,
+        window: Any = 3,
+        max_draft: Any = None,
+        pool: Any = 1,
+    ):
+        if str(tree) != "dynamic":
+            raise InvalidArgumentError(
+                f"--method hybrid builds its own tree; --tree {tree} is for probe only."
+            )
+        k = parse_int("masks", masks, 0, 3)
+        # Probe parses lam / mask_init and owns the mask vectors; its node budget
+        # is unused here (the budget is allocated per step, see allocate()).
+        super().__init__(bc=2 * (max(k, 1) + 1), masks=max(k, 1), lam=lam, mask_init=mask_init)
+        self.bc = parse_int("bc", bc, 2)
+        self.masks = k
+        self.matches = parse_int("matches", matches, 0, 16)
+        self.window = parse_int("window", window, 1)
+        self.max_draft = parse_int("max_draft", max_draft, 1) if max_draft is not None else None
+        self.use_pool = bool(parse_int("pool", pool, 0, 1))
+
+    @property
+    def block_complexity(self) -> int:
+        return self.bc
+
+    def describe(self) -> str:
+        init = "" if self.mask_init == "mean" else ", masks=learned"
+        return f"hybrid(bc={self.bc}, masks={self.masks}, matches={self.matches}{init})"
+
+    def prepare(self, engine: Engine) -> None:
+        if self.masks == 0:
+            from ..engine import check_tree_support
+
+            check_tree_support(engine.model, self.name)
+            return
+        super().prepare(engine)
+
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        if self.masks == 0:
+            self.sampler = sampler
+            self.mask_embedding = None
+        else:
+            super().begin(engine, prompt, sampler)
+        self.dists = []
+        self.stats = AcceptanceStats()
+        self.table: dict[tuple[int, int], int] = {}
+
+    # ------------------------------------------------------------ candidates
+    def _chains(self, engine: Engine, root: int) -> list[tuple[str, list[int], list[float]]]:
+        depth = self.max_draft or self.bc - 1
+        chains: list[tuple[str, list[int], list[float]]] = []
+        if self.matches > 0:
+            context = np.array([*engine.cached, root], dtype=np.int64)
+            conts = lookup_candidates(context, self.window, depth, self.matches)
+            for r, toks in enumerate(conts):
+                src = "pld" if r == 0 else "pld_alt"
+                chains.append((src, toks, [self.stats.q(src, d + 1) for d in range(len(toks))]))
+        if self.use_pool and self.table:
+            prev = engine.cached[-1] if engine.cached else -1
+            toks, a, b = [], prev, root
+            while len(toks) < depth and (a, b) in self.table:
+                nxt = self.table[(a, b)]
+                toks.append(nxt)
+                a, b = b, nxt
+            if toks:
+                chains.append(
+                    ("pool", toks, [self.stats.q("pool", d + 1) for d in range(len(toks))])
+                )
+        return chains
+
+    # ------------------------------------------------------------------ step
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        k = self.masks
+        trie = merge_chains(self._chains(engine, root))
+        levels = self.dists
+        scale = [self.stats.probe_scale(d + 1) for d in range(len(levels))]
+
+        def children(path: tuple[int, ...], tok: int) -> list[Child]:
+            return merged_children(path, tok, trie, levels, scale)
+
+        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
+        prev = engine.cached[-1] if engine.cached else -1  # token before the root
+        n_tok = 1 + len(alloc.tokens)
+        parents = [-1] + [p + 1 for p in alloc.parents]
+        mask_row: dict[int, int] = {}  # anchor slot -> first mask slot
+        for anchor in alloc.mask_anchors:
+            mask_row[anchor] = len(parents)
+            for j in range(k):
+                parents.append(anchor if j == 0 else len(parents) - 1)
+        n_mask = len(parents) - n_tok
+        parents_np = np.array(parents, dtype=np.int64)
+        slot_tokens = np.array([root, *alloc.tokens] + [-1] * n_mask, dtype=np.int64)
+        emb = engine.embed_tokens(slot_tokens[:n_tok])
+        if n_mask:
+            vecs = mx.tile(self.mask_embedding.astype(emb.dtype), (len(alloc.mask_anchors), 1))
+            emb = mx.concatenate([emb, vecs])
+        start = engine.offset
+        logits, _ = engine.forward_tree(emb, parents_np, slot_tokens.tolist())
+
+        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler)
+        tgt = dict(enumerate(targets.tolist()))
+        path, bonus = walk_tree(parents_np, slot_tokens, tgt)
+        vstar = path[-1] if path else 0
+
+        # next step's probe candidates: the masks after v*, if it has any
+        self.dists = []
+        if vstar in mask_row:
+            r0 = mask_row[vstar]
+            ml = logits[r0 : r0 + k].astype(mx.float32)
+            m = min(max(self.bc, 1), ml.shape[-1])
+            top = mx.argpartition(-ml, kth=m - 1, axis=-1)[:, :m]
+            top_p = mx.take_along_axis(mx.softmax(ml, axis=-1), top, axis=-1)
+            top_np, top_p_np = np.array(top), np.array(top_p)
+            for j in range(k):
+                order = np.argsort(-top_p_np[j])
+                self.dists.append((top_np[j][order], top_p_np[j][order]))
+
+        self._learn(alloc, path, levels, slot_tokens, parents_np, tgt, prev)
+        engine.keep(start, [0, *path])
+        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
+        if k:
+            self._update_mask(engine, committed)
+        return StepOutput(committed, drafted=len(alloc.tokens), accepted=len(path))
+
+    def _learn(
+        self,
+        alloc: Allocation,
+        path: list[int],
+        levels: list,
+        slot_tokens: np.ndarray,
+        parents: np.ndarray,
+        tgt: dict[int, int],
+        prev: int,
+    ) -> None:
+        """Update acceptance statistics and the table of the model's predictions."""
+        on_path = {0, *path}
+        probe_acc = 0
+        for i, srcs in enumerate(alloc.sources):
+            slot = i + 1
+            if int(parents[slot]) in on_path:
+                self.stats.record(srcs, slot in on_path)
+                if slot in on_path and any(s[0] == "probe" for s in srcs):
+                    probe_acc += 1
+        if levels:
+            self.stats.record_gain(probe_acc)
+        if self.use_pool:
+            for slot, t in tgt.items():
+                p = int(parents[slot])
+                before = prev if p < 0 else int(slot_tokens[p])
+                self.table[(before, int(slot_tokens[slot]))] = int(t)

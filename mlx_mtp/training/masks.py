@@ -1,0 +1,349 @@
+"""Training learned mask embeddings (the model stays frozen).
+
+Goal: one hidden-size vector per mask slot such that, placed after an anchor
+token t (slot j at RoPE position t + 1 + j, seeing the tokens up to t and the
+earlier slots of its own set, exactly as in a ``probe`` forward pass), the
+slot's logits predict the token at t + 2 + j of the model's *own* greedy
+continuation. Loss: cross-entropy of the slot logits against those tokens.
+
+Sample efficiency: the keys and values of a whole sequence are computed once
+(no gradient, the model is frozen); one training forward then carries mask sets
+after many anchors at once, each set attending only to its own prefix through a
+tree mask with per-token positions (the same attention pattern as
+:meth:`mlx_mtp.engine.Engine.forward_tree`). Only the mask slots go through the
+layers, so a step costs about ``anchors * slots`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from tqdm import tqdm
+
+from ..cache_view import install_positional_rope
+from ..engine import model_parts
+from ..errors import InvalidArgumentError
+
+
+@dataclass
+class TrainSequence:
+    """A training sequence: prompt ids and the model's greedy continuation."""
+
+    prompt: list[int]
+    generated: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+# --------------------------------------------------------------------- data
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """User prompts from a jsonl file: each line has ``turns`` (Spec-Bench, first
+    turn used), ``question`` (GSM8K), ``prompt`` or ``text``.
+
+    Raises:
+        InvalidArgumentError: missing file, a line that is not JSON or has none
+            of those fields, or no prompts at all.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
+    out: list[str] = []
+    with open(p, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidArgumentError(f"{p}:{i}: not JSON ({e})") from e
+            text = None
+            if isinstance(rec, dict):
+                if rec.get("turns"):
+                    text = rec["turns"][0]
+                else:
+                    text = rec.get("question") or rec.get("prompt") or rec.get("text")
+            elif isinstance(rec, str):
+                text = rec
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidArgumentError(
+                    f"{p}:{i}: expected a field 'turns', 'question', 'prompt' or 'text'"
+                )
+            out.append(text)
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise InvalidArgumentError(f"--data {p} holds no prompts")
+    return out
+
+
+def greedy_continuations(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_tokens: int = 96,
+    progress: bool = True,
+) -> list[TrainSequence]:
+    """The model's own greedy continuations of chat-formatted ``prompts``.
+
+    Decoded with prompt lookup (lossless: in float32 the output equals plain
+    greedy decoding) to save time.
+    """
+    from ..decoding import generate_steps
+    from ..engine import Engine
+    from ..methods.pld import PLD
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    out = []
+    for text in tqdm(prompts, desc="greedy continuations", disable=not progress):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        engine = Engine(model)
+        method = PLD()
+        method.prepare(engine)
+        gen: list[int] = []
+        for step in generate_steps(engine, method, ids, max_tokens=max_tokens, eos_ids=eos):
+            gen.extend(step.tokens)
+        out.append(TrainSequence(list(ids), gen))
+    return out
+
+
+# ------------------------------------------------------------ tree forward
+class _PrefixView:
+    """Cache stand-in for one layer: fixed prefix keys/values (no gradient) plus
+    the mask slots' own, with a tree mask and per-token RoPE positions."""
+
+    def __init__(self, keys: mx.array, values: mx.array, mask: mx.array, positions: mx.array):
+        self.keys, self.values = keys, values
+        self._mask, self._positions = mask, positions
+
+    @property
+    def offset(self) -> mx.array:
+        return self._positions
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self._mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return mx.concatenate([self.keys, keys], axis=2), mx.concatenate(
+            [self.values, values], axis=2
+        )
+
+
+def prefix_kv(model: nn.Module, tokens: list[int]) -> list[tuple[mx.array, mx.array]]:
+    """Per-layer (keys, values) of a causal forward over ``tokens`` (evaluated)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    backbone, _, _ = model_parts(model)
+    cache = make_prompt_cache(model)
+    backbone(mx.array(tokens)[None], cache=cache)
+    n = len(tokens)
+    kv = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    mx.eval(kv)
+    return kv
+
+
+def mask_set_layout(anchors: np.ndarray, slots: int, prefix_len: int) -> tuple[np.ndarray, ...]:
+    """Attention mask and positions for ``slots`` chained mask slots after each anchor.
+
+    Args:
+        anchors: (A,) anchor positions t (each < prefix_len).
+        slots: mask slots per anchor (k).
+        prefix_len: T, tokens whose keys/values precede the mask slots.
+
+    Returns:
+        mask (A*k, T + A*k) bool: slot j of anchor t sees tokens 0..t and slots
+        0..j of its own set; positions (A*k,) int32: t + 1 + j.
+    """
+    a = len(anchors)
+    m = a * slots
+    mask = np.zeros((m, prefix_len + m), dtype=bool)
+    pos = np.zeros(m, dtype=np.int32)
+    for i, t in enumerate(anchors):
+        for j in range(slots):
+            r = i * slots + j
+            mask[r, : t + 1] = True
+            mask[r, prefix_len + i * slots : prefix_len + r + 1] = True
+            pos[r] = t + 1 + j
+    return mask, pos
+
+
+def mask_logits(
+    model: nn.Module,
+    kv: list[tuple[mx.array, mx.array]],
+    anchors: np.ndarray,
+    vectors: mx.array,
+) -> mx.array:
+    """Logits (A*k, V) of mask slots ``vectors`` (k, D) attached after each anchor.
+
+    Row ``i*k + j`` is slot j after ``anchors[i]`` and predicts the token at
+    ``anchors[i] + 2 + j``. Differentiable in ``vectors``.
+    """
+    install_positional_rope(model)  # idempotent: per-token RoPE positions
+    backbone, head, _ = model_parts(model)
+    k = vectors.shape[0]
+    prefix_len = kv[0][0].shape[2]
+    mask, pos = mask_set_layout(anchors, k, prefix_len)
+    mask_mx, pos_mx = mx.array(mask), mx.array(pos)
+    views = [_PrefixView(kk, vv, mask_mx, pos_mx) for kk, vv in kv]
+    emb = mx.tile(vectors, (len(anchors), 1)).astype(kv[0][0].dtype)
+    h = backbone(None, cache=views, input_embeddings=emb[None])[0]
+    return head(h)
+
+
+def anchor_targets(tokens: Sequence[int], anchors: np.ndarray, slots: int) -> np.ndarray:
+    """(A*k,) targets: row i*k + j is ``tokens[anchors[i] + 2 + j]``."""
+    toks = np.asarray(tokens)
+    return np.stack([toks[anchors + 2 + j] for j in range(slots)], axis=1).reshape(-1)
+
+
+def valid_anchors(seq: TrainSequence, slots: int) -> np.ndarray:
+    """Anchor positions whose targets lie in the generated part: from the last
+    prompt token (the first decoding root) to ``len - 2 - slots``."""
+    T = len(seq.tokens)
+    lo = len(seq.prompt) - 1
+    hi = T - 2 - slots  # inclusive: target anchors + 1 + slots <= T - 1
+    return np.arange(lo, hi + 1) if hi >= lo else np.zeros(0, dtype=np.int64)
+
+
+# --------------------------------------------------------------- training
+@dataclass
+class TrainResult:
+    """Learned vectors (slots, D) and the loss history."""
+
+    vectors: mx.array
+    train_loss: list[float] = field(default_factory=list)
+    val_loss_before: float = math.nan
+    val_loss_after: float = math.nan
+
+
+def mean_prompt_vectors(model: nn.Module, seqs: Sequence[TrainSequence], slots: int) -> mx.array:
+    """(slots, D): the mean prompt embedding over ``seqs`` (the paper's init)."""
+    _, _, embed = model_parts(model)
+    means = [mx.mean(embed(mx.array(s.prompt)).astype(mx.float32), axis=0) for s in seqs]
+    m = mx.mean(mx.stack(means), axis=0)
+    return mx.broadcast_to(m, (slots, m.shape[0]))
+
+
+def eval_masks(
+    model: nn.Module,
+    seqs: Sequence[TrainSequence],
+    vectors_for: Any,
+    slots: int,
+    topk: int = 5,
+) -> dict[str, float]:
+    """Mean loss and top-1 / top-k hit rates of each slot over every valid anchor.
+
+    Args:
+        vectors_for: (k, D) array used for every sequence, or a callable
+            ``seq -> (k, D)`` (e.g. the sequence's own mean prompt embedding).
+
+    Returns:
+        ``{"loss": .., "top1_t+2": .., "top5_t+2": .., "top1_t+3": .., ...}``
+        (hit rates as fractions, t+2 = slot 1).
+    """
+    tot_loss, n = 0.0, 0
+    hits1 = np.zeros(slots)
+    hitsk = np.zeros(slots)
+    rows = 0
+    for s in seqs:
+        anchors = valid_anchors(s, slots)
+        if len(anchors) == 0:
+            continue
+        vec = vectors_for(s) if callable(vectors_for) else vectors_for
+        kv = prefix_kv(model, s.tokens)
+        logits = mask_logits(model, kv, anchors, vec).astype(mx.float32)
+        tgt = mx.array(anchor_targets(s.tokens, anchors, slots))
+        loss = nn.losses.cross_entropy(logits, tgt, reduction="sum")
+        top = mx.argpartition(-logits, kth=topk - 1, axis=-1)[:, :topk]
+        best = mx.argmax(logits, axis=-1)
+        tot_loss += float(loss)
+        n += int(tgt.size)
+        t_np = np.array(tgt).reshape(-1, slots)
+        hits1 += (np.array(best).reshape(-1, slots) == t_np).sum(0)
+        top_np = np.array(top).reshape(-1, slots, topk)
+        hitsk += (top_np == t_np[..., None]).any(-1).sum(0)
+        rows += len(anchors)
+    out = {"loss": tot_loss / max(n, 1), "anchors": rows}
+    for j in range(slots):
+        out[f"top1_t+{j + 2}"] = hits1[j] / max(rows, 1)
+        out[f"top{topk}_t+{j + 2}"] = hitsk[j] / max(rows, 1)
+    return out
+
+
+def train_masks(
+    model: nn.Module,
+    train: Sequence[TrainSequence],
+    slots: int = 2,
+    steps: int = 200,
+    lr: float = 3e-3,
+    anchors_per_step: int = 48,
+    seed: int = 0,
+    init: mx.array | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Learn ``slots`` mask vectors by Adam on the cross-entropy of their logits.
+
+    Each step draws one training sequence and up to ``anchors_per_step`` random
+    anchors in its generated part, and runs one tree forward with a mask set
+    after every anchor. The model is frozen (only the vectors get gradients).
+
+    Args:
+        init: (slots, D) starting vectors; default the mean prompt embedding.
+
+    Raises:
+        InvalidArgumentError: no sequence long enough to train on.
+    """
+    install_positional_rope(model)
+    model.freeze()
+    usable = [s for s in train if len(valid_anchors(s, slots)) > 0]
+    if not usable:
+        raise InvalidArgumentError(
+            "no training sequence has enough generated tokens; use more prompts or --max-tokens"
+        )
+    rng = random.Random(seed)
+    vec = mx.array(init if init is not None else mean_prompt_vectors(model, usable, slots))
+    vec = vec.astype(mx.float32)
+    params = {"masks": vec}
+    opt = optim.Adam(learning_rate=lr)
+    opt.init(params)
+    kv_cache: dict[int, list[tuple[mx.array, mx.array]]] = {}
+
+    def loss_fn(p, kv, anchors, tgt):
+        logits = mask_logits(model, kv, anchors, p["masks"]).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, tgt, reduction="mean")
+
+    grad_fn = mx.value_and_grad(loss_fn)
+    result = TrainResult(vectors=vec)
+    bar = tqdm(range(steps), desc="train masks", disable=not progress)
+    for _ in bar:
+        i = rng.randrange(len(usable))
+        s = usable[i]
+        if i not in kv_cache:
+            kv_cache[i] = prefix_kv(model, s.tokens)
+        anchors = valid_anchors(s, slots)
+        if len(anchors) > anchors_per_step:
+            anchors = np.sort(np.array(rng.sample(list(anchors), anchors_per_step)))
+        tgt = mx.array(anchor_targets(s.tokens, anchors, slots))
+        loss, grads = grad_fn(params, kv_cache[i], anchors, tgt)
+        opt.update(params, grads)
+        mx.eval(params, opt.state, loss)
+        result.train_loss.append(float(loss))
+        recent = result.train_loss[-20:]
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
+    result.vectors = params["masks"]
+    return result

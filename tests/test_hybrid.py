@@ -1,0 +1,206 @@
+"""hybrid: candidate merging and budget allocation (hand-made inputs), options,
+and float32 exactness against plain greedy decoding on the real model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.methods.hybrid import (
+    AcceptanceStats,
+    Allocation,
+    Child,
+    Hybrid,
+    allocate,
+    combine,
+    merge_chains,
+    merged_children,
+)
+
+
+# ------------------------------------------------------------------ merging
+def test_combine_is_noisy_or():
+    assert combine({"a": 0.5, "b": 0.5}) == pytest.approx(0.75)
+    assert combine({"a": 0.0}) == 0.0
+    assert combine({}) == 0.0
+
+
+def test_merge_chains_shares_prefixes_and_merges_sources():
+    trie = merge_chains(
+        [
+            ("pld", [5, 6, 7], [0.6, 0.7, 0.8]),
+            ("pld_alt", [5, 6, 9], [0.3, 0.4, 0.5]),
+            ("pld", [5, 8], [0.2, 0.9]),  # same source again: max, not noisy-or
+            ("pool", [4], [0.5]),
+        ]
+    )
+    root = trie[()]
+    assert set(root) == {5, 4}
+    # 5 proposed by pld (max 0.6) and pld_alt (0.3): 1 - 0.4 * 0.7
+    assert root[5].q == pytest.approx(1 - 0.4 * 0.7)
+    assert {s[0] for s in root[5].sources} == {"pld", "pld_alt"}
+    assert root[4].q == pytest.approx(0.5)
+    # below 5: 6 (both) and 8 (pld only)
+    below5 = trie[(5,)]
+    assert set(below5) == {6, 8}
+    assert below5[6].q == pytest.approx(1 - 0.3 * 0.6)
+    assert below5[8].q == pytest.approx(0.9)
+    # the chains diverge after 5, 6
+    assert set(trie[(5, 6)]) == {7, 9}
+    assert trie[(5, 6)][7].sources == [("pld", 3, 0.8)]
+
+
+def test_merged_children_adds_probe_levels_prunes_parent_token():
+    trie = merge_chains([("pld", [5, 6], [0.5, 0.5])])
+    levels = [
+        (np.array([5, 3, 1]), np.array([0.4, 0.3, 0.1])),
+        (np.array([6, 5, 2]), np.array([0.5, 0.2, 0.1])),
+    ]
+    kids = merged_children((), 1, trie, levels, probe_scale=[1.0, 0.5])
+    by = {c.token: c for c in kids}
+    assert 1 not in by  # the root's own token is pruned (ESP)
+    assert by[5].q == pytest.approx(1 - 0.5 * 0.6)  # pld + probe merged
+    assert [s[0] for s in by[5].sources] == ["pld", "probe"]
+    assert by[3].q == pytest.approx(0.3)
+    assert [c.token for c in kids] == sorted(by, key=lambda t: -by[t].q)
+    # depth 2 under node 5: scale 0.5 applies; token 5 pruned under parent 5
+    kids2 = {c.token: c for c in merged_children((5,), 5, trie, levels, [1.0, 0.5])}
+    assert set(kids2) == {6, 2}
+    assert kids2[6].q == pytest.approx(1 - 0.5 * (1 - 0.25))
+    # no probe level at depth 3
+    assert merged_children((5, 6), 6, trie, levels) == []
+
+
+# --------------------------------------------------------------- allocation
+def _fixed_children(table):
+    def children(path, tok):
+        return [Child(t, q, [("x", len(path) + 1, q)]) for t, q in table.get(path, [])]
+
+    return children
+
+
+def test_allocate_best_first_parents_first_within_budget():
+    table = {
+        (): [(10, 0.9), (20, 0.3)],
+        (10,): [(11, 0.9), (12, 0.05)],
+        (10, 11): [(13, 0.5)],
+        (20,): [(21, 0.99)],
+    }
+    a = allocate(_fixed_children(table), root_token=1, budget=5, masks=0, mask_gain=0.0)
+    # path probs: 10 .9, 11 .81, 13 .405, 20 .3, 21 .297, 12 .045
+    assert a.tokens == [10, 11, 13, 20]
+    assert a.probs == pytest.approx([0.9, 0.81, 0.405, 0.3])
+    assert a.parents == [-1, 0, 1, -1]
+    assert a.slots(0) == 5
+    for i, p in enumerate(a.parents):
+        assert p < i
+    # a bigger budget takes everything, still parents first
+    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0)
+    assert sorted(a.tokens) == [10, 11, 12, 13, 20, 21]
+    assert a.slots(0) == 7
+
+
+def test_allocate_attaches_masks_where_the_path_likely_ends():
+    # one strong chain: the deepest node is the likely end of the accepted path
+    table = {(): [(10, 0.9)], (10,): [(11, 0.9)], (10, 11): [(12, 0.1)]}
+    a = allocate(_fixed_children(table), 1, budget=9, masks=2, mask_gain=1.0)
+    assert a.slots(2) <= 9
+    # value/slot: root 0.1*1/2, node 10 .9*.1/2, node 11 .81*.9/2 = .36 -> masks at 11 first
+    assert a.mask_anchors[0] == 2  # slot of node 11
+    assert 0 in a.mask_anchors or 1 in a.mask_anchors
+    # masks never exceed the budget: budget 4 = root + 3 nodes leaves no room for masks
+    a = allocate(_fixed_children(table), 1, budget=4, masks=2, mask_gain=0.01)
+    assert a.tokens == [10, 11, 12] and a.mask_anchors == []
+    # no candidates at all: the root gets its masks
+    a = allocate(_fixed_children({}), 1, budget=10, masks=1, mask_gain=0.5)
+    assert a.tokens == [] and a.mask_anchors == [0] and a.slots(1) == 2
+    # masks disabled
+    a = allocate(_fixed_children(table), 1, budget=10, masks=0, mask_gain=1.0)
+    assert a.mask_anchors == [] and isinstance(a, Allocation)
+
+
+def test_acceptance_stats_learn_online():
+    s = AcceptanceStats()
+    q0 = s.q("pld", 1)
+    for _ in range(20):
+        s.record([("pld", 1, 0.5)], accepted=True)
+    assert s.q("pld", 1) > q0 + 0.3
+    for _ in range(20):
+        s.record([("pool", 2, 0.5)], accepted=False)
+    assert s.q("pool", 2) < 0.1
+    # probe calibration: accepted / sum of mask probabilities
+    assert s.probe_scale(1) == pytest.approx(1.0)
+    for _ in range(40):
+        s.record([("probe", 1, 0.1)], accepted=True)
+    assert s.probe_scale(1) > 5
+    g0 = s.gain
+    for _ in range(10):
+        s.record_gain(0)
+    assert s.gain < g0
+
+
+def test_options():
+    h = Hybrid(bc="30", masks="2")
+    assert h.block_complexity == 30 and h.masks == 2
+    assert "bc=30" in h.describe()
+    with pytest.raises(InvalidArgumentError):
+        Hybrid(bc=1)
+    with pytest.raises(InvalidArgumentError):
+        Hybrid(tree="6,3")
+    with pytest.raises(InvalidArgumentError):
+        Hybrid(masks=4)
+    with pytest.raises(InvalidArgumentError):
+        Hybrid(mask_init="random")
+    assert Hybrid(masks=0).masks == 0
+
+
+# ---------------------------------------------------------------- exactness
+def _greedy_runs(smollm, prompts, max_tokens, methods):
+    """Token lists of each method (and ntp first) per prompt, sharing one engine
+    per prompt so the prompt is prefilled once."""
+    from mlx_mtp.decoding import generate_steps
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+
+    eos = set(smollm.tokenizer.eos_token_ids)
+    made = {name: make_method(name.split(":")[0], **opts) for name, opts in methods}
+    out = {name: [] for name, _ in methods}
+    stats = {name: [] for name, _ in methods}
+    for p in prompts:
+        engine = Engine(smollm.model)
+        for name, m in made.items():
+            m.prepare(engine)
+            toks, last = [], None
+            for step in generate_steps(engine, m, p, max_tokens=max_tokens, eos_ids=eos):
+                toks.extend(step.tokens)
+                last = step
+            out[name].append(toks)
+            stats[name].append(last.stats)
+    return out, stats
+
+
+def _check_exact(smollm, prompts, max_tokens):
+    methods = [
+        ("ntp", {}),
+        ("hybrid:10", {"bc": 10}),
+        ("hybrid:30:k2", {"bc": 30, "masks": 2}),
+    ]
+    out, stats = _greedy_runs(smollm, prompts, max_tokens, methods)
+    for name, _ in methods[1:]:
+        bad = [i for i, (a, b) in enumerate(zip(out["ntp"], out[name])) if a != b]
+        assert not bad, f"{name} differs from greedy on prompts {bad}"
+        # the tree really drafts and accepts (no silent fallback to plain decoding)
+        assert sum(s.drafted for s in stats[name]) > 0
+        assert sum(s.accepted for s in stats[name]) > 0
+        fwd = sum(s.forward_passes for s in stats[name])
+        assert fwd < sum(s.forward_passes for s in stats["ntp"])
+
+
+def test_hybrid_exact_float32(smollm, spec_prompts):
+    _check_exact(smollm, spec_prompts[:30], 32)
+
+
+@pytest.mark.slow
+def test_hybrid_exact_float32_long(smollm, spec_prompts):
+    _check_exact(smollm, spec_prompts[:30], 64)
