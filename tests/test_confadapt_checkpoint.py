@@ -260,3 +260,31 @@ def test_region_layout_mask_and_positions():
     assert m[7].tolist() == [1, 1, 1, 1, 0, 0, 0, 1]
     pred, src = region_rows(lay)
     assert pred.tolist() == [1, 5, 6, 3, 7] and src.tolist() == [1, 5, 3]
+
+
+def test_cli_convert_and_train(tmp_path, tokenizer_dirs):
+    """``mlx-mtp convert mtp-checkpoint`` and ``mlx-mtp train mtp`` end to end;
+    bad input raises MTPError subclasses (printed without traceback by cli.main)."""
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+
+    runner = CliRunner()
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+    r = runner.invoke(app, ["convert", "mtp-checkpoint", str(src), str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert read_metadata(tmp_path / "out").prompt_format == "plain"
+    r = runner.invoke(app, ["convert", "mtp-checkpoint", str(src), str(tmp_path / "out")])
+    assert isinstance(r.exception, InvalidArgumentError) and "--overwrite" in str(r.exception)
+    plain = make_checkpoint(tmp_path / "plain", "llama", tokenizer_dirs, with_mask=False)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question": "What is 3 + 4?"}\n"Say hi."\n')
+    args = ["train", "mtp", "--model", str(plain), "--data", str(data), "--steps", "1"]
+    args += ["--gen-tokens", "4", "--regions", "1", "--out", str(tmp_path / "ad")]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "--opt adapter=" in r.output and (tmp_path / "ad" / "mtp_adapter.json").is_file()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    r = runner.invoke(app, ["train", "mtp", "--model", str(plain), "--data", str(bad)])
+    assert isinstance(r.exception, InvalidArgumentError) and "has no prompt" in str(r.exception)
