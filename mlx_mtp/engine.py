@@ -95,7 +95,7 @@ class Engine:
             self.backbone, self.lm_head, self.embed = model_parts(model)
         except UnsupportedModelError:  # plain decoding still works through model()
             self.backbone = self.lm_head = self.embed = None
-        self.cache = make_prompt_cache(model, max_kv_size)
+        self.cache = self._new_cache()
         self.cached: list[int] = []
         #: number of model forward passes since creation (prefill chunks excluded)
         self.forward_passes = 0
@@ -108,8 +108,18 @@ class Engine:
 
     def reset(self) -> None:
         """Drop the whole cache."""
-        self.cache = make_prompt_cache(self.model, self.max_kv_size)
+        self.cache = self._new_cache()
         self.cached = []
+
+    def _new_cache(self) -> list[Any]:
+        cache = make_prompt_cache(self.model)
+        if self.max_kv_size is not None:  # mlx-lm ignores max_kv_size for models
+            # with their own make_cache (llama, qwen, ...): apply it here
+            cache = [
+                RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c
+                for c in cache
+            ]
+        return cache
 
     def trimmable(self, n_extra: int = 0) -> bool:
         """Whether every layer cache can later drop up to ``n_extra`` new tokens."""

@@ -37,3 +37,45 @@ def spec_prompts(smollm):
         )
         for q in order
     ]
+
+
+@pytest.fixture(scope="session")
+def short_spec_prompts(spec_prompts):
+    """``spec_prompts`` limited to prompts under 700 tokens (keeps prefill time
+    small on CPU; still drawn round-robin from all six tasks)."""
+    return [p for p in spec_prompts if len(p) < 700]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(smollm):
+    """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation of
+    SmolLM2 float32, memoised for the whole session so that every exactness
+    test compares against the same reference without recomputing it."""
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods.ntp import NTP
+
+    engine = Engine(smollm.model)
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(prompt: list[int], n: int) -> list[int]:
+        key = tuple(prompt)
+        have = memo.get(key, [])
+        if len(have) < n:
+            have = run_method(engine, NTP(), prompt, n, eos=set())
+            memo[key] = have
+        return have[:n]
+
+    return ref
+
+
+def run_method(engine, method, prompt, n, eos=None, sampler=None) -> list[int]:
+    """Generated token ids of ``method`` (prepared on ``engine``) for ``prompt``."""
+    from mlx_mtp.decoding import generate_steps
+
+    method.prepare(engine)
+    out: list[int] = []
+    for step in generate_steps(
+        engine, method, list(prompt), max_tokens=n, sampler=sampler, eos_ids=eos or set()
+    ):
+        out.extend(step.tokens)
+    return out

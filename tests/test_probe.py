@@ -1,0 +1,290 @@
+"""The draft-tree engine and the lossless methods built on it (probe, pld):
+tree forward vs sequential forward, float32 exactness vs greedy on many
+Spec-Bench prompts, sampling distribution, cache handling and the failure
+classes of DESIGN §6."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import run_method
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_mtp.engine import Engine, check_tree_support
+from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
+from mlx_mtp.methods import make_method
+from mlx_mtp.methods.ntp import NTP
+from mlx_mtp.methods.pld import lookup_candidates
+from mlx_mtp.testing import make_tiny_model
+from mlx_mtp.tree import block_complexity, build_tree
+from mlx_mtp.verify import walk_tree
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+SETTINGS = [(10, 1), (10, 2), (30, 1), (30, 2), (60, 1), (60, 2)]
+
+
+# ------------------------------------------------------------- pure functions
+def test_build_tree_best_first_with_pruning_and_budget():
+    d1 = (np.array([5, 7, 9]), np.array([0.6, 0.3, 0.1]))
+    d2 = (np.array([7, 8]), np.array([0.5, 0.4]))
+    toks, par, probs = build_tree([d1, d2], budget=4, root_token=9)
+    # best-first: 5 (0.6), 7 (0.3) or 5->7 (0.3), 5->8 (0.24) ; root token 9 is pruned
+    assert toks[0] == 5 and par[0] == -1
+    assert len(toks) == 4
+    assert all(p < i for i, p in enumerate(par))
+    assert probs == sorted(probs, reverse=True)
+    assert 9 not in [t for t, p in zip(toks, par) if p == -1]
+    # a child repeating its parent's token is pruned (7 under 7)
+    for t, p in zip(toks, par):
+        if p >= 0:
+            assert t != toks[p]
+    # templates cap nodes per depth
+    toks, par, _ = build_tree([d1, d2], budget=10, root_token=0, per_depth=[2, 1])
+    depth = [0 if p < 0 else 1 for p in par]
+    assert depth.count(0) == 2 and depth.count(1) == 1
+    assert block_complexity(1, 14) == 30 and block_complexity(2, 9) == 30
+
+
+def test_walk_tree_accepts_longest_matching_path():
+    # root(0) -> a(1:tok 5) -> b(2:tok 6); root -> c(3:tok 7); mask slot 4
+    parents = np.array([-1, 0, 1, 0, 0])
+    tokens = np.array([1, 5, 6, 7, -1])
+    path, bonus = walk_tree(parents, tokens, {0: 5, 1: 6, 2: 42, 3: 0})
+    assert path == [1, 2] and bonus == 42
+    path, bonus = walk_tree(parents, tokens, {0: 7, 1: 6, 2: 0, 3: 11})
+    assert path == [3] and bonus == 11
+    path, bonus = walk_tree(parents, tokens, {0: 99, 1: 0, 2: 0, 3: 0})
+    assert path == [] and bonus == 99
+
+
+def test_lookup_candidates():
+    ctx = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3])
+    assert lookup_candidates(ctx, 3, 3) == [[4, 7, 2]]  # most recent match of (2, 3)
+    assert lookup_candidates(ctx, 3, 3, limit=2) == [[4, 7, 2], [4, 5, 9]]
+    assert lookup_candidates(np.array([1, 2, 3]), 3, 5) == []
+
+
+def test_bad_options():
+    with pytest.raises(InvalidArgumentError, match="bc"):
+        make_method("probe", bc=2)
+    with pytest.raises(InvalidArgumentError, match="masks"):
+        make_method("probe", masks=0)
+    with pytest.raises(InvalidArgumentError, match="depth 2"):
+        make_method("probe", tree="4,2", masks=1)
+    assert make_method("probe", tree="14").block_complexity == 30
+    assert make_method("probe", bc=30, masks=2).block_complexity == 30
+
+
+# -------------------------------------------------------- tree forward pass
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_equals_sequential_paths(family):
+    model = make_tiny_model(family, seed=1)
+    check_tree_support(model, "probe")
+    prompt = [3, 17, 42, 8, 99, 23]
+    # tree: root(0); 1,2 children of root; 3 child of 1; 4 child of 3; 5 child of 2
+    parents = np.array([-1, 0, 0, 1, 3, 2])
+    tokens = [11, 12, 13, 14, 15, 16]
+    eng = Engine(model)
+    eng.sync(prompt)
+    logits, _ = eng.forward_tree(eng.embed_tokens(tokens), parents, tokens)
+    for node in range(len(parents)):
+        path, cur = [], node
+        while cur >= 0:
+            path.append(tokens[cur])
+            cur = parents[cur]
+        seq = prompt + path[::-1]
+        ref = model(mx.array(seq)[None], cache=make_prompt_cache(model))[0, -1]
+        assert mx.allclose(logits[node], ref, atol=1e-4, rtol=1e-4).item(), (family, node)
+    # keep root + path 1 -> 3 -> 4: the cache equals a fresh prefill of that sequence
+    eng.keep(len(prompt), [0, 1, 3, 4])
+    assert eng.cached == prompt + [11, 12, 14, 15]
+    nxt = eng.forward_chain([77])[0][-1]
+    ref = model(mx.array(prompt + [11, 12, 14, 15, 77])[None])[0, -1]
+    assert mx.allclose(nxt, ref, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_on_tiny_models(family):
+    model = make_tiny_model(family, seed=2)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 9, 8, 7, 9], list(range(10, 40))]
+    eng = Engine(model)
+    for p in prompts:
+        ref = run_method(eng, NTP(), p, 40)
+        for bc, k in [(10, 1), (30, 2)]:
+            assert run_method(eng, make_method("probe", bc=bc, masks=k), p, 40) == ref
+        assert run_method(eng, make_method("pld"), p, 40) == ref
+
+
+def test_unsupported_model_is_refused():
+    from mlx_mtp.testing import TINY_CONFIGS  # noqa: F401
+
+    model = make_tiny_model("llama")
+    model.model_type = "mamba"
+    with pytest.raises(UnsupportedModelError, match="mamba"):
+        check_tree_support(model, "probe")
+
+
+# ---------------------------------------------------------- real model (SmolLM2)
+def test_probe_and_pld_exact_vs_greedy_on_30_spec_bench_prompts(
+    smollm, short_spec_prompts, greedy_reference
+):
+    """Every prompt runs pld and one probe setting (round-robin over BC 10/30/60 x
+    masks 1/2), 40 new tokens, float32; the full sweep is the slow test below."""
+    eng = Engine(smollm.model)
+    prompts = short_spec_prompts[:30]
+    for i, p in enumerate(prompts):
+        ref = greedy_reference(p, 40)
+        bc, k = SETTINGS[i % len(SETTINGS)]
+        probe = make_method("probe", bc=bc, masks=k)
+        got = run_method(eng, probe, p, 40)
+        assert got == ref, f"probe bc={bc} masks={k} prompt {i}"
+        assert run_method(eng, make_method("pld"), p, 40) == ref, f"pld prompt {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bc,masks", SETTINGS)
+def test_probe_exact_full_sweep(smollm, short_spec_prompts, greedy_reference, bc, masks):
+    eng = Engine(smollm.model)
+    for i, p in enumerate(short_spec_prompts[:30]):
+        got = run_method(eng, make_method("probe", bc=bc, masks=masks), p, 64)
+        assert got == greedy_reference(p, 64), f"prompt {i}"
+
+
+@pytest.mark.slow
+def test_pld_exact_full_sweep(smollm, short_spec_prompts, greedy_reference):
+    eng = Engine(smollm.model)
+    for i, p in enumerate(short_spec_prompts[:30]):
+        assert run_method(eng, make_method("pld"), p, 64) == greedy_reference(p, 64), i
+
+
+def test_stats_prove_drafting_happened(smollm):
+    from mlx_mtp.api import MTPModel
+
+    m = MTPModel(smollm, make_method("probe", bc=30))
+    r = m.generate("Count from 1 to 30, separated by commas.", max_tokens=48)
+    s = r.stats
+    assert s.drafted > 0 and s.accepted > 0
+    assert s.forward_passes < s.generated_tokens  # tau > 1
+    assert s.tau == pytest.approx(s.generated_tokens / s.forward_passes)
+    assert s.block_complexity == 30
+
+
+def test_max_tokens_never_exceeded_when_block_accepted(smollm):
+    # a repetitive prompt where pld accepts long blocks
+    from mlx_mtp.api import MTPModel
+
+    m = MTPModel(smollm, make_method("pld"))
+    text = "Repeat exactly: " + "alpha beta gamma delta " * 6
+    for n in (1, 2, 5, 13):
+        r = m.generate(text, max_tokens=n)
+        assert len(r.tokens) <= n
+        assert r.stats.generated_tokens == len(r.tokens)
+        assert len(m.engine.cached) == len(m.encode(text)) + len(r.tokens) - 1
+
+
+def test_eos_inside_accepted_block_ends_output(smollm, short_spec_prompts, greedy_reference):
+    p = short_spec_prompts[2]
+    ref = greedy_reference(p, 30)
+    eos = {ref[12]}
+    stop = ref.index(ref[12])
+    eng = Engine(smollm.model)
+    for method in (make_method("pld"), make_method("probe", bc=30, masks=2)):
+        out = run_method(eng, method, p, 30, eos=eos)
+        assert out == ref[: stop + 1]
+        assert eng.cached == list(p) + out[:-1]
+
+
+def test_rotating_cache_fails_closed_after_wrap():
+    """Failure classes 1 and 2: a sliding-window cache cannot drop rejected
+    drafts once full. Output before that point is exact; then a clear error."""
+    model = make_tiny_model("llama", seed=3)
+    prompt = list(range(1, 20))
+    ref_eng = Engine(model)
+    ref = run_method(ref_eng, NTP(), prompt, 60)
+    eng = Engine(model, max_kv_size=48)
+    got: list[int] = []
+    from mlx_mtp.decoding import generate_steps
+
+    method = make_method("probe", bc=10)
+    method.prepare(eng)
+    with pytest.raises(CacheNotTrimmableError, match="cannot drop rejected draft tokens"):
+        for step in generate_steps(eng, method, prompt, max_tokens=60):
+            got.extend(step.tokens)
+    assert 0 < len(got) < 48 and got == ref[: len(got)]
+
+
+def test_quantized_kv_cache_keeps_exact_path():
+    """Failure class 9: after verification a quantized KV cache keeps the
+    accepted rows (same tokens as ntp with the same quantized cache)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model = make_tiny_model(
+        "llama", seed=4, hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+
+    def run(method):
+        eng = Engine(model)
+        eng.cache = [QuantizedKVCache(group_size=32, bits=8) for _ in eng.cache]
+        return run_method(eng, method, prompt, 30)
+
+    assert run(make_method("probe", bc=10)) == run(NTP())
+
+
+def test_sampling_keeps_target_distribution():
+    """Failure class 8: at temperature 0.8 / top-p 0.9 the first three tokens
+    drawn through probe's and pld's draft verification follow the same
+    distribution as plain sampling (chi-square on tokens 1-2 jointly and on
+    token 3), while drafts do get accepted."""
+    from collections import Counter
+
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_mtp.decoding import generate_steps
+
+    model = make_tiny_model("llama", seed=5, vocab_size=32)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    sampler = make_sampler(0.8, 0.9)
+    n = 700
+
+    def draw(method, seed):
+        mx.random.seed(seed)
+        eng = Engine(model)
+        method.prepare(eng)
+        seqs, accepted = [], 0
+        for _ in range(n):
+            out = []
+            for step in generate_steps(eng, method, prompt, max_tokens=3, sampler=sampler):
+                out.extend(step.tokens)
+            accepted += step.stats.accepted
+            seqs.append(tuple(out))
+        return seqs, accepted
+
+    def chi2_ok(a: Counter, b: Counter) -> bool:
+        keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+        t = np.array(
+            [
+                [a[k] for k in keys] + [n - sum(a[k] for k in keys)],
+                [b[k] for k in keys] + [n - sum(b[k] for k in keys)],
+            ],
+            float,
+        )
+        t = t[:, t.sum(0) > 0]
+        e = t.sum(1, keepdims=True) * t.sum(0, keepdims=True) / t.sum()
+        chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
+        assert dof >= 3, dof
+        return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7  # ~99.9% quantile, loose
+
+    plain, _ = draw(NTP(), 0)
+    # bc=64 with one mask gives 31 depth-1 nodes: nearly the whole 32-token
+    # vocabulary, so a draft is accepted almost every step
+    for method, seed in ((make_method("probe", bc=64), 1), (make_method("pld", max_draft=3), 2)):
+        seqs, accepted = draw(method, seed)
+        assert accepted > (n // 2 if method.name == "probe" else 20), (
+            method.name,
+            accepted,
+        )  # the tree path was exercised
+        assert chi2_ok(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs)), method.name
+        assert chi2_ok(Counter(s[2] for s in plain), Counter(s[2] for s in seqs)), method.name
