@@ -12,6 +12,7 @@ the methods interleaved prompt by prompt:
   own, and for paper mode the share of outputs identical to greedy.
 
     python examples/clp_figures.py [--per-task 8] [--max-tokens 128] [--out clp.json]
+        [--settings ntp,clp-verified,clp-paper,gate-verified,gate-paper] [--heads FOLDER]
 """
 
 from __future__ import annotations
@@ -20,22 +21,21 @@ import argparse
 import json
 import time
 
-from mlx_mtp._blas import ensure_fast_blas
+import mlx_mtp  # noqa: F401  (first: loads OpenBLAS ahead of mlx on Linux)
 
-ensure_fast_blas()
+# isort: split
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from mlx_mtp.data import spec_bench_sample  # noqa: E402
-from mlx_mtp.decoding import generate_steps  # noqa: E402
-from mlx_mtp.engine import Engine  # noqa: E402
-from mlx_mtp.loading import load_model  # noqa: E402
-from mlx_mtp.methods import make_method  # noqa: E402
+from mlx_mtp.data import spec_bench_sample
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine
+from mlx_mtp.loading import load_model
+from mlx_mtp.methods import make_method
 
 try:
-    from mlx_mtp.bench.metrics import repetition_rate  # noqa: E402
+    from mlx_mtp.bench.metrics import repetition_rate
 except ImportError:  # pragma: no cover
 
     def repetition_rate(tokens, n=4):
@@ -53,24 +53,24 @@ SETTINGS = {
 
 
 def head_accuracy(engine: Engine, heads, prompt: list[int], out: list[int]) -> np.ndarray:
-    """(k, 2) counts [correct, total] of head j on the greedy output ``out``."""
-    engine.reset()
+    """(k, 2) counts [correct, total] of head j on the greedy output ``out``
+    (teacher forced: h_n and the greedy token n+1 in, token n+1+j expected)."""
     seq = prompt + out
-    _, h = engine.forward_chain(seq[:-1], hidden=True)
     P = len(prompt)
-    n0 = P - 1  # h[n] predicts seq[n+1]; heads use seq[n+1], predict seq[n+1+j]
-    pos = np.arange(n0, len(seq) - 2)
-    if len(pos) == 0:
+    if len(out) < 2:
         return np.zeros((heads.k, 2))
+    engine.sync(prompt[:-1])  # reuses the cached prompt
+    _, h = engine.forward_chain(seq[P - 1 : -1], hidden=True)  # h[i] at position P-1+i
+    pos = np.arange(P - 1, len(seq) - 2)  # positions whose token n+2 exists
     hl = heads.head_logits(
-        h[mx.array(pos)], engine.embed_tokens([seq[p + 1] for p in pos]), engine.lm_head
+        h[: len(pos)], engine.embed_tokens([seq[p + 1] for p in pos]), engine.lm_head
     )
     pred = np.array(mx.argmax(hl, axis=-1))
     counts = np.zeros((heads.k, 2))
     for j in range(heads.k):
-        ok = [(p + 2 + j) < len(seq) for p in pos]
+        ok = np.array([(p + 2 + j) < len(seq) for p in pos])
         tgt = np.array([seq[p + 2 + j] if o else -1 for p, o in zip(pos, ok)])
-        counts[j] = [((pred[j] == tgt) & np.array(ok)).sum(), sum(ok)]
+        counts[j] = [((pred[j] == tgt) & ok).sum(), ok.sum()]
     return counts
 
 
@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -93,18 +94,19 @@ def main() -> None:
     ]
     eos = {tok.eos_token_id}
     names = args.settings.split(",")
+    engine = Engine(lm.model)  # shared: each prompt is prefilled once, then reused by prefix
     runs = {}
     for name in names:
         mname, opts = SETTINGS[name]
+        if mname == "clp" and args.heads:
+            opts = {**opts, "heads": args.heads}
         m = make_method(mname, **opts)
-        e = Engine(lm.model)
-        m.prepare(e)
-        runs[name] = (m, e)
+        m.prepare(engine)
+        runs[name] = (m, engine)
     rec = {n: {"tokens": 0, "time": 0.0, "forwards": 0, "rep": [], "same": 0} for n in names}
     outs: dict[str, list[list[int]]] = {n: [] for n in names}
     heads = runs[next(n for n in names if n != "ntp")][0].heads
     acc = np.zeros((heads.k, 2))
-    acc_engine = Engine(lm.model)
     for i, p in enumerate(tqdm(prompts, desc="prompts")):
         order = names if i % 2 == 0 else names[::-1]  # interleave, alternate order
         for name in order:
@@ -119,7 +121,7 @@ def main() -> None:
             r["rep"].append(repetition_rate(toks))
             outs[name].append(toks)
         if "ntp" in names:
-            acc += head_accuracy(acc_engine, heads, p, outs["ntp"][-1])
+            acc += head_accuracy(engine, heads, p, outs["ntp"][-1])
             for name in names:
                 rec[name]["same"] += int(outs[name][-1] == outs["ntp"][-1])
     ntp_tps = rec["ntp"]["tokens"] / rec["ntp"]["time"] if "ntp" in rec else float("nan")

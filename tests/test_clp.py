@@ -174,16 +174,15 @@ def test_verified_exact_vs_ntp_smollm_30x64(smollm, spec_prompts):
 
 
 def _exact_vs_ntp(smollm, prompts, n):
-    eng_ref = Engine(smollm.model)
     method = make_method("clp")  # shipped heads, found by fingerprint
-    eng = Engine(smollm.model)
+    eng = Engine(smollm.model)  # one engine: the clp run reuses the ntp run's prompt cache
     method.prepare(eng)
     assert method.heads_folder == SHIPPED
     accepted = 0
     eos = {smollm.tokenizer.eos_token_id}
     for i, p in enumerate(prompts):
         ref = []
-        for s in generate_steps(eng_ref, make_method("ntp"), p, max_tokens=n, eos_ids=eos):
+        for s in generate_steps(eng, make_method("ntp"), p, max_tokens=n, eos_ids=eos):
             ref.extend(s.tokens)
         got = []
         for s in generate_steps(eng, method, p, max_tokens=n, eos_ids=eos):

@@ -216,3 +216,14 @@ def test_mimo_for_another_model_refused(tmp_path):
         convert(repo, tmp_path / "out", _loaded(make_tiny_model("qwen2", seed=9)))
     with pytest.raises(CheckpointMismatchError):
         convert(repo, tmp_path / "out", _loaded(make_tiny_model("qwen2", hidden_size=32)))
+
+
+def test_cli_commands_registered():
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+
+    r = CliRunner().invoke(app, ["convert", "clp-heads", "--help"])
+    assert r.exit_code == 0 and "medusa" in r.output.lower()
+    r = CliRunner().invoke(app, ["train", "clp", "--help"])
+    assert r.exit_code == 0 and "--data" in r.output

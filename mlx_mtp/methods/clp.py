@@ -89,7 +89,10 @@ class CLP(Method):
         return 1 + (self.k or 0)
 
     def describe(self) -> str:
-        return f"clp(mode={self.mode}, k={self.k}, predictor={self.predictor})"
+        sel = self.predictor
+        if self.heads is not None and self.selector is not None:
+            sel += f" {self.predictor_params():,} params"
+        return f"clp(mode={self.mode}, k={self.k}, predictor={sel})"
 
     # ------------------------------------------------------------------ setup
     def prepare(self, engine: Engine) -> None:
