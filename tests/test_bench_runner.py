@@ -98,6 +98,9 @@ def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
     assert len(lines) == 4
     # interruption: two records complete, the third half-written
     path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    partial = runner.run_bench(cfg, smollm, progress=False, plots=False, generate=False)
+    assert partial["progress"] == {"generations": 2, "planned": 4}
+    assert "partial run" in (tmp_path / "out" / "report.md").read_text()
     ran = []
     real = runner._run_one
 
@@ -113,6 +116,8 @@ def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
     assert len(recs) == 4
     assert len({(r["qid"], r["method"]) for r in recs}) == 4
     assert all(m["overall"]["n"] == 2 for m in res["methods"])
+    assert res["progress"] == {"generations": 4, "planned": 4}
+    assert "partial run" not in (tmp_path / "out" / "report.md").read_text()
     # a complete rerun generates nothing
     ran.clear()
     runner.run_bench(cfg, smollm, progress=False, plots=False)
@@ -180,6 +185,11 @@ def test_gsm8k_mode(smollm, tmp_path):
             smollm,
             progress=False,
         )
+
+
+def test_report_only_needs_records(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="no finished generations"):
+        runner.run_bench(_cfg(tmp_path), None, progress=False, generate=False)
 
 
 def test_bad_inputs(tmp_path):

@@ -129,6 +129,7 @@ def build_results(
         "environment": environment,
         "reference": ref_label,
         "tasks": [g for g in groups if any(r["task"] == g for r in records)],
+        "progress": {"generations": len(records), "planned": len(records)},
         "definitions": {
             "tau": "generated tokens / target forward passes (bonus included), summed over "
             "prompts before dividing",
@@ -168,6 +169,13 @@ def render_markdown(results: dict[str, Any]) -> str:
         "same process, after a warm-up); tau = tokens per forward pass (bonus included).",
         "",
     ]
+    prog = results.get("progress") or {}
+    if prog.get("generations", 0) < prog.get("planned", 0):
+        lines[-1:-1] = [
+            f"- **partial run**: {prog['generations']} of {prog['planned']} generations "
+            "finished (rerun the same command to resume); tables cover the finished ones, "
+            "speedups only prompts that ntp also finished."
+        ]
     if s["mode"] == "gsm8k":
         lines += [
             "| Method | BC | Accuracy | tau (tokens/forward) | tok/s | Speedup | Rep. rate |",

@@ -156,8 +156,11 @@ class ResultStore:
                 (out / name).unlink(missing_ok=True)
         spath.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
-    def load(self) -> list[dict[str, Any]]:
-        """All complete records; a half-written record (interrupted run) is cut off."""
+    def load(self, repair: bool = True) -> list[dict[str, Any]]:
+        """All complete records. With ``repair``, a half-written record (an
+        interrupted run) is also cut off the file so that appends stay valid;
+        without it (reading while another process may be writing) the file is
+        left alone."""
         if not self.path.exists():
             return []
         good, lines = [], self.path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -171,7 +174,7 @@ class ResultStore:
                 continue
             good.append(rec)
             keep.append(line)
-        if len(keep) != len(lines):
+        if repair and len(keep) != len(lines):
             self.path.write_text("".join(keep), encoding="utf-8")
         return good
 
@@ -195,6 +198,7 @@ def run_bench(
     overwrite: bool = False,
     progress: bool = True,
     plots: bool = True,
+    generate: bool = True,
 ) -> dict[str, Any]:
     """Run (or resume) a benchmark and write ``results.json``, ``report.md``
     and the plots into ``config.out``.
@@ -206,6 +210,8 @@ def run_bench(
         overwrite: discard a run with other settings in the same folder.
         progress: show a tqdm progress bar.
         plots: write the PNG plots.
+        generate: False only rebuilds the outputs from the records found in
+            ``config.out`` (a partial run gives partial tables, marked so).
 
     Returns:
         The results dict written to ``results.json``.
@@ -222,17 +228,21 @@ def run_bench(
     prompts, groups = select_prompts(config)
     out = Path(config.out)
     store = ResultStore(out, config.settings(), overwrite)
-    done = {entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r for r in store.load()}
+    done = {
+        entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r
+        for r in store.load(repair=generate)
+    }
 
-    todo = []
+    todo, planned = [], 0
     for p in prompts:
         for turn in range(1, min(config.turns, len(p.turns)) + 1):
             for rep in range(config.repeats):
                 for label in methods:
+                    planned += 1
                     if entry_key(p.qid, turn, rep, label) not in done:
                         todo.append((p, turn, rep, label))
 
-    if todo:
+    if todo and generate:
         if loaded is None:
             from ..loading import load_model
 
@@ -252,7 +262,11 @@ def run_bench(
 
     from .report import build_results, write_outputs
 
-    results = build_results(config, methods, store.load(), groups, _environment())
+    records = store.load(repair=generate)
+    if not records:
+        raise InvalidArgumentError(f"{out} holds no finished generations to report on yet.")
+    results = build_results(config, methods, records, groups, _environment())
+    results["progress"] = {"generations": len(records), "planned": planned}
     write_outputs(results, out, plots=plots)
     return results
 

@@ -39,6 +39,12 @@ def register(app: typer.Typer) -> None:
             False, "--overwrite", help="Discard an earlier run with other settings in --out."
         ),
         no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
+        report_only: bool = typer.Option(
+            False,
+            "--report-only",
+            help="Generate nothing: rebuild results.json, report.md and plots from the "
+            "records already in --out (same settings).",
+        ),
     ):
         """Run methods side by side (interleaved, one process) and write results.json,
         report.md and plots into --out. An interrupted run resumes where it stopped."""
@@ -65,7 +71,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             out=out,
         )
-        run_bench(cfg, overwrite=overwrite, plots=not no_plots)
+        run_bench(cfg, overwrite=overwrite, plots=not no_plots, generate=not report_only)
         report = Path(out) / "report.md"
         typer.echo(report.read_text())
         typer.echo(f"wrote {Path(out) / 'results.json'}, {report} and plots", err=True)
