@@ -156,6 +156,31 @@ def test_options():
 
 
 # ---------------------------------------------------------------- exactness
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hybrid_tiny_model_exact_and_drafting(family):
+    """Plumbing on a random model: same tokens as ntp, and real drafting."""
+    from mlx_mtp.decoding import generate_steps
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+    from mlx_mtp.testing import make_tiny_model
+
+    m = make_tiny_model(family, seed=0)
+    prompt = [int(x) for x in np.random.RandomState(1).randint(0, 256, 10)] * 3
+    outs = []
+    for name, kw in [("ntp", {}), ("hybrid", {"bc": 10}), ("hybrid", {"bc": 30, "masks": 2})]:
+        e = Engine(m)
+        meth = make_method(name, **kw)
+        meth.prepare(e)
+        toks = []
+        for s in generate_steps(e, meth, prompt, max_tokens=40):
+            toks.extend(s.tokens)
+        outs.append(toks)
+        assert e.offset == len(prompt) + len(toks) - 1  # cache invariant
+        if name == "hybrid":
+            assert s.stats.accepted > 0 and s.stats.forward_passes < 40
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
 def _greedy_runs(smollm, prompts, max_tokens, methods):
     """Token lists of each method (and ntp first) per prompt, sharing one engine
     per prompt so the prompt is prefilled once."""
@@ -185,6 +210,8 @@ def _check_exact(smollm, prompts, max_tokens):
         ("ntp", {}),
         ("hybrid:10", {"bc": 10}),
         ("hybrid:30:k2", {"bc": 30, "masks": 2}),
+        ("probe:30:learned", {"bc": 30, "mask_init": "learned"}),
+        ("hybrid:30:learned", {"bc": 30, "mask_init": "learned"}),
     ]
     out, stats = _greedy_runs(smollm, prompts, max_tokens, methods)
     for name, _ in methods[1:]:

@@ -1,0 +1,134 @@
+"""Learned mask embeddings: file keyed to the model, refused for another model,
+the training forward equals the engine's tree forward, training reduces the
+held-out loss, and the shipped SmolLM2 masks load."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.errors import CheckpointMismatchError, InvalidArgumentError
+from mlx_mtp.learned_masks import (
+    ASSETS_DIR,
+    LearnedMasksNotFoundError,
+    load_learned_masks,
+    save_learned_masks,
+)
+from mlx_mtp.testing import make_tiny_model
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_save_load_roundtrip_default_search(home):
+    m = make_tiny_model("llama", seed=0)
+    vec = mx.random.normal((2, 64))
+    meta = save_learned_masks(vec, m, info={"model": "tiny"})
+    assert meta.parent == home / "masks" and meta.suffix == ".json"
+    got = load_learned_masks(m)  # found in the user cache by fingerprint
+    assert got.shape == (2, 64)
+    assert np.allclose(np.array(got), np.array(vec))
+    assert np.allclose(np.array(load_learned_masks(m, path=meta)), np.array(vec))
+
+
+def test_refused_for_another_model(home, tmp_path):
+    a = make_tiny_model("llama", seed=0)
+    b = make_tiny_model("llama", seed=1)
+    meta = save_learned_masks(mx.zeros((1, 64)), a, tmp_path / "a.safetensors")
+    with pytest.raises(CheckpointMismatchError, match="fingerprint"):
+        load_learned_masks(b, path=meta)
+    with pytest.raises(CheckpointMismatchError):
+        load_learned_masks(b, path=tmp_path / "a.safetensors")
+    # b has none of its own: a clear error naming the training command
+    with pytest.raises(LearnedMasksNotFoundError, match="mlx-mtp train masks"):
+        load_learned_masks(b)
+
+
+def test_wrong_shape_refused(home):
+    m = make_tiny_model("llama", seed=0)
+    with pytest.raises(InvalidArgumentError):
+        save_learned_masks(mx.zeros((2, 32)), m)
+
+
+def test_probe_with_learned_masks_for_other_model_is_refused(home, tmp_path):
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+
+    a = make_tiny_model("llama", seed=0)
+    b = make_tiny_model("llama", seed=1)
+    meta = save_learned_masks(mx.zeros((2, 64)), a, tmp_path / "x.safetensors")
+    # a copy under b's fingerprint name in the user cache is still refused by content
+    from mlx_mtp.fingerprint import model_fingerprint
+
+    dst = home / "masks"
+    dst.mkdir(parents=True)
+    fp_b = model_fingerprint(b)
+    text = meta.read_text().replace('"x.safetensors"', '"w.safetensors"')
+    (dst / f"{fp_b}.json").write_text(text)
+    (dst / "w.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes())
+    for name in ("probe", "hybrid"):
+        with pytest.raises(CheckpointMismatchError):
+            make_method(name, mask_init="learned").prepare(Engine(b))
+
+
+def test_training_forward_matches_tree_forward():
+    from mlx_mtp.engine import Engine, check_tree_support
+    from mlx_mtp.training.masks import mask_logits, prefix_kv
+
+    m = make_tiny_model("llama", seed=0)
+    check_tree_support(m, "probe")
+    toks = [int(x) for x in np.random.RandomState(0).randint(0, 256, 20)]
+    vec = mx.random.normal((2, 64))
+    logits = mask_logits(m, prefix_kv(m, toks), np.array([5, 9, 12]), vec)
+    for i, t in enumerate([5, 9, 12]):
+        e = Engine(m)
+        e.sync(toks[:t])
+        emb = mx.concatenate([e.embed_tokens([toks[t]]), vec])
+        ref, _ = e.forward_tree(emb, np.array([-1, 0, 1]), [toks[t], -1, -1])
+        assert np.allclose(np.array(ref[1:]), np.array(logits[2 * i : 2 * i + 2]), atol=1e-4)
+
+
+def _tiny_sequences(model, n, seed):
+    from mlx_mtp.decoding import generate_steps
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+    from mlx_mtp.training.masks import TrainSequence
+
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        prompt = [int(x) for x in rng.randint(0, 256, 12)]
+        gen = []
+        for s in generate_steps(Engine(model), make_method("ntp"), prompt, max_tokens=24):
+            gen.extend(s.tokens)
+        out.append(TrainSequence(prompt, gen))
+    return out
+
+
+def test_training_reduces_heldout_loss():
+    from mlx_mtp.training.masks import eval_masks, mean_prompt_vectors, train_masks
+
+    m = make_tiny_model("llama", seed=0)
+    train = _tiny_sequences(m, 8, seed=1)
+    val = _tiny_sequences(m, 4, seed=2)
+    init = mean_prompt_vectors(m, train, 2)
+    before = eval_masks(m, val, init, 2)
+    res = train_masks(m, train, slots=2, steps=40, lr=0.05, anchors_per_step=16, progress=False)
+    after = eval_masks(m, val, res.vectors, 2)
+    assert np.mean(res.train_loss[-10:]) < np.mean(res.train_loss[:10])
+    assert after["loss"] < before["loss"] - 0.1
+    assert after["anchors"] == before["anchors"] > 0
+
+
+def test_shipped_smollm_masks(smollm):
+    from mlx_mtp.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(smollm.model)
+    assert (ASSETS_DIR / f"{fp}.json").exists(), "no shipped learned masks for SmolLM2"
+    vec = load_learned_masks(smollm.model)
+    assert vec.shape[1] == 576 and vec.shape[0] >= 1
+    assert bool(mx.all(mx.isfinite(vec)))
