@@ -135,3 +135,71 @@ def test_exact_vs_ntp_smollm_30_prompts(smollm, spec_prompts):
 def test_exact_vs_ntp_smollm_64_tokens(smollm, spec_prompts, settings):
     tau, accepted = _exact_on_smollm(smollm, spec_prompts[:30], 64, settings)
     assert accepted > 0 and tau > 1.0
+
+
+def _chi2_same(a, b, n: int) -> bool:
+    """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
+    pooled) at roughly the 99.9% quantile: True if the samples may share one
+    distribution."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    t = np.array(
+        [
+            [a[k] for k in keys] + [n - sum(a[k] for k in keys)],
+            [b[k] for k in keys] + [n - sum(b[k] for k in keys)],
+        ],
+        float,
+    )
+    t = t[:, t.sum(0) > 0]
+    e = t.sum(1, keepdims=True) * t.sum(0, keepdims=True) / t.sum()
+    chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
+    assert dof >= 3, dof
+    return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7
+
+
+class _SeededPool(Lookahead):
+    """Lookahead whose n-gram pool starts with a candidate for every
+    (key, first token) pair of a 32-token vocabulary, so the verification tree
+    is used at every step (depth 1 always accepted, depth 2 sometimes)."""
+
+    def begin(self, engine, prompt, sampler):
+        super().begin(engine, prompt, sampler)
+        for key in range(32):
+            for t in range(32):
+                self.pool.add(key, (t, (7 * t + key) % 32))
+
+
+def test_sampling_keeps_target_distribution():
+    """At temperature 0.8 / top-p 0.9, tokens committed through lookahead's
+    tree verification follow plain sampling's distribution (failure class 8):
+    chi-square on tokens 1-2 jointly and on tokens 3 and 4, while pool
+    candidates are accepted at nearly every step."""
+    from collections import Counter
+
+    from mlx_lm.sample_utils import make_sampler
+
+    model = make_tiny_model("qwen2", seed=5, vocab_size=32)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    sampler = make_sampler(0.8, 0.9)
+    n = 600
+
+    def draw(method, seed):
+        mx.random.seed(seed)
+        eng = Engine(model)
+        method.prepare(eng)
+        seqs, accepted = [], 0
+        for _ in range(n):
+            eng.reset()
+            out = []
+            for step in generate_steps(eng, method, prompt, max_tokens=4, sampler=sampler):
+                out.extend(step.tokens)
+            accepted += step.stats.accepted
+            seqs.append(tuple(out))
+        return seqs, accepted
+
+    plain, _ = draw(NTP(), 0)
+    seqs, accepted = draw(_SeededPool(level=3, window=4, guess=32), 1)
+    assert accepted > n, accepted  # more than one accepted draft per generation
+    assert _chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
+    for i in (2, 3):
+        assert _chi2_same(Counter(s[i] for s in plain), Counter(s[i] for s in seqs), n), i
