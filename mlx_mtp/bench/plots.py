@@ -74,9 +74,11 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     for name, pts in by_name.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        for bc, t, label in pts:
-            ax.annotate(label, (bc, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
+    bcs = sorted({m["block_complexity"] for m in methods})
+    ax.set_xticks(bcs)
+    ax.set_xticklabels([str(b) for b in bcs])
+    ax.minorticks_off()
     ax.set_xlabel("block complexity BC (tokens per forward pass, log scale)")
     ax.set_ylabel("tau (accepted tokens per forward)")
     ax.set_title(f"tau vs BC ({results['settings']['model']})")
