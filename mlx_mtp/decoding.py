@@ -41,6 +41,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     peak_memory_gb: float = 0.0
+    #: seconds of decode_time spent inside model forward passes (incl. eval)
+    forward_time: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -56,6 +58,12 @@ class GenerationStats:
         return self.generated_tokens / self.decode_time if self.decode_time > 0 else 0.0
 
     @property
+    def host_ms_per_step(self) -> float:
+        """Milliseconds per decoding step spent outside the model's forward pass
+        (drafting, tree building, verification, cache bookkeeping)."""
+        return 1000 * (self.decode_time - self.forward_time) / self.steps if self.steps else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -65,13 +73,19 @@ class GenerationStats:
             f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
             f"tau {self.tau:.2f} (BC {self.block_complexity}), "
             f"drafted {self.drafted} / accepted {self.accepted}, "
-            f"{self.forward_passes} forwards, prefill {self.prefill_tokens} tok "
+            f"{self.forward_passes} forwards, host {self.host_ms_per_step:.2f} ms/step, "
+            f"prefill {self.prefill_tokens} tok "
             f"@ {self.prefill_tps:.0f} tok/s, peak {self.peak_memory_gb:.2f} GB"
         )
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "accept_lengths"}
-        d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        d.update(
+            tau=self.tau,
+            prefill_tps=self.prefill_tps,
+            decode_tps=self.decode_tps,
+            host_ms_per_step=self.host_ms_per_step,
+        )
         return d
 
 
@@ -128,6 +142,7 @@ def generate_steps(
     stats.prefill_time = time.perf_counter() - t0
     method.begin(engine, prompt, sampler)
     root, n, finish = prompt[-1], 0, None
+    f0 = engine.forward_seconds
     t0 = time.perf_counter()
     try:
         while finish is None:
@@ -147,6 +162,7 @@ def generate_steps(
             stats.accepted += min(out.accepted, len(tokens) - 1) if tokens else 0
             stats.accept_lengths.append(len(tokens))
             stats.decode_time = time.perf_counter() - t0
+            stats.forward_time = engine.forward_seconds - f0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             root = tokens[-1]
             yield Step(tokens, stats, finish)

@@ -9,6 +9,7 @@ the exact token ids whose keys and values the cache holds. Methods call
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -99,6 +100,8 @@ class Engine:
         self.cached: list[int] = []
         #: number of model forward passes since creation (prefill chunks excluded)
         self.forward_passes = 0
+        #: wall seconds spent inside those forward passes (graph build + eval)
+        self.forward_seconds = 0.0
 
     # ----------------------------------------------------------------- cache
     @property
@@ -200,12 +203,17 @@ class Engine:
             logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
             if ``hidden``.
         """
+        t0 = time.perf_counter()
         self.cached.extend(tokens)
         self.forward_passes += 1
         if self.backbone is None:
-            return self.model(mx.array(tokens)[None], cache=self.cache)[0], None
-        h = self.backbone(mx.array(tokens)[None], cache=self.cache)[0]
-        return self.lm_head(h), (h if hidden else None)
+            logits, h = self.model(mx.array(tokens)[None], cache=self.cache)[0], None
+        else:
+            h = self.backbone(mx.array(tokens)[None], cache=self.cache)[0]
+            logits = self.lm_head(h)
+        mx.eval(logits) if h is None else mx.eval(logits, h)
+        self.forward_seconds += time.perf_counter() - t0
+        return logits, (h if hidden else None)
 
     def embed_tokens(self, tokens: list[int] | np.ndarray) -> mx.array:
         """Input embeddings (L, D) of token ids."""
@@ -217,6 +225,7 @@ class Engine:
         parents: np.ndarray,
         slot_tokens: list[int],
         hidden: bool = False,
+        logit_rows: int | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """One forward pass over a tree of N slots placed after the cache.
 
@@ -232,15 +241,19 @@ class Engine:
                 (-1 for mask slots); only kept slots stay there after
                 :meth:`keep`.
             hidden: also return the hidden states.
+            logit_rows: compute logits only for the first ``logit_rows`` slots
+                (the LM head is a large share of a small model's forward);
+                the caller applies ``engine.lm_head`` to other hidden rows later.
 
         Returns:
-            logits (N, V) and optionally hidden states (N, D).
+            logits (N or logit_rows, V) and optionally hidden states (N, D).
 
         Raises:
             CacheNotTrimmableError: the cache could not drop the rejected slots.
         """
         n = len(parents)
         self._require_trimmable(n)
+        t0 = time.perf_counter()
         anc, depth = ancestors(parents)
         L = self.offset
         mask = np.concatenate([np.ones((n, L), dtype=bool), anc], axis=1)
@@ -250,7 +263,10 @@ class Engine:
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.forward_passes += 1
-        return self.lm_head(h), (h if hidden else None)
+        logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
+        mx.eval(logits, h)
+        self.forward_seconds += time.perf_counter() - t0
+        return logits, (h if hidden else None)
 
     def keep(self, start: int, slots: list[int]) -> None:
         """After a tree forward that began at cache offset ``start``, keep only the

@@ -162,25 +162,26 @@ class Probe(Method):
         emb = engine.embed_tokens(slot_tokens[:n_tok])
         masks = mx.tile(self.mask_embedding.astype(emb.dtype), (n_tok, 1))  # slot j of each set
         start = engine.offset
-        logits, _ = engine.forward_tree(
-            mx.concatenate([emb, masks]), parents_np, slot_tokens.tolist()
+        logits, hidden = engine.forward_tree(
+            mx.concatenate([emb, masks]), parents_np, slot_tokens.tolist(), True, n_tok
         )
 
-        # one host sync: target tokens at token slots, top candidates at mask slots
-        mask_logits = logits[n_tok:].astype(mx.float32)
-        m = min(max(self.nodes, 1), mask_logits.shape[-1])
-        top = mx.argpartition(-mask_logits, kth=m - 1, axis=-1)[:, :m]
-        top_p = mx.take_along_axis(mx.softmax(mask_logits, axis=-1), top, axis=-1)
-        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler)
-        top_np, top_p_np = np.array(top), np.array(top_p)
+        # verification: target tokens at the token slots only
+        targets = target_tokens(logits, np.arange(n_tok), self.sampler)
         path, bonus = walk_tree(parents_np, slot_tokens, dict(enumerate(targets.tolist())))
 
+        # the k masks after the deepest accepted node draft the next tree
         vstar = path[-1] if path else 0
-        self.dists = []
-        for j in range(k):
-            row = vstar * k + j
-            order = np.argsort(-top_p_np[row])
-            self.dists.append((top_np[row][order], top_p_np[row][order]))
+        h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
+        rows = engine.lm_head(h_masks).astype(mx.float32)
+        m = min(max(self.nodes, 1), rows.shape[-1])
+        top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
+        top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
+        top_np, top_p_np = np.array(top), np.array(top_p)
+        order = np.argsort(-top_p_np, axis=-1)
+        top_np = np.take_along_axis(top_np, order, -1)
+        top_p_np = np.take_along_axis(top_p_np, order, -1)
+        self.dists = [(top_np[j], top_p_np[j]) for j in range(k)]
         engine.keep(start, [0, *path])
         committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
         self._update_mask(engine, committed)
