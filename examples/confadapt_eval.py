@@ -27,11 +27,9 @@ import re
 import time
 from pathlib import Path
 
-from mlx_mtp._blas import ensure_fast_blas
+from tqdm import tqdm
 
-ensure_fast_blas()
-
-from tqdm import tqdm  # noqa: E402
+import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

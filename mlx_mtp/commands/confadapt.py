@@ -50,6 +50,7 @@ def run_train_mtp(
     resume: bool = True,
     dtype: str = "float32",
     prompt_format: str = "chat",
+    stop_after: int | None = None,
     **config: int | float,
 ) -> Path:
     """Adapt ``model`` for confadapt by self-distillation and write the result.
@@ -73,7 +74,7 @@ def run_train_mtp(
         name = "" if model.count("/") else f"{model}-"
         out = cache_home() / ("confadapt" if lora else "models") / f"{name}mtp-{fp}"
     trainer = Trainer(lm, prompts, out, cfg, prompt_format=prompt_format)
-    return trainer.run(resume=resume)
+    return trainer.run(resume=resume, stop_after=stop_after)
 
 
 def register(app: typer.Typer) -> None:
@@ -109,6 +110,9 @@ def register(app: typer.Typer) -> None:
         data: str = typer.Option(..., "--data", help="Prompts JSONL, or 'gsm8k-train'."),
         lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapter or full fine-tune."),
         steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default 60)."),
+        stop_after: int | None = typer.Option(
+            None, "--stop-after", help="Stop (and export) at this step of the schedule."
+        ),
         lr: float | None = typer.Option(None, "--lr", help="Peak lr (5e-4 LoRA, 1e-5 full)."),
         rank: int = typer.Option(8, "--rank", help="LoRA rank."),
         regions: int = typer.Option(6, "--regions", help="Mask regions per sequence."),
@@ -137,6 +141,7 @@ def register(app: typer.Typer) -> None:
             resume,
             dtype,
             prompt_format,
+            stop_after,
             rank=rank,
             regions=regions,
             gen_tokens=gen_tokens,

@@ -371,7 +371,9 @@ class ConfAdapt(Method):
         return self.k
 
     def describe(self) -> str:
-        rule = "static" if self.static else f"tau={self.tau:g}"
+        # the stats line's "tau" (tokens per forward) is the paper's Eff. k; the
+        # confidence threshold is printed as "conf>=" to keep the two apart
+        rule = "static" if self.static else f"conf>={self.tau:g}"
         return f"confadapt(k={self.k}, {rule})"
 
     # -------------------------------------------------------------- setup

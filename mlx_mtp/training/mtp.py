@@ -591,9 +591,12 @@ class Trainer:
         return True
 
     # ----------------------------------------------------------------- run
-    def run(self, resume: bool = True, log: Any = None) -> Path:
+    def run(self, resume: bool = True, log: Any = None, stop_after: int | None = None) -> Path:
         """Train to ``config.steps`` with a progress bar, checkpoints and resume,
-        then write the output folder (atomically) and return it."""
+        then write the output folder (atomically) and return it.
+
+        ``stop_after`` ends the run early at that step of the same schedule (the
+        checkpoint stays, so a later run with ``resume`` continues to the end)."""
         from tqdm import tqdm
 
         mx.random.seed(self.cfg.seed)
@@ -603,7 +606,8 @@ class Trainer:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train mtp", unit="step")
         ema = None
         t0 = time.perf_counter()
-        while self.step < self.cfg.steps:
+        end = self.cfg.steps if stop_after is None else min(stop_after, self.cfg.steps)
+        while self.step < end:
             m = self.train_step()
             ema = m if ema is None else {k: 0.9 * ema[k] + 0.1 * m[k] for k in m}
             bar.set_postfix(loss=f"{ema['loss']:.3f}", mtp_acc=f"{ema['mtp_acc']:.2f}")
@@ -613,7 +617,7 @@ class Trainer:
                     f"step {self.step} loss {m['loss']:.4f} mtp_acc {m['mtp_acc']:.3f} "
                     f"tokens {m['tokens']} elapsed {time.perf_counter() - t0:.0f}s"
                 )
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+            if self.step % self.cfg.save_every == 0 or self.step == end:
                 self.save_checkpoint()
         bar.close()
         return self.export()
