@@ -209,9 +209,8 @@ def _check_exact(smollm, prompts, max_tokens):
     methods = [
         ("ntp", {}),
         ("hybrid:10", {"bc": 10}),
-        ("hybrid:30:k2", {"bc": 30, "masks": 2}),
+        ("hybrid:30:k2:learned", {"bc": 30, "masks": 2, "mask_init": "learned"}),
         ("probe:30:learned", {"bc": 30, "mask_init": "learned"}),
-        ("hybrid:30:learned", {"bc": 30, "mask_init": "learned"}),
     ]
     out, stats = _greedy_runs(smollm, prompts, max_tokens, methods)
     for name, _ in methods[1:]:
