@@ -122,6 +122,15 @@ def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
     ran.clear()
     runner.run_bench(cfg, smollm, progress=False, plots=False)
     assert ran == []
+    # a record written twice (e.g. by a stray second process) counts once, the last wins
+    dup = json.loads(lines[0])
+    dup["decode_time"] = 1e6
+    with open(path, "a") as f:
+        f.write(json.dumps(dup) + "\n")
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False, generate=False)
+    assert all(m["overall"]["n"] == 2 for m in res["methods"])
+    row = next(m for m in res["methods"] if m["label"] == dup["method"])
+    assert row["overall"]["decode_time_s"] >= 1e6
 
 
 def test_other_settings_refused_unless_overwrite(smollm, tmp_path):

@@ -105,11 +105,11 @@ def test_exact_vs_ntp_tiny(family):
     assert accepted > 0  # drafts were actually accepted (not plain decoding in disguise)
 
 
-def _exact_on_smollm(smollm, prompts, n, settings=None):
+def _exact_on_smollm(smollm, prompts, n, reference, settings=None):
     engine = Engine(smollm.model)
     tokens = forwards = accepted = 0
     for i, prompt in enumerate(prompts):
-        ref, _ = _generate(engine, NTP(), prompt, n)
+        ref = reference(prompt, n)
         got, stats = _generate(engine, Lookahead(**(settings or {})), prompt, n)
         assert got == ref, f"prompt {i}: first mismatch at {_first_diff(ref, got)}"
         tokens += stats.generated_tokens
@@ -122,18 +122,23 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_exact_vs_ntp_smollm_30_prompts(smollm, spec_prompts):
+def test_exact_vs_ntp_smollm_30_prompts(smollm, short_spec_prompts, greedy_reference):
     """Greedy lookahead output equals ntp token for token (float32, 30 Spec-Bench
     prompts, 32 new tokens each) and accepts some drafts."""
-    prompts = [p for p in spec_prompts if len(p) < 700][:30]
-    tau, accepted = _exact_on_smollm(smollm, prompts, 32)
+
+    def ref(p, n):  # the session's shared 40-token ntp reference (probe tests reuse it)
+        return greedy_reference(p, 40)[:n]
+
+    tau, accepted = _exact_on_smollm(smollm, short_spec_prompts[:30], 32, ref)
     assert accepted > 0 and tau > 1.0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [{}, {"level": 3, "window": 4, "guess": 3}])
-def test_exact_vs_ntp_smollm_64_tokens(smollm, spec_prompts, settings):
-    tau, accepted = _exact_on_smollm(smollm, spec_prompts[:30], 64, settings)
+def test_exact_vs_ntp_smollm_64_tokens(smollm, short_spec_prompts, greedy_reference, settings):
+    tau, accepted = _exact_on_smollm(
+        smollm, short_spec_prompts[:30], 64, greedy_reference, settings
+    )
     assert accepted > 0 and tau > 1.0
 
 

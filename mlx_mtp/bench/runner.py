@@ -157,7 +157,7 @@ class ResultStore:
         spath.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
     def load(self, repair: bool = True) -> list[dict[str, Any]]:
-        """All complete records. With ``repair``, a half-written record (an
+        """All complete records, one per entry. With ``repair``, a half-written record (an
         interrupted run) is also cut off the file so that appends stay valid;
         without it (reading while another process may be writing) the file is
         left alone."""
@@ -176,7 +176,9 @@ class ResultStore:
             keep.append(line)
         if repair and len(keep) != len(lines):
             self.path.write_text("".join(keep), encoding="utf-8")
-        return good
+        # one record per (prompt, turn, repeat, method): the last one written wins
+        unique = {entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r for r in good}
+        return list(unique.values())
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record and flush it to disk."""
