@@ -115,6 +115,8 @@ def save_learned_masks(
     fd, tmp_meta = tempfile.mkstemp(prefix=".tmp-masks-", suffix=".json", dir=p.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
+    for t in (tmp, tmp_meta):
+        os.chmod(t, 0o644)  # mkstemp files are private; these are plain data files
     os.replace(tmp, p)
     os.replace(tmp_meta, meta_path)
     return meta_path
