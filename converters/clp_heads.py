@@ -155,6 +155,7 @@ def convert(
 def _copy_atomic(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp.chmod(0o755)
     try:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             shutil.copyfile(src / name, tmp / name)

@@ -305,6 +305,7 @@ def save_heads(heads: CLPHeads, folder: str | Path, dtype: mx.Dtype = mx.float16
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; heads folders are ordinary folders
     try:
         weights = {k: v.astype(dtype) for k, v in tree_flatten(heads.parameters())}
         mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": FORMAT})
