@@ -106,3 +106,17 @@ def test_cli_generate_and_errors(monkeypatch):
     assert isinstance(res.exception, UnknownMethodError)
     res = runner.invoke(app, ["models"])
     assert res.exit_code == 0 and "smollm2-135m" in res.output and "probe" in res.output
+
+
+def test_cli_chat_two_turns():
+    from mlx_mtp.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        ["chat", "--method", "probe", "--bc", "10", "-n", "16"],
+        input="What is the capital of France?\nAnd of Italy?\n/quit\n",
+    )
+    assert res.exit_code == 0, res.output
+    assert res.output.count("[probe(bc=10") == 2  # one stats line per answer
+    assert "Paris" in res.output
