@@ -489,7 +489,7 @@ def find_mtp_source(
     if adapter is None:
         adapter = find_adapter(fp)
     if adapter is None:
-        what = f"The model {getattr(loaded, 'name', '')!r}".replace(" ''", "")
+        what = f"The model {loaded.name!r}" if loaded is not None else "This model"
         raise MissingMaskTokenError(no_mask_token_message(what))
     cfg = read_adapter_config(adapter)
     if cfg.get("base_fingerprint") != fp:

@@ -638,9 +638,9 @@ class Trainer:
 
     def _export_adapter(self, d: Path) -> None:
         weights: dict[str, mx.array] = {}
-        for path in self.lora_paths:
-            from ..methods.confadapt import _get_module
+        from ..methods.confadapt import _get_module
 
+        for path in self.lora_paths:
             m = _get_module(self.student, path)
             weights[f"{path}.lora_a"] = m.lora_a.astype(mx.float16)
             weights[f"{path}.lora_b"] = m.lora_b.astype(mx.float16)
