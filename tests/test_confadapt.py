@@ -16,7 +16,7 @@ import pytest
 
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
-from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.errors import InvalidArgumentError, MTPError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.confadapt import (
     ConfAdapt,
@@ -181,16 +181,21 @@ def test_options_from_strings_and_describe():
 
 
 def test_shipped_adapter_for_embedded_model(smollm):
-    """The embedded SmolLM2 decodes with confadapt out of the box (shipped
-    adapter, found by fingerprint) without modifying the caller's model; with
+    """The undertrained example adapter is not applied on its own: without an
+    adapter the embedded model is refused with a message naming `train mtp`.
+    Asked for explicitly, it decodes without modifying the caller's model; with
     tau > 1 it is the adapted model's own greedy decoding."""
     import mlx.core as mx
 
     from mlx_mtp.fingerprint import model_fingerprint
-    from mlx_mtp.methods.confadapt import find_adapter
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS, find_adapter
 
-    if find_adapter(model_fingerprint(smollm.model)) is None:
-        pytest.fail("no shipped confadapt adapter for the embedded model")
+    assert find_adapter(model_fingerprint(smollm.model)) is None
+    engine = Engine(smollm.model)
+    engine.loaded = smollm
+    with pytest.raises(MTPError, match="train mtp"):
+        ConfAdapt().prepare(engine)
+    shipped = SHIPPED_ADAPTERS / "smollm2-135m-gsm8k"
     before = mx.array(smollm.model.model.layers[0].self_attn.q_proj.weight)
     prompt = smollm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True
@@ -207,11 +212,11 @@ def test_shipped_adapter_for_embedded_model(smollm):
             st = s.stats
         return toks, st, engine
 
-    greedy, _, eng = run(ConfAdapt(k=1, mode="static"))
+    greedy, _, eng = run(ConfAdapt(k=1, mode="static", adapter=shipped))
     assert eng.model is not smollm.model
-    slow, _, _ = run(ConfAdapt(k=8, tau=1.5))
+    slow, _, _ = run(ConfAdapt(k=8, tau=1.5, adapter=shipped))
     assert slow == greedy
-    fast, st, _ = run(ConfAdapt(k=4, tau=0.0))
+    fast, st, _ = run(ConfAdapt(k=4, tau=0.0, adapter=shipped))
     assert st.tau == pytest.approx(len(fast) / -(-len(fast) // 4))  # Eff. k = k
     assert fast[:1] == greedy[:1]
     assert mx.array_equal(before, smollm.model.model.layers[0].self_attn.q_proj.weight)

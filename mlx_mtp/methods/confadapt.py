@@ -277,12 +277,16 @@ def _pack(emb: nn.Module) -> int:
 
 
 def adapter_dirs() -> list[Path]:
-    """Folders searched for on-device adapters: the cache's ``confadapt/``, then
-    the adapters shipped with mlx-mtp."""
+    """Folders searched for on-device adapters: the cache's ``confadapt/``.
+
+    The example adapter shipped in ``assets/confadapt/`` is NOT searched: it is
+    undertrained (Eff. k ~1.0, lower agreement with the base model, see the
+    README), so it is only used when asked for with ``adapter=<its folder>``.
+    """
     from ..loading import cache_home
 
     out = []
-    for root in (cache_home() / "confadapt", SHIPPED_ADAPTERS):
+    for root in (cache_home() / "confadapt",):
         if root.is_dir():
             out += sorted(p for p in root.iterdir() if (p / ADAPTER_CONFIG).is_file())
     return out
