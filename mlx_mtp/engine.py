@@ -215,6 +215,14 @@ class Engine:
         self.forward_seconds += time.perf_counter() - t0
         return logits, (h if hidden else None)
 
+    def timed_eval(self, *arrays: mx.array) -> None:
+        """Evaluate model compute done outside the forward pass (e.g. the LM head
+        on a few hidden rows) and count its time as forward time, so that
+        ``host_ms_per_step`` measures only host-side work."""
+        t0 = time.perf_counter()
+        mx.eval(*arrays)
+        self.forward_seconds += time.perf_counter() - t0
+
     def embed_tokens(self, tokens: list[int] | np.ndarray) -> mx.array:
         """Input embeddings (L, D) of token ids."""
         return self.embed(mx.array(np.asarray(tokens, dtype=np.int32)))

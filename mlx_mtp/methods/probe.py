@@ -174,6 +174,7 @@ class Probe(Method):
         vstar = path[-1] if path else 0
         h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
         rows = engine.lm_head(h_masks).astype(mx.float32)
+        engine.timed_eval(rows)  # LM head on the k mask rows: model compute
         m = min(max(self.nodes, 1), rows.shape[-1])
         top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
         top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
