@@ -10,6 +10,7 @@ import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DES
 
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -79,3 +80,22 @@ def run_method(engine, method, prompt, n, eos=None, sampler=None) -> list[int]:
     ):
         out.extend(step.tokens)
     return out
+
+
+def chi2_same(a, b, n: int) -> bool:
+    """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
+    pooled) at roughly the 99.9% quantile: True if the samples may share one
+    distribution."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    t = np.array(
+        [
+            [a[k] for k in keys] + [n - sum(a[k] for k in keys)],
+            [b[k] for k in keys] + [n - sum(b[k] for k in keys)],
+        ],
+        float,
+    )
+    t = t[:, t.sum(0) > 0]
+    e = t.sum(1, keepdims=True) * t.sum(0, keepdims=True) / t.sum()
+    chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
+    assert dof >= 3, dof
+    return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import chi2_same
 
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
@@ -143,25 +144,6 @@ def test_exact_vs_ntp_smollm_64_tokens(smollm, short_spec_prompts, greedy_refere
     assert accepted > 0 and tau > 1.0
 
 
-def _chi2_same(a, b, n: int) -> bool:
-    """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
-    pooled) at roughly the 99.9% quantile: True if the samples may share one
-    distribution."""
-    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    t = np.array(
-        [
-            [a[k] for k in keys] + [n - sum(a[k] for k in keys)],
-            [b[k] for k in keys] + [n - sum(b[k] for k in keys)],
-        ],
-        float,
-    )
-    t = t[:, t.sum(0) > 0]
-    e = t.sum(1, keepdims=True) * t.sum(0, keepdims=True) / t.sum()
-    chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
-    assert dof >= 3, dof
-    return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7
-
-
 class _SeededPool(Lookahead):
     """Lookahead whose n-gram pool starts with a candidate for every
     (key, first token) pair of a 32-token vocabulary, so the verification tree
@@ -206,6 +188,6 @@ def test_sampling_keeps_target_distribution():
     plain, _ = draw(NTP(), 0)
     seqs, accepted = draw(_SeededPool(level=3, window=4, guess=32), 1)
     assert accepted > n, accepted  # more than one accepted draft per generation
-    assert _chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
+    assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
     for i in (2, 3):
-        assert _chi2_same(Counter(s[i] for s in plain), Counter(s[i] for s in seqs), n), i
+        assert chi2_same(Counter(s[i] for s in plain), Counter(s[i] for s in seqs), n), i

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_method
+from conftest import chi2_same, run_method
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_mtp.engine import Engine, check_tree_support
@@ -262,21 +262,6 @@ def test_sampling_keeps_target_distribution():
             seqs.append(tuple(out))
         return seqs, accepted
 
-    def chi2_ok(a: Counter, b: Counter) -> bool:
-        keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-        t = np.array(
-            [
-                [a[k] for k in keys] + [n - sum(a[k] for k in keys)],
-                [b[k] for k in keys] + [n - sum(b[k] for k in keys)],
-            ],
-            float,
-        )
-        t = t[:, t.sum(0) > 0]
-        e = t.sum(1, keepdims=True) * t.sum(0, keepdims=True) / t.sum()
-        chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
-        assert dof >= 3, dof
-        return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7  # ~99.9% quantile, loose
-
     plain, _ = draw(NTP(), 0)
     # bc=64 with one mask gives 31 depth-1 nodes: nearly the whole 32-token
     # vocabulary, so a draft is accepted almost every step
@@ -286,5 +271,7 @@ def test_sampling_keeps_target_distribution():
             method.name,
             accepted,
         )  # the tree path was exercised
-        assert chi2_ok(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs)), method.name
-        assert chi2_ok(Counter(s[2] for s in plain), Counter(s[2] for s in seqs)), method.name
+        assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n), (
+            method.name
+        )
+        assert chi2_same(Counter(s[2] for s in plain), Counter(s[2] for s in seqs), n), method.name
