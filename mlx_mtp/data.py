@@ -1,6 +1,6 @@
 """Prompt sets shipped with the package.
 
-Spec-Bench (Xia et al. 2024; Apache-2.0, see ``data/LICENSE.spec_bench``): 480
+Spec-Bench (Xia et al. 2024; Apache-2.0, see ``assets/spec_bench/LICENSE.spec_bench``): 480
 questions, 80 per task. The six tasks are ``mt_bench`` (the MT-bench categories
 writing, roleplay, reasoning, math, coding, extraction, stem, humanities),
 ``translation``, ``summarization``, ``qa``, ``math_reasoning`` and ``rag``.
@@ -9,10 +9,13 @@ writing, roleplay, reasoning, math, coding, extraction, stem, humanities),
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).parent / "data"
+from .errors import InvalidArgumentError
+
+DATA_DIR = Path(__file__).parent / "assets" / "spec_bench"
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 _MT_BENCH = {
@@ -66,4 +69,84 @@ def spec_bench_sample(per_task: int, tasks: tuple[str, ...] = TASKS) -> list[dic
     out = []
     for t in tasks:
         out.extend([q for q in qs if q["task"] == t][:per_task])
+    return out
+
+
+def eval_prompts() -> set[str]:
+    """First-turn texts of the 48 evaluation prompts (``spec_bench_sample(8)``),
+    which the trainers leave out of their data."""
+    return {q["turns"][0].strip() for q in spec_bench_sample(8)}
+
+
+_PROMPT_FIELDS = ("prompt", "question", "instruction", "text")
+
+
+def prompt_text(record: Any) -> str:
+    """The user prompt of one jsonl record: a string, or an object with
+    ``turns`` (first turn, Spec-Bench), ``prompt``, ``question`` (GSM8K),
+    ``instruction``, ``text`` or ``messages`` (first user message). Empty if none."""
+    if isinstance(record, str):
+        return record.strip()
+    if not isinstance(record, dict):
+        return ""
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
+        return turns[0].strip()
+    for key in _PROMPT_FIELDS:
+        if isinstance(record.get(key), str) and record[key].strip():
+            return record[key].strip()
+    for m in record.get("messages") or []:
+        if isinstance(m, dict) and m.get("role") == "user":
+            return str(m.get("content", "")).strip()
+    return ""
+
+
+def read_prompts(
+    paths: str | Path | Iterable[str | Path],
+    limit: int | None = None,
+    exclude: Iterable[str] = (),
+) -> list[str]:
+    """Prompt texts from one or more jsonl files, in file order (see
+    :func:`prompt_text` for the accepted line shapes). ``spec-bench`` names the
+    packaged Spec-Bench questions.
+
+    Args:
+        paths: a file or a list of files.
+        limit: stop after this many prompts.
+        exclude: prompt texts to drop (e.g. held-out evaluation prompts).
+
+    Raises:
+        InvalidArgumentError: a missing file, a line that is not JSON or has no
+            prompt, or no prompt at all.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    paths = list(paths)
+    skip = {t.strip() for t in exclude}
+    out: list[str] = []
+    for p in paths:
+        path = SPEC_BENCH if str(p) == "spec-bench" else Path(p).expanduser()
+        if not path.is_file():
+            raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InvalidArgumentError(f"{path}:{i} is not JSON ({e})") from e
+                text = prompt_text(rec)
+                if not text:
+                    raise InvalidArgumentError(
+                        f"{path}:{i} has no prompt: use a string or an object with 'turns', "
+                        "'prompt', 'question', 'instruction', 'text' or 'messages'"
+                    )
+                if text in skip:
+                    continue
+                out.append(text)
+                if limit is not None and len(out) >= limit:
+                    return out
+    if not out:
+        raise InvalidArgumentError(f"no prompts in {', '.join(map(str, paths))}")
     return out

@@ -212,7 +212,8 @@ def test_shipped_heads_refused_for_other_model():
 
 def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch):
     """Self-distillation on a tiny model: data, heads, predictor, resume."""
-    from mlx_mtp.training.clp import TrainConfig, read_prompts, train_clp
+    from mlx_mtp.data import read_prompts
+    from mlx_mtp.training.clp import TrainConfig, train_clp
 
     data = tmp_path / "p.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(6)))

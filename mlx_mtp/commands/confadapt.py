@@ -60,11 +60,12 @@ def run_train_mtp(
         base model's fingerprint when it lies in ``$MLX_MTP_HOME/confadapt/``)
         or a full model folder with ``mtp_config.json``.
     """
+    from ..data import eval_prompts, read_prompts
     from ..fingerprint import model_fingerprint
     from ..loading import cache_home, load_model
-    from ..training.mtp import TrainConfig, Trainer, read_prompts
+    from ..training.mtp import TrainConfig, Trainer
 
-    prompts = read_prompts(resolve_data(data))
+    prompts = read_prompts(resolve_data(data), exclude=eval_prompts())
     cfg = TrainConfig(lora=lora, lr=lr, seed=seed, **config)
     if steps is not None:
         cfg.steps = steps

@@ -34,6 +34,7 @@ def run_train_masks(
     Raises:
         InvalidArgumentError: bad data file or options.
     """
+    from ..data import eval_prompts, read_prompts
     from ..errors import InvalidArgumentError
     from ..learned_masks import save_learned_masks
     from ..loading import load_model
@@ -41,7 +42,6 @@ def run_train_masks(
         eval_masks,
         greedy_continuations,
         mean_prompt_vectors,
-        read_prompts,
         train_masks,
     )
 
@@ -51,9 +51,7 @@ def run_train_masks(
         raise InvalidArgumentError(f"--steps must be >= 1, got {steps}")
     if not 0.0 < val_fraction < 1.0:
         raise InvalidArgumentError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    prompts: list[str] = []
-    for d in data:
-        prompts.extend(read_prompts(d))
+    prompts = read_prompts(data, exclude=eval_prompts())  # the 48 bench prompts stay unseen
     random.Random(seed).shuffle(prompts)
     if limit is not None:
         prompts = prompts[:limit]

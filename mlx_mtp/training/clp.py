@@ -42,6 +42,7 @@ from ..clp_heads import (
     save_heads,
     span_labels,
 )
+from ..data import eval_prompts, read_prompts
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
 
@@ -71,56 +72,6 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------- data
-def _prompt_text(rec: dict[str, Any]) -> str | None:
-    turns = rec.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return turns[0]
-    for key in ("prompt", "question", "instruction", "text"):
-        if isinstance(rec.get(key), str):
-            return rec[key]
-    return None
-
-
-def read_prompts(paths: list[str | Path], exclude_eval: bool = True) -> list[str]:
-    """Prompt texts from jsonl files (fields ``turns[0]``, ``prompt``, ``question``,
-    ``instruction`` or ``text``). ``spec-bench`` names the packaged Spec-Bench.
-
-    With ``exclude_eval`` the 48 evaluation prompts (``spec_bench_sample(8)``)
-    are dropped wherever they appear.
-
-    Raises:
-        InvalidArgumentError: a missing file, a line that is not JSON, or no
-            prompt at all.
-    """
-    from ..data import SPEC_BENCH, spec_bench_sample
-
-    held_out = {q["turns"][0] for q in spec_bench_sample(8)} if exclude_eval else set()
-    out: list[str] = []
-    for p in paths:
-        path = SPEC_BENCH if str(p) == "spec-bench" else Path(p)
-        if not path.is_file():
-            raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InvalidArgumentError(f"{path}:{i} is not JSON ({e})") from e
-                text = _prompt_text(rec) if isinstance(rec, dict) else None
-                if text is None:
-                    raise InvalidArgumentError(
-                        f"{path}:{i} has no prompt field (turns, prompt, question, "
-                        "instruction or text)"
-                    )
-                if text not in held_out:
-                    out.append(text)
-    if not out:
-        raise InvalidArgumentError(f"no prompts in {', '.join(map(str, paths))}")
-    return out
-
-
 def greedy_continuations(
     model: nn.Module,
     prompts: list[list[int]],
@@ -289,7 +240,7 @@ def train_clp(
     # ---- phase 1: self-distilled data
     texts = []
     for path in cfg.data:  # shuffled per file; ``limit`` caps each file
-        part = read_prompts([path], cfg.exclude_eval)
+        part = read_prompts(path, exclude=eval_prompts() if cfg.exclude_eval else ())
         rng.shuffle(part)
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)

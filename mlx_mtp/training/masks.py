@@ -16,12 +16,10 @@ layers, so a step costs about ``anchors * slots`` tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -48,44 +46,6 @@ class TrainSequence:
 
 
 # --------------------------------------------------------------------- data
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """User prompts from a jsonl file: each line has ``turns`` (Spec-Bench, first
-    turn used), ``question`` (GSM8K), ``prompt`` or ``text``.
-
-    Raises:
-        InvalidArgumentError: missing file, a line that is not JSON or has none
-            of those fields, or no prompts at all.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
-    out: list[str] = []
-    with open(p, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidArgumentError(f"{p}:{i}: not JSON ({e})") from e
-            text = None
-            if isinstance(rec, dict):
-                if rec.get("turns"):
-                    text = rec["turns"][0]
-                else:
-                    text = rec.get("question") or rec.get("prompt") or rec.get("text")
-            elif isinstance(rec, str):
-                text = rec
-            if not isinstance(text, str) or not text.strip():
-                raise InvalidArgumentError(
-                    f"{p}:{i}: expected a field 'turns', 'question', 'prompt' or 'text'"
-                )
-            out.append(text)
-            if limit is not None and len(out) >= limit:
-                break
-    if not out:
-        raise InvalidArgumentError(f"--data {p} holds no prompts")
-    return out
 
 
 def greedy_continuations(

@@ -110,53 +110,6 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------- data
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a JSONL file: each line a string or an object with one of
-    ``prompt``, ``question``, ``instruction``, ``text``, ``turns`` (first turn)
-    or ``messages`` (first user message).
-
-    Raises:
-        InvalidArgumentError: missing file, bad JSON, or no prompt in it.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidArgumentError(f"--data {path}: no such file (expected prompts as JSONL).")
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"{path}:{i} is not valid JSON ({e}).") from None
-        text = _prompt_text(d)
-        if not text:
-            raise InvalidArgumentError(
-                f"{path}:{i} has no prompt: use a string or an object with 'prompt', "
-                "'question', 'instruction', 'text', 'turns' or 'messages'."
-            )
-        out.append(text)
-    if not out:
-        raise InvalidArgumentError(f"{path} holds no prompts.")
-    return out
-
-
-def _prompt_text(d: Any) -> str:
-    if isinstance(d, str):
-        return d.strip()
-    if not isinstance(d, dict):
-        return ""
-    for key in ("prompt", "question", "instruction", "text"):
-        if isinstance(d.get(key), str) and d[key].strip():
-            return d[key].strip()
-    if isinstance(d.get("turns"), list) and d["turns"]:
-        return str(d["turns"][0]).strip()
-    for m in d.get("messages") or []:
-        if isinstance(m, dict) and m.get("role") == "user":
-            return str(m.get("content", "")).strip()
-    return ""
-
-
 def encode_prompt(tokenizer: Any, text: str, prompt_format: str) -> list[int]:
     """Token ids of a prompt: ``"chat"`` (chat template, generation prompt) or
     ``"plain"`` (BOS + text + "\\n\\n", the Qwen MTP checkpoint's format)."""
