@@ -41,7 +41,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     peak_memory_gb: float = 0.0
-    #: seconds of decode_time spent inside model forward passes (incl. eval)
+    #: seconds of decode_time spent on the device: model forward passes (incl.
+    #: eval) and vocabulary-wide argmax / top-k / sampling on their logits
     forward_time: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
 
@@ -59,8 +60,10 @@ class GenerationStats:
 
     @property
     def host_ms_per_step(self) -> float:
-        """Milliseconds per decoding step spent outside the model's forward pass
-        (drafting, tree building, verification, cache bookkeeping)."""
+        """Milliseconds per decoding step spent on the host: everything outside the
+        model's forward pass and the vocabulary-wide argmax / top-k / sampling on
+        its logits (drafting, tree building, the verification walk, cache
+        bookkeeping, Python)."""
         return 1000 * (self.decode_time - self.forward_time) / self.steps if self.steps else 0.0
 
     @property

@@ -216,8 +216,9 @@ class Engine:
         return logits, (h if hidden else None)
 
     def timed_eval(self, *arrays: mx.array) -> None:
-        """Evaluate model compute done outside the forward pass (e.g. the LM head
-        on a few hidden rows) and count its time as forward time, so that
+        """Evaluate device work done outside the forward pass (the LM head on a
+        few hidden rows, MTP heads, vocabulary-wide argmax / top-k / sampling)
+        and count its time as forward (device) time, so that
         ``host_ms_per_step`` measures only host-side work."""
         t0 = time.perf_counter()
         mx.eval(*arrays)

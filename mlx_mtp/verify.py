@@ -17,6 +17,7 @@ with deterministic drafts).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -24,7 +25,9 @@ import numpy as np
 Sampler = Callable[[mx.array], mx.array]
 
 
-def target_tokens(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -> np.ndarray:
+def target_tokens(
+    logits: mx.array, rows: np.ndarray, sampler: Sampler | None, engine: Any = None
+) -> np.ndarray:
     """The target model's token at each of ``rows``.
 
     Args:
@@ -32,6 +35,9 @@ def target_tokens(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -
         rows: (R,) slot indices to evaluate.
         sampler: None for greedy (argmax), else an mlx-lm sampler taking
             (R, V) log-probabilities and returning (R,) token ids.
+        engine: if given, the vocabulary-wide argmax / sampling is evaluated
+            through ``engine.timed_eval`` and counted as device time, not as
+            host overhead.
 
     Returns:
         (R,) int64 numpy array.
@@ -42,6 +48,8 @@ def target_tokens(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -
     else:
         sel = sel.astype(mx.float32)
         out = sampler(sel - mx.logsumexp(sel, axis=-1, keepdims=True))
+    if engine is not None:
+        engine.timed_eval(out)
     return np.array(out, dtype=np.int64)
 
 
@@ -80,13 +88,15 @@ def verify(
     parents: np.ndarray,
     slot_tokens: np.ndarray,
     sampler: Sampler | None = None,
+    engine: Any = None,
 ) -> tuple[list[int], int]:
-    """Verify a draft tree against the logits of one forward pass over it.
+    """Verify a draft tree against the logits of one forward pass over it
+    (``engine``: see :func:`target_tokens`).
 
     Returns:
         (accepted slots in order, excluding the root; bonus token id).
     """
     rows = np.flatnonzero(slot_tokens >= 0)
     rows = np.concatenate([[0], rows[rows > 0]])
-    toks = target_tokens(logits, rows, sampler)
+    toks = target_tokens(logits, rows, sampler, engine)
     return walk_tree(parents, slot_tokens, dict(zip(rows.tolist(), toks.tolist())))

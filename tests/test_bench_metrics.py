@@ -74,6 +74,14 @@ def test_summarize_aggregates_token_weighted():
     assert r["tau"] == 1.0 and r["speedup"] == pytest.approx(1.0)
 
 
+def test_summarize_host_ms_per_step():
+    recs = [_rec("a", 10, 5, 1.0), _rec("b", 10, 5, 2.0)]
+    assert metrics.summarize(recs)["host_ms_per_step"] is None  # older records: no forward_time
+    recs[0].update(steps=5, forward_time=0.99)  # 10 ms outside the device over 5 steps
+    recs[1].update(steps=5, forward_time=1.98)  # 20 ms over 5 steps
+    assert metrics.summarize(recs)["host_ms_per_step"] == pytest.approx(3.0)
+
+
 def test_summarize_accuracy():
     recs = [_rec("a", 1, 1, 1.0, correct=True), _rec("b", 1, 1, 1.0, correct=False)]
     assert metrics.summarize(recs)["accuracy"] == 0.5

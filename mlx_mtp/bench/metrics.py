@@ -131,15 +131,17 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
     Args:
         records: per-prompt records (keys ``generated_tokens``,
             ``forward_passes``, ``decode_time``, ``peak_memory_gb``,
-            ``rep_repeated``, ``rep_total``, optionally ``correct``).
+            ``rep_repeated``, ``rep_total``, optionally ``correct``, ``steps``
+            and ``forward_time``).
         ref: the ``ntp`` records keyed like :func:`record_key`, for speedup.
 
     Returns:
         dict with ``n``, ``generated_tokens``, ``forward_passes``,
         ``decode_time_s``, ``tau``, ``forwards_per_token``, ``decode_tps``,
         ``speedup`` (None without ``ref``), ``peak_memory_gb``,
-        ``repetition_rate``, ``drafted``, ``accepted`` and, when records carry
-        it, ``accuracy``.
+        ``repetition_rate``, ``drafted``, ``accepted``, ``host_ms_per_step``
+        (decode time outside the device work, per decoding step; None when
+        records lack ``forward_time``) and, when records carry it, ``accuracy``.
     """
     toks = sum(r["generated_tokens"] for r in records)
     fwd = sum(r["forward_passes"] for r in records)
@@ -159,7 +161,11 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         "repetition_rate": rep / rep_total if rep_total else 0.0,
         "drafted": sum(r.get("drafted", 0) for r in records),
         "accepted": sum(r.get("accepted", 0) for r in records),
+        "host_ms_per_step": None,
     }
+    if records and all("forward_time" in r and r.get("steps") for r in records):
+        host = sum(r["decode_time"] - r["forward_time"] for r in records)
+        out["host_ms_per_step"] = 1000 * host / sum(r["steps"] for r in records)
     if ref is not None:
         pairs = [(ref[record_key(r)], r) for r in records if record_key(r) in ref]
         if pairs:

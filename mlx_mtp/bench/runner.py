@@ -330,6 +330,7 @@ def _run_one(
         "drafted": s.drafted,
         "accepted": s.accepted,
         "decode_time": s.decode_time,
+        "forward_time": s.forward_time,
         "decode_tps": s.decode_tps,
         "tau": s.tau,
         "peak_memory_gb": s.peak_memory_gb,

@@ -86,7 +86,7 @@ class ChainDraftMethod(Method):
         n = len(draft) + 1
         parents = np.arange(-1, n - 1)
         slot_tokens = np.array([root, *draft])
-        path, bonus = verify(logits, parents, slot_tokens, self.sampler)
+        path, bonus = verify(logits, parents, slot_tokens, self.sampler, engine)
         engine.keep(start, [0, *path])
         return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
 

@@ -174,7 +174,7 @@ class CLP(Method):
         logits, h = engine.forward_chain([root, *drafts], hidden=True)
         tgt = self._targets(logits)  # (n,) backbone token after each row
         toks, span = self._heads(engine, h, tgt)  # heads at every row, one eval
-        mx.eval(tgt, toks, span)
+        engine.timed_eval(tgt, toks, span)  # heads + predictor: device work
         tgt_np, toks_np, span_np = np.array(tgt), np.array(toks), np.array(span)
         m = 0  # accepted drafts: leading drafts equal to the backbone's tokens
         while m < len(drafts) and drafts[m] == int(tgt_np[m]):
@@ -191,7 +191,7 @@ class CLP(Method):
         h = h[-1:]
         nxt = self._targets(engine.lm_head(h))  # only the last row goes through the LM head
         toks, span = self._heads(engine, h, nxt)
-        mx.eval(nxt, toks, span)
+        engine.timed_eval(nxt, toks, span)  # LM head, heads, predictor: device work
         s = int(np.array(span)[0])
         committed = [int(np.array(nxt)[0]), *np.array(toks)[0, :s].tolist()]
         self._root = committed[-1]

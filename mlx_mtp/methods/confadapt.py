@@ -425,6 +425,7 @@ class ConfAdapt(Method):
         logp = dist - mx.logsumexp(dist, axis=-1, keepdims=True)
         conf = mx.exp(mx.max(logp, axis=-1))
         toks = mx.argmax(logp, axis=-1) if self.sampler is None else self.sampler(logp)
+        engine.timed_eval(toks, conf)
         toks_np, conf_np = np.array(toks).tolist(), np.array(conf)
         # drop the masks' KV; the root's KV is exact and stays
         engine.trim_to(start + len(real))

@@ -406,7 +406,7 @@ class Hybrid(Probe):
         start = engine.offset
         logits, _ = engine.forward_tree(emb, parents_np, slot_tokens.tolist())
 
-        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler)
+        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler, engine)
         tgt = dict(enumerate(targets.tolist()))
         path, bonus = walk_tree(parents_np, slot_tokens, tgt)
         vstar = path[-1] if path else 0
@@ -419,6 +419,7 @@ class Hybrid(Probe):
             m = min(max(self.bc, 1), ml.shape[-1])
             top = mx.argpartition(-ml, kth=m - 1, axis=-1)[:, :m]
             top_p = mx.take_along_axis(mx.softmax(ml, axis=-1), top, axis=-1)
+            engine.timed_eval(top, top_p)  # vocabulary-wide top-k: device work
             top_np, top_p_np = np.array(top), np.array(top_p)
             for j in range(k):
                 order = np.argsort(-top_p_np[j])

@@ -177,7 +177,8 @@ class Lookahead(Method):
         # Jacobi update: greedy outputs at the window's last level
         last = n_v + (n_lv - 1) * w
         out_mx = mx.argmax(logits[last : last + w], axis=-1)
-        targets = target_tokens(logits[:n_v], np.arange(n_v), self.sampler)
+        engine.timed_eval(out_mx)
+        targets = target_tokens(logits[:n_v], np.arange(n_v), self.sampler, engine)
         out = np.array(out_mx, dtype=np.int64)
 
         path, bonus = walk_tree(parents[:n_v], slot_tokens[:n_v], dict(enumerate(targets.tolist())))

@@ -22,4 +22,5 @@ class NTP(Method):
         else:
             last = last.astype(mx.float32)
             tok = self.sampler(last - mx.logsumexp(last, axis=-1, keepdims=True))
+        engine.timed_eval(tok)
         return StepOutput([int(tok.item())])

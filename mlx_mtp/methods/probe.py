@@ -167,17 +167,17 @@ class Probe(Method):
         )
 
         # verification: target tokens at the token slots only
-        targets = target_tokens(logits, np.arange(n_tok), self.sampler)
+        targets = target_tokens(logits, np.arange(n_tok), self.sampler, engine)
         path, bonus = walk_tree(parents_np, slot_tokens, dict(enumerate(targets.tolist())))
 
         # the k masks after the deepest accepted node draft the next tree
         vstar = path[-1] if path else 0
         h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
         rows = engine.lm_head(h_masks).astype(mx.float32)
-        engine.timed_eval(rows)  # LM head on the k mask rows: model compute
         m = min(max(self.nodes, 1), rows.shape[-1])
         top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
         top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
+        engine.timed_eval(top, top_p)  # LM head + top-k on the k mask rows: device work
         top_np, top_p_np = np.array(top), np.array(top_p)
         order = np.argsort(-top_p_np, axis=-1)
         top_np = np.take_along_axis(top_np, order, -1)
