@@ -22,7 +22,12 @@ MAX_TOKENS = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens pe
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
 TOP_P = typer.Option(0.0, "--top-p", help="Nucleus sampling threshold (with --temp > 0).")
 SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
-BC = typer.Option(None, "--bc", help="probe: block complexity (tokens per forward), e.g. 10/30/60.")
+BC = typer.Option(
+    None,
+    "--bc",
+    help="probe/hybrid: block complexity (tokens per forward), e.g. 10/30/60, or 'auto' "
+    "(each step keeps the draft nodes worth their cost on this device).",
+)
 MASKS = typer.Option(None, "--masks", help="probe: mask slots per node (1 or 2).")
 TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e.g. '14'.")
 K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
@@ -61,7 +66,7 @@ def generate(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int | None = SEED,
-    bc: int | None = BC,
+    bc: str | None = BC,
     masks: int | None = MASKS,
     tree: str | None = TREE,
     k: int | None = K,
@@ -94,7 +99,7 @@ def chat(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int | None = SEED,
-    bc: int | None = BC,
+    bc: str | None = BC,
     masks: int | None = MASKS,
     tree: str | None = TREE,
     k: int | None = K,

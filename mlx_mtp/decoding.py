@@ -44,6 +44,9 @@ class GenerationStats:
     #: seconds of decode_time spent on the device: model forward passes (incl.
     #: eval) and vocabulary-wide argmax / top-k / sampling on their logits
     forward_time: float = 0.0
+    #: input slots over all forward passes (tokens + masks); slots / forward_passes
+    #: is the mean tree size actually sent, at most the BC
+    slots: int = 0
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -67,6 +70,10 @@ class GenerationStats:
         return 1000 * (self.decode_time - self.forward_time) / self.steps if self.steps else 0.0
 
     @property
+    def slots_per_forward(self) -> float:
+        return self.slots / self.forward_passes if self.forward_passes else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -74,7 +81,8 @@ class GenerationStats:
         """One human-readable stats line."""
         return (
             f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
-            f"tau {self.tau:.2f} (BC {self.block_complexity}), "
+            f"tau {self.tau:.2f} (BC {self.block_complexity}, "
+            f"{self.slots_per_forward:.1f} slots/forward), "
             f"drafted {self.drafted} / accepted {self.accepted}, "
             f"{self.forward_passes} forwards, host {self.host_ms_per_step:.2f} ms/step, "
             f"prefill {self.prefill_tokens} tok "
@@ -88,6 +96,7 @@ class GenerationStats:
             prefill_tps=self.prefill_tps,
             decode_tps=self.decode_tps,
             host_ms_per_step=self.host_ms_per_step,
+            slots_per_forward=self.slots_per_forward,
         )
         return d
 
@@ -145,7 +154,7 @@ def generate_steps(
     stats.prefill_time = time.perf_counter() - t0
     method.begin(engine, prompt, sampler)
     root, n, finish = prompt[-1], 0, None
-    f0 = engine.forward_seconds
+    f0, s0 = engine.forward_seconds, engine.forward_slots
     t0 = time.perf_counter()
     try:
         while finish is None:
@@ -166,6 +175,7 @@ def generate_steps(
             stats.accept_lengths.append(len(tokens))
             stats.decode_time = time.perf_counter() - t0
             stats.forward_time = engine.forward_seconds - f0
+            stats.slots = engine.forward_slots - s0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             root = tokens[-1]
             yield Step(tokens, stats, finish)

@@ -102,6 +102,9 @@ class Engine:
         self.forward_passes = 0
         #: wall seconds spent inside those forward passes (graph build + eval)
         self.forward_seconds = 0.0
+        #: input slots (tokens and masks) over those forward passes
+        self.forward_slots = 0
+        self._slot_costs: dict[int, float] = {}
 
     # ----------------------------------------------------------------- cache
     @property
@@ -206,6 +209,7 @@ class Engine:
         t0 = time.perf_counter()
         self.cached.extend(tokens)
         self.forward_passes += 1
+        self.forward_slots += len(tokens)
         if self.backbone is None:
             logits, h = self.model(mx.array(tokens)[None], cache=self.cache)[0], None
         else:
@@ -223,6 +227,45 @@ class Engine:
         t0 = time.perf_counter()
         mx.eval(*arrays)
         self.forward_seconds += time.perf_counter() - t0
+
+    def slot_cost(self, n: int = 32, repeats: int = 3) -> float:
+        """Measured marginal cost of one more slot in a forward pass, as a
+        fraction of a one-token forward: ``(t(n) - t(1)) / ((n - 1) * t(1))``.
+
+        About 0.005-0.02 where the forward is memory-bound (Apple-silicon GPU:
+        a 30-slot draft tree costs little more than one token) and 0.05-0.1 on
+        a CPU, where compute grows with every slot. Timed once per engine and
+        ``n`` (median of ``repeats`` after a warm-up), on the current cache,
+        which is left exactly as it was; the calibration passes are not
+        counted as forward passes. Used by ``bc=auto`` in ``probe`` and
+        ``hybrid``.
+
+        Raises:
+            CacheNotTrimmableError: the cache cannot drop the timing tokens.
+        """
+        if n in self._slot_costs:
+            return self._slot_costs[n]
+        if self.backbone is None:
+            raise UnsupportedModelError("slot_cost needs a model with the llama-style layout")
+        self._require_trimmable(n)
+        tok = self.cached[-1] if self.cached else 0
+
+        def timed(m: int) -> float:
+            t0 = time.perf_counter()
+            h = self.backbone(mx.array([tok] * m)[None], cache=self.cache)[0]
+            mx.eval(self.lm_head(h))
+            dt = time.perf_counter() - t0
+            for c in self.cache:
+                if c.trim(m) != m:
+                    raise CacheNotTrimmableError(f"{type(c).__name__} could not drop {m} tokens")
+            return dt
+
+        timed(1), timed(n)  # warm-up
+        t1 = float(np.median([timed(1) for _ in range(repeats)]))
+        tn = float(np.median([timed(n) for _ in range(repeats)]))
+        cost = max(0.0, (tn - t1) / ((n - 1) * t1)) if t1 > 0 else 0.0
+        self._slot_costs[n] = cost
+        return cost
 
     def embed_tokens(self, tokens: list[int] | np.ndarray) -> mx.array:
         """Input embeddings (L, D) of token ids."""
@@ -272,6 +315,7 @@ class Engine:
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.forward_passes += 1
+        self.forward_slots += n
         logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
         mx.eval(logits, h)
         self.forward_seconds += time.perf_counter() - t0

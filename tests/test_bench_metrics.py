@@ -80,6 +80,9 @@ def test_summarize_host_ms_per_step():
     recs[0].update(steps=5, forward_time=0.99)  # 10 ms outside the device over 5 steps
     recs[1].update(steps=5, forward_time=1.98)  # 20 ms over 5 steps
     assert metrics.summarize(recs)["host_ms_per_step"] == pytest.approx(3.0)
+    assert metrics.summarize(recs)["slots_per_forward"] is None
+    recs[0]["slots"], recs[1]["slots"] = 50, 10  # 60 slots over 10 forwards
+    assert metrics.summarize(recs)["slots_per_forward"] == pytest.approx(6.0)
 
 
 def test_summarize_accuracy():

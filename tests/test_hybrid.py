@@ -101,6 +101,18 @@ def test_allocate_best_first_parents_first_within_budget():
     assert a.slots(0) == 7
 
 
+def test_allocate_with_slot_cost_stops_when_a_slot_is_not_worth_it():
+    table = {(): [(10, 0.9), (20, 0.3)], (10,): [(11, 0.9), (12, 0.05)], (10, 11): [(13, 0.5)]}
+    # path values .9, .81, .405, .3, .045; cost 0.2: R after 10, 11 = 2.71/1.4 = 1.94,
+    # 13 needs .405 > 0.2 * 1.94 = .39: taken; R = 3.115/1.6 = 1.95, 20 needs .3 > .39: stop
+    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=0.2)
+    assert a.tokens == [10, 11, 13]
+    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=2.0)
+    assert a.tokens == []  # a slot costs two forwards: nothing pays for itself
+    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=0.0)
+    assert len(a.tokens) == 5
+
+
 def test_allocate_attaches_masks_where_the_path_likely_ends():
     # one strong chain: the deepest node is the likely end of the accepted path
     table = {(): [(10, 0.9)], (10,): [(11, 0.9)], (10, 11): [(12, 0.1)]}

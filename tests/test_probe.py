@@ -17,7 +17,7 @@ from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.methods.pld import lookup_candidates
 from mlx_mtp.testing import make_tiny_model
-from mlx_mtp.tree import block_complexity, build_tree
+from mlx_mtp.tree import block_complexity, build_tree, cost_aware_prefix, worth_adding
 from mlx_mtp.verify import walk_tree
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -74,6 +74,65 @@ def test_bad_options():
         make_method("probe", tree="4,2", masks=1)
     assert make_method("probe", tree="14").block_complexity == 30
     assert make_method("probe", bc=30, masks=2).block_complexity == 30
+    with pytest.raises(InvalidArgumentError, match="integer or 'auto'"):
+        make_method("probe", bc="big")
+    with pytest.raises(InvalidArgumentError, match="bc=auto"):
+        make_method("probe", bc="auto", tree="14")
+    auto = make_method("probe", bc="auto", max_bc=40, masks=1)
+    assert auto.block_complexity == 40 and "bc=auto<=40" in auto.describe()
+
+
+# ------------------------------------------------------------------ bc=auto
+def test_cost_aware_prefix_keeps_nodes_that_raise_tokens_per_time():
+    # rate R = (1 + value) / (1 + cost * slots); keep an item iff value/slots > cost * R
+    assert worth_adding(0.5, 2, 0.1, 0.0, 0)  # 0.25 > 0.1 * 1
+    assert not worth_adding(0.15, 2, 0.1, 0.0, 0)  # 0.075 < 0.1
+    probs = [0.9, 0.5, 0.3, 0.05]
+    # node 1: 0.45 > 0.1 * 1/1.1; node 2: 0.25 > 0.1 * 1.9/1.3; node 3: 0.15 < 0.1 * 2.4/1.5
+    assert cost_aware_prefix(probs, slots_per_node=2, base_slots=1, slot_cost=0.1) == 2
+    assert cost_aware_prefix(probs, 2, 1, slot_cost=0.0) == 4  # free slots: take everything
+    assert cost_aware_prefix(probs, 2, 1, slot_cost=1.0) == 0  # a slot costs a forward
+    # a calibration scale below 1 (masks over-confident) keeps fewer nodes
+    assert cost_aware_prefix(probs, 2, 1, 0.05, scale=1.0) == 3  # 0.05 < 0.05 * 2.7/1.35 * 2
+    assert cost_aware_prefix(probs, 2, 1, 0.05, scale=0.3) == 2
+
+
+def test_slot_cost_leaves_the_cache_exactly_as_it_was():
+    model = make_tiny_model("llama", seed=3)
+    eng, ref = Engine(model), Engine(model)
+    prompt = list(range(5, 25))
+    eng.sync(prompt)
+    ref.sync(prompt)
+    cost = eng.slot_cost(n=16)
+    assert cost >= 0.0 and eng.slot_cost(n=16) == cost  # timed once, then remembered
+    assert eng.offset == len(prompt) and eng.forward_passes == 0 and eng.forward_slots == 0
+    a, _ = eng.forward_chain([7, 8, 9])
+    b, _ = ref.forward_chain([7, 8, 9])
+    assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["probe", "hybrid"])
+@pytest.mark.parametrize("cost", [0.0, 0.05, 5.0])
+def test_bc_auto_is_exact_and_sizes_the_tree_by_cost(name, cost):
+    model = make_tiny_model("qwen3", seed=2)
+    prompt = [9, 8, 7, 9, 8, 7, 9, 8, 7, 1, 2, 3, 1, 2]
+    ref = run_method(Engine(model), NTP(), prompt, 40)
+    eng = Engine(model)
+    eng._slot_costs[32] = cost  # a device whose slots cost this much (skips the timing)
+    from mlx_mtp.decoding import generate_steps
+
+    method = make_method(name, bc="auto", max_bc=24)
+    method.prepare(eng)
+    out, stats = [], None
+    for step in generate_steps(eng, method, prompt, max_tokens=40):
+        out.extend(step.tokens)
+        stats = step.stats
+    assert out == ref
+    assert stats.slots_per_forward <= 24
+    if cost == 0.0:  # free slots: the tree fills the cap
+        assert stats.slots_per_forward > 12
+    if cost == 5.0:  # a slot costs five forwards: nothing is drafted
+        assert stats.drafted == 0
 
 
 # -------------------------------------------------------- tree forward pass

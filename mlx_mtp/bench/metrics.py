@@ -141,7 +141,9 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         ``speedup`` (None without ``ref``), ``peak_memory_gb``,
         ``repetition_rate``, ``drafted``, ``accepted``, ``host_ms_per_step``
         (decode time outside the device work, per decoding step; None when
-        records lack ``forward_time``) and, when records carry it, ``accuracy``.
+        records lack ``forward_time``), ``slots_per_forward`` (mean input
+        slots per forward pass; None when records lack ``slots``) and, when
+        records carry it, ``accuracy``.
     """
     toks = sum(r["generated_tokens"] for r in records)
     fwd = sum(r["forward_passes"] for r in records)
@@ -162,7 +164,10 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         "drafted": sum(r.get("drafted", 0) for r in records),
         "accepted": sum(r.get("accepted", 0) for r in records),
         "host_ms_per_step": None,
+        "slots_per_forward": None,
     }
+    if records and all("slots" in r for r in records) and fwd:
+        out["slots_per_forward"] = sum(r["slots"] for r in records) / fwd
     if records and all("forward_time" in r and r.get("steps") for r in records):
         host = sum(r["decode_time"] - r["forward_time"] for r in records)
         out["host_ms_per_step"] = 1000 * host / sum(r["steps"] for r in records)

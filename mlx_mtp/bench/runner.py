@@ -331,6 +331,7 @@ def _run_one(
         "accepted": s.accepted,
         "decode_time": s.decode_time,
         "forward_time": s.forward_time,
+        "slots": s.slots,
         "decode_tps": s.decode_tps,
         "tau": s.tau,
         "peak_memory_gb": s.peak_memory_gb,

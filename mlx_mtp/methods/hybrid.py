@@ -45,6 +45,7 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import InvalidArgumentError
+from ..tree import worth_adding
 from ..verify import Sampler, target_tokens, walk_tree
 from .base import StepOutput, parse_int
 from .pld import lookup_candidates
@@ -173,6 +174,7 @@ def allocate(
     budget: int,
     masks: int,
     mask_gain: float,
+    slot_cost: float = 0.0,
 ) -> Allocation:
     """Spend ``budget`` slots (root included) best-first by value per slot.
 
@@ -187,6 +189,9 @@ def allocate(
         budget: BC, total slots of the forward pass (>= 1).
         masks: mask slots per mask set (0 = never attach masks).
         mask_gain: expected tokens the masks' drafts add next step.
+        slot_cost: marginal cost of a slot as a fraction of a one-token forward
+            (``bc=auto``); an item is taken only if it raises expected tokens
+            per unit time (:func:`mlx_mtp.tree.worth_adding`). 0 fills the budget.
 
     Returns:
         The :class:`Allocation` (``slots(masks) <= budget``).
@@ -213,10 +218,16 @@ def allocate(
                 tie += 1
 
     offer(0, 1.0)
+    total = 0.0  # value taken so far
     while heap and left > 0:
-        _, _, item = heapq.heappop(heap)
+        neg, _, item = heapq.heappop(heap)
+        cost = masks if item[0] == "masks" else 1
+        used = budget - 1 - left
+        if slot_cost > 0 and not worth_adding(-neg * cost, cost, slot_cost, total, used):
+            break  # best remaining value per slot is not worth a slot
         if item[0] == "masks":
             if masks <= left:
+                total += -neg * masks
                 out.mask_anchors.append(item[1])
                 left -= masks
             continue
@@ -228,6 +239,7 @@ def allocate(
         out.probs.append(prob)
         out.sources.append(c.sources)
         paths.append(paths[parent_slot] + (c.token,))
+        total += prob
         left -= 1
         offer(len(out.tokens), prob)
     return out
@@ -285,12 +297,17 @@ class Hybrid(Probe):
     predictions, one acceptance scale, one block-complexity budget; lossless.
 
     Args:
-        bc: block complexity = slots per forward pass (root + nodes + masks).
+        bc: block complexity = slots per forward pass (root + nodes + masks),
+            or ``"auto"``: up to ``max_bc`` slots, each item kept only if it
+            raises the expected tokens per second given the device's measured
+            cost of a slot (:meth:`Engine.slot_cost`, see
+            :func:`mlx_mtp.tree.worth_adding`).
         masks: mask slots per mask set, k = 1..3 (0 disables probing).
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
         max_draft: longest chain per source (default: bc - 1).
         pool: 1 to draft from the table of the model's earlier predictions.
+        max_bc: the cap of ``bc="auto"`` (default 64).
         lam, mask_init: as in :class:`~mlx_mtp.methods.probe.Probe`
             (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
 
@@ -312,6 +329,7 @@ class Hybrid(Probe):
         window: Any = 3,
         max_draft: Any = None,
         pool: Any = 1,
+        max_bc: Any = 64,
     ):
         if str(tree) != "dynamic":
             raise InvalidArgumentError(
@@ -321,7 +339,10 @@ class Hybrid(Probe):
         # Probe parses lam / mask_init and owns the mask vectors; its node budget
         # is unused here (the budget is allocated per step, see allocate()).
         super().__init__(bc=2 * (max(k, 1) + 1), masks=max(k, 1), lam=lam, mask_init=mask_init)
-        self.bc = parse_int("bc", bc, 2)
+        self.auto = str(bc) == "auto"
+        if not self.auto and not str(bc).strip().lstrip("-").isdigit():
+            raise InvalidArgumentError(f"option bc must be an integer or 'auto', got {bc!r}")
+        self.bc = parse_int("max_bc", max_bc, 2) if self.auto else parse_int("bc", bc, 2)
         self.masks = k
         self.matches = parse_int("matches", matches, 0, 16)
         self.window = parse_int("window", window, 1)
@@ -334,7 +355,8 @@ class Hybrid(Probe):
 
     def describe(self) -> str:
         init = "" if self.mask_init == "mean" else ", masks=learned"
-        return f"hybrid(bc={self.bc}, masks={self.masks}, matches={self.matches}{init})"
+        bc = f"auto<={self.bc}" if self.auto else str(self.bc)
+        return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{init})"
 
     def prepare(self, engine: Engine) -> None:
         if self.masks == 0:
@@ -348,6 +370,7 @@ class Hybrid(Probe):
         if self.masks == 0:
             self.sampler = sampler
             self.mask_embedding = None
+            self.slot_cost = engine.slot_cost() if self.auto else 0.0
         else:
             super().begin(engine, prompt, sampler)
         self.dists = []
@@ -387,7 +410,7 @@ class Hybrid(Probe):
         def children(path: tuple[int, ...], tok: int) -> list[Child]:
             return merged_children(path, tok, trie, levels, scale)
 
-        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
+        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0, self.slot_cost)
         prev = engine.cached[-1] if engine.cached else -1  # token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]

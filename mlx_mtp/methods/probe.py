@@ -28,7 +28,7 @@ import numpy as np
 
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
-from ..tree import block_complexity, build_tree
+from ..tree import block_complexity, build_tree, cost_aware_prefix
 from ..verify import Sampler, target_tokens, walk_tree
 from .base import Method, StepOutput, parse_int
 
@@ -64,7 +64,12 @@ class Probe(Method):
     Args:
         bc: block complexity, tokens per forward pass (10 and 30 are the edge
             settings, 60 the paper's large one). Ignored by a template, whose
-            BC is ``(masks + 1) * (1 + sum(template))``.
+            BC is ``(masks + 1) * (1 + sum(template))``. ``"auto"``: up to
+            ``max_bc`` slots, but each step keeps only the nodes that raise the
+            expected tokens per second, given this device's measured cost of a
+            slot (:meth:`Engine.slot_cost`) and the mask probabilities
+            calibrated online against this generation's accepted tokens (not
+            in the ESP paper; see :func:`mlx_mtp.tree.cost_aware_prefix`).
         masks: mask slots after every node, k = 1 or 2 (3 allowed).
         tree: ``"dynamic"`` or a template of nodes per depth (``"14"``, ``"6,3"``).
         lam: step size of the mask-vector update (0.1 in the paper).
@@ -72,6 +77,7 @@ class Probe(Method):
             every committed token) or ``"learned"`` (fixed per-slot vectors
             trained by ``mlx-mtp train masks`` for this model; see
             :mod:`mlx_mtp.learned_masks`).
+        max_bc: the cap of ``bc="auto"`` (default 64).
 
     Raises:
         InvalidArgumentError: a BC too small for one node, bad masks or tree.
@@ -87,10 +93,18 @@ class Probe(Method):
         tree: str = "dynamic",
         lam: Any = 0.1,
         mask_init: str = "mean",
+        max_bc: Any = 64,
     ):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
+        self.auto = str(bc) == "auto"
+        if self.auto:
+            if self.template is not None:
+                raise InvalidArgumentError("bc=auto sizes a dynamic tree; drop --tree or bc=auto.")
+            bc = parse_int("max_bc", max_bc, 2 * (self.masks + 1))
         if self.template is None:
+            if not str(bc).strip().lstrip("-").isdigit():
+                raise InvalidArgumentError(f"option bc must be an integer or 'auto', got {bc!r}")
             bc = parse_int("bc", bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
@@ -113,7 +127,8 @@ class Probe(Method):
     def describe(self) -> str:
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
         init = "" if self.mask_init == "mean" else ", masks=learned"
-        return f"probe(bc={self.block_complexity}, masks={self.masks}, tree={tree}{init})"
+        bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
+        return f"probe(bc={bc}, masks={self.masks}, tree={tree}{init})"
 
     def prepare(self, engine: Engine) -> None:
         check_tree_support(engine.model, self.name)
@@ -136,6 +151,9 @@ class Probe(Method):
             mean = mx.mean(engine.embed_tokens(prompt), axis=0)
             self.mask_embedding = mx.broadcast_to(mean, (self.masks, mean.shape[0]))
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
+        # bc=auto: slot cost of this device, and accepted / expected drafted nodes
+        self.slot_cost = engine.slot_cost() if self.auto else 0.0
+        self.expected, self.hits = 0.0, 0
 
     def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
         # m <- m + lam (e - m), once per committed token, in order (mean init only;
@@ -150,7 +168,12 @@ class Probe(Method):
 
     def step(self, engine: Engine, root: int) -> StepOutput:
         k = self.masks
-        node_toks, node_par, _ = build_tree(self.dists, self.nodes, root, self.template)
+        node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
+        if self.auto:
+            scale = (self.hits + 1.0) / (self.expected + 1.0)
+            n = cost_aware_prefix(node_p, k + 1, k, self.slot_cost, scale)
+            node_toks, node_par = node_toks[:n], node_par[:n]
+            self.expected += float(sum(node_p[:n]))
         n_tok = 1 + len(node_toks)
         # slots: [root, nodes...] then k chained masks after every token slot
         parents = [-1] + [p + 1 for p in node_par]
@@ -184,6 +207,7 @@ class Probe(Method):
         top_p_np = np.take_along_axis(top_p_np, order, -1)
         self.dists = [(top_np[j], top_p_np[j]) for j in range(k)]
         engine.keep(start, [0, *path])
+        self.hits += len(path)
         committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
         self._update_mask(engine, committed)
         return StepOutput(committed, drafted=len(node_toks), accepted=len(path))
