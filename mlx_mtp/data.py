@@ -9,7 +9,7 @@ writing, roleplay, reasoning, math, coding, extraction, stem, humanities),
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +46,28 @@ def load_questions(path: str | Path | None = None) -> list[dict[str, Any]]:
     """
     path = Path(path) if path else SPEC_BENCH
     out = []
+    for i, q in _jsonl(path, ValueError):
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if turns is None:
+            raise ValueError(f"{path}:{i}: not a Spec-Bench question (no 'turns')")
+        if not turns:
+            raise ValueError(f"{path}:{i}: empty 'turns'")
+        q["task"] = task_of(q.get("category", ""))
+        out.append(q)
+    return out
+
+
+def _jsonl(path: Path, error: type[Exception]) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded record) of each non-empty line; a line that is not
+    JSON raises ``error`` naming the file and line."""
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                q = json.loads(line)
-                turns = q["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: not a Spec-Bench question ({e})") from e
-            if not turns:
-                raise ValueError(f"{path}:{i}: empty 'turns'")
-            q["task"] = task_of(q.get("category", ""))
-            out.append(q)
-    return out
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{i} is not JSON ({e})") from e
 
 
 def spec_bench_sample(per_task: int, tasks: tuple[str, ...] = TASKS) -> list[dict[str, Any]]:
@@ -128,25 +136,18 @@ def read_prompts(
         path = SPEC_BENCH if str(p) == "spec-bench" else Path(p).expanduser()
         if not path.is_file():
             raise InvalidArgumentError(f"--data {p}: no such file (expected a .jsonl of prompts)")
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InvalidArgumentError(f"{path}:{i} is not JSON ({e})") from e
-                text = prompt_text(rec)
-                if not text:
-                    raise InvalidArgumentError(
-                        f"{path}:{i} has no prompt: use a string or an object with 'turns', "
-                        "'prompt', 'question', 'instruction', 'text' or 'messages'"
-                    )
-                if text in skip:
-                    continue
-                out.append(text)
-                if limit is not None and len(out) >= limit:
-                    return out
+        for i, rec in _jsonl(path, InvalidArgumentError):
+            text = prompt_text(rec)
+            if not text:
+                raise InvalidArgumentError(
+                    f"{path}:{i} has no prompt: use a string or an object with 'turns', "
+                    "'prompt', 'question', 'instruction', 'text' or 'messages'"
+                )
+            if text in skip:
+                continue
+            out.append(text)
+            if limit is not None and len(out) >= limit:
+                return out
     if not out:
         raise InvalidArgumentError(f"no prompts in {', '.join(map(str, paths))}")
     return out

@@ -82,6 +82,28 @@ def run_method(engine, method, prompt, n, eos=None, sampler=None) -> list[int]:
     return out
 
 
+def sample_runs(model, method, prompt, n: int, max_tokens: int, sampler, seed: int):
+    """``n`` sampled generations of ``method`` on ``model`` (a fresh cache each
+    time, mx.random seeded once): (list of token tuples, total accepted drafts)."""
+    import mlx.core as mx
+
+    from mlx_mtp.decoding import generate_steps
+    from mlx_mtp.engine import Engine
+
+    mx.random.seed(seed)
+    eng = Engine(model)
+    method.prepare(eng)
+    seqs, accepted = [], 0
+    for _ in range(n):
+        eng.reset()
+        out: list[int] = []
+        for step in generate_steps(eng, method, prompt, max_tokens=max_tokens, sampler=sampler):
+            out.extend(step.tokens)
+        accepted += step.stats.accepted
+        seqs.append(tuple(out))
+    return seqs, accepted
+
+
 def chi2_same(a, b, n: int) -> bool:
     """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
     pooled) at roughly the 99.9% quantile: True if the samples may share one

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import chi2_same
+from conftest import chi2_same, sample_runs
 
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
@@ -170,23 +170,9 @@ def test_sampling_keeps_target_distribution():
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     sampler = make_sampler(0.8, 0.9)
     n = 600
-
-    def draw(method, seed):
-        mx.random.seed(seed)
-        eng = Engine(model)
-        method.prepare(eng)
-        seqs, accepted = [], 0
-        for _ in range(n):
-            eng.reset()
-            out = []
-            for step in generate_steps(eng, method, prompt, max_tokens=4, sampler=sampler):
-                out.extend(step.tokens)
-            accepted += step.stats.accepted
-            seqs.append(tuple(out))
-        return seqs, accepted
-
-    plain, _ = draw(NTP(), 0)
-    seqs, accepted = draw(_SeededPool(level=3, window=4, guess=32), 1)
+    plain, _ = sample_runs(model, NTP(), prompt, n, 4, sampler, 0)
+    pool = _SeededPool(level=3, window=4, guess=32)
+    seqs, accepted = sample_runs(model, pool, prompt, n, 4, sampler, 1)
     assert accepted > n, accepted  # more than one accepted draft per generation
     assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
     for i in (2, 3):

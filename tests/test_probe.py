@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import chi2_same, run_method
+from conftest import chi2_same, run_method, sample_runs
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_mtp.engine import Engine, check_tree_support
@@ -300,32 +300,16 @@ def test_sampling_keeps_target_distribution():
 
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_mtp.decoding import generate_steps
-
     model = make_tiny_model("llama", seed=5, vocab_size=32)
     model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     sampler = make_sampler(0.8, 0.9)
     n = 700
-
-    def draw(method, seed):
-        mx.random.seed(seed)
-        eng = Engine(model)
-        method.prepare(eng)
-        seqs, accepted = [], 0
-        for _ in range(n):
-            out = []
-            for step in generate_steps(eng, method, prompt, max_tokens=3, sampler=sampler):
-                out.extend(step.tokens)
-            accepted += step.stats.accepted
-            seqs.append(tuple(out))
-        return seqs, accepted
-
-    plain, _ = draw(NTP(), 0)
+    plain, _ = sample_runs(model, NTP(), prompt, n, 3, sampler, 0)
     # bc=64 with one mask gives 31 depth-1 nodes: nearly the whole 32-token
     # vocabulary, so a draft is accepted almost every step
     for method, seed in ((make_method("probe", bc=64), 1), (make_method("pld", max_draft=3), 2)):
-        seqs, accepted = draw(method, seed)
+        seqs, accepted = sample_runs(model, method, prompt, n, 3, sampler, seed)
         assert accepted > (n // 2 if method.name == "probe" else 20), (
             method.name,
             accepted,
