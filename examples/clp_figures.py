@@ -13,6 +13,11 @@ the methods interleaved prompt by prompt:
 
     python examples/clp_figures.py [--per-task 8] [--max-tokens 128] [--out clp.json]
         [--settings ntp,clp-verified,clp-paper,gate-verified,gate-paper] [--heads FOLDER]
+
+With ``--from-bench DIR`` (a finished or partial ``mlx-mtp bench`` output that
+ran ``clp`` settings) nothing is decoded again: head top-1 accuracy is measured
+on that run's ``ntp`` outputs (one teacher-forced forward per prompt), and the
+speed, tau and repetition figures are in that run's ``report.md``.
 """
 
 from __future__ import annotations
@@ -74,6 +79,36 @@ def head_accuracy(engine: Engine, heads, prompt: list[int], out: list[int]) -> n
     return counts
 
 
+def accuracy_from_bench(bench_dir: str, heads_folder: str | None) -> dict:
+    """Head top-1 per offset on the ntp outputs recorded by ``mlx-mtp bench``."""
+    from pathlib import Path
+
+    from mlx_mtp.bench.runner import render_prompt
+    from mlx_mtp.data import load_questions
+
+    lm = load_model("smollm2-135m", dtype="float32")
+    records = [
+        json.loads(line)
+        for line in (Path(bench_dir) / "records.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    ntp = [r for r in records if r["method"] == "ntp" and r["turn"] == 1]
+    questions = {str(q["question_id"]): q for q in load_questions()}
+    engine = Engine(lm.model)
+    m = make_method("clp", **({"heads": heads_folder} if heads_folder else {}))
+    m.prepare(engine)
+    acc = np.zeros((m.heads.k, 2))
+    for r in tqdm(ntp, desc="head accuracy"):
+        msgs = [{"role": "user", "content": questions[str(r["qid"])]["turns"][0]}]
+        acc += head_accuracy(engine, m.heads, render_prompt(lm.tokenizer, msgs), r["tokens"])
+    return {
+        "bench": bench_dir,
+        "prompts": len(ntp),
+        "head_top1": [float(c / t) if t else 0.0 for c, t in acc],
+        "positions": [int(t) for _, t in acc],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-task", type=int, default=8)
@@ -81,7 +116,15 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--from-bench", default=None, help="an mlx-mtp bench --out folder")
     args = ap.parse_args()
+    if args.from_bench:
+        table = accuracy_from_bench(args.from_bench, args.heads)
+        print(json.dumps(table, indent=2))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(table, f, indent=2)
+        return
 
     lm = load_model("smollm2-135m", dtype="float32")
     tok = lm.tokenizer
