@@ -2,9 +2,10 @@
 
 - ``speedup_per_task.png``: grouped bars, one group per task plus "overall",
   one bar per method (the reference ``ntp`` is the dashed line at 1.0).
-- ``tau_vs_bc.png``: tau against block complexity BC (tokens per forward),
-  one marker per method setting, settings of the same method joined by a line
-  (e.g. probe at BC 10 and 30).
+- ``tau_vs_bc.png``: tau (left) and speedup (right) against the draft-tree
+  size actually sent, slots per forward pass (measured; the BC where records
+  lack it), one marker per setting labelled with its BC, settings that differ
+  only in BC joined by a line (e.g. probe at BC 10, 30 and auto).
 - GSM8K mode: ``accuracy_vs_tau.png``: accuracy against tokens per forward.
 """
 
@@ -46,7 +47,8 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
         return paths
 
     groups = [*results["tasks"], "overall"]
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups)), 4.2))
+    colors = _colors(len(methods))
+    fig, ax = plt.subplots(figsize=(max(9, 1.5 * len(groups) + 3), 4.5))
     width = 0.8 / max(len(methods), 1)
     for i, m in enumerate(methods):
         vals = [
@@ -54,39 +56,55 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
             for g in groups
         ]
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
-        ax.bar(xs, vals, width=width, label=m["label"])
+        ax.bar(xs, vals, width=width, label=m["label"], color=colors[i])
     ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=20, ha="right")
     ax.set_ylabel(f"speedup vs {results['reference']} (decode tok/s ratio)")
     ax.set_title(f"Spec-Bench speedup per task ({results['settings']['model']})")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     paths.append(_save(fig, out / "speedup_per_task.png"))
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    by_name: dict[str, list[tuple[int, float, str]]] = {}
+    series: dict[str, list[tuple[float, float, float, str]]] = {}
     for m in methods:
-        by_name.setdefault(m["name"], []).append(
-            (m["block_complexity"], m["overall"]["tau"], m["label"])
-        )
-    for name, pts in by_name.items():
+        o = m["overall"]
+        x = o.get("slots_per_forward") or m["block_complexity"]
+        rest = ",".join(f"{k}={v}" for k, v in m.get("options", {}).items() if k != "bc")
+        key = m["name"] + (f" ({rest})" if rest else "")
+        bc = str(m.get("options", {}).get("bc", m["block_complexity"]))
+        series.setdefault(key, []).append((x, o["tau"], o.get("speedup") or 0.0, bc))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = _colors(len(series))
+    for (key, pts), color in zip(series.items(), colors):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xscale("log")
-    bcs = sorted({m["block_complexity"] for m in methods})
-    ax.set_xticks(bcs)
-    ax.set_xticklabels([str(b) for b in bcs])
-    ax.minorticks_off()
-    ax.set_xlabel("block complexity BC (tokens per forward pass, log scale)")
-    ax.set_ylabel("tau (accepted tokens per forward)")
-    ax.set_title(f"tau vs BC ({results['settings']['model']})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+        for ax, col in ((axes[0], 1), (axes[1], 2)):
+            ax.plot([p[0] for p in pts], [p[col] for p in pts], marker="o", color=color, label=key)
+            for p in pts:
+                ax.annotate(p[3], (p[0], p[col]), fontsize=7, xytext=(3, 3), color=color,
+                            textcoords="offset points")  # fmt: skip
+    for ax, ylabel in ((axes[0], "tau (tokens per forward)"), (axes[1], "speedup vs ntp")):
+        ax.set_xscale("log")
+        ax.set_xlabel("slots per forward pass (mean draft-tree size sent; labels: BC)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    axes[0].set_title(f"tau vs tree size ({results['settings']['model']})")
+    axes[1].set_title("wall-clock speedup vs tree size (this device)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     paths.append(_save(fig, out / "tau_vs_bc.png"))
     plt.close(fig)
     return paths
+
+
+def _colors(n: int) -> list[Any]:
+    """``n`` distinguishable colors (tab10, then tab20, then a continuous map)."""
+    import matplotlib
+
+    name = "tab10" if n <= 10 else "tab20" if n <= 20 else "turbo"
+    cmap = matplotlib.colormaps[name]
+    return [cmap(i) if n <= 20 else cmap(i / max(n - 1, 1)) for i in range(n)]
 
 
 def _save(fig: Any, path: Path) -> Path:
