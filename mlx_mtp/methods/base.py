@@ -101,3 +101,20 @@ def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidArgumentError(f"option {name} must be {rng}, got {v}")
     return v
+
+
+def parse_bc(bc: Any, max_bc: Any, lo: int) -> tuple[bool, int]:
+    """Parse a block-complexity option: an integer >= ``lo``, or ``"auto"``.
+
+    Returns:
+        ``(auto, slots)``: ``slots`` is the BC, or for ``"auto"`` the cap
+        ``max_bc``.
+
+    Raises:
+        InvalidArgumentError: neither an integer nor ``"auto"``, or below ``lo``.
+    """
+    if str(bc) == "auto":
+        return True, parse_int("max_bc", max_bc, lo)
+    if not str(bc).strip().lstrip("-").isdigit():
+        raise InvalidArgumentError(f"option bc must be an integer or 'auto', got {bc!r}")
+    return False, parse_int("bc", bc, lo)

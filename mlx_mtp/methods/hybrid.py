@@ -47,7 +47,7 @@ from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..tree import worth_adding
 from ..verify import Sampler, target_tokens, walk_tree
-from .base import StepOutput, parse_int
+from .base import StepOutput, parse_bc, parse_int
 from .pld import lookup_candidates
 from .probe import Probe
 
@@ -339,10 +339,7 @@ class Hybrid(Probe):
         # Probe parses lam / mask_init and owns the mask vectors; its node budget
         # is unused here (the budget is allocated per step, see allocate()).
         super().__init__(bc=2 * (max(k, 1) + 1), masks=max(k, 1), lam=lam, mask_init=mask_init)
-        self.auto = str(bc) == "auto"
-        if not self.auto and not str(bc).strip().lstrip("-").isdigit():
-            raise InvalidArgumentError(f"option bc must be an integer or 'auto', got {bc!r}")
-        self.bc = parse_int("max_bc", max_bc, 2) if self.auto else parse_int("bc", bc, 2)
+        self.auto, self.bc = parse_bc(bc, max_bc, 2)
         self.masks = k
         self.matches = parse_int("matches", matches, 0, 16)
         self.window = parse_int("window", window, 1)

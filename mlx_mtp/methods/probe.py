@@ -30,7 +30,7 @@ from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
 from ..tree import block_complexity, build_tree, cost_aware_prefix
 from ..verify import Sampler, target_tokens, walk_tree
-from .base import Method, StepOutput, parse_int
+from .base import Method, StepOutput, parse_bc, parse_int
 
 
 def parse_template(tree: str, masks: int) -> list[int] | None:
@@ -97,17 +97,13 @@ class Probe(Method):
     ):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
-        self.auto = str(bc) == "auto"
-        if self.auto:
-            if self.template is not None:
-                raise InvalidArgumentError("bc=auto sizes a dynamic tree; drop --tree or bc=auto.")
-            bc = parse_int("max_bc", max_bc, 2 * (self.masks + 1))
         if self.template is None:
-            if not str(bc).strip().lstrip("-").isdigit():
-                raise InvalidArgumentError(f"option bc must be an integer or 'auto', got {bc!r}")
-            bc = parse_int("bc", bc, 2 * (self.masks + 1))
+            self.auto, bc = parse_bc(bc, max_bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
+            if str(bc) == "auto":
+                raise InvalidArgumentError("bc=auto sizes a dynamic tree; drop --tree or bc=auto.")
+            self.auto = False
             self.nodes = sum(self.template)
         try:
             self.lam = float(lam)
