@@ -11,7 +11,7 @@ import pytest
 from conftest import chi2_same, run_method, sample_runs
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_mtp.engine import Engine, check_tree_support
+from mlx_mtp.engine import Engine, ancestors, check_tree_support
 from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
@@ -44,6 +44,25 @@ def test_build_tree_best_first_with_pruning_and_budget():
     depth = [0 if p < 0 else 1 for p in par]
     assert depth.count(0) == 2 and depth.count(1) == 1
     assert block_complexity(1, 14) == 30 and block_complexity(2, 9) == 30
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 9, 30, 64, 65, 130])
+def test_ancestors_matches_naive_walk(n):
+    """Ancestor-or-self matrix and depths equal a walk up the parent links, for
+    random trees across the byte boundaries of the bit-set packing."""
+    rng = np.random.default_rng(n)
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+    anc, depth = ancestors(parents)
+    assert anc.dtype == bool and anc.shape == (n, n) and depth.dtype == np.int32
+    for i in range(n):
+        chain, j = {i}, i
+        while parents[j] >= 0:
+            j = int(parents[j])
+            chain.add(j)
+        assert set(np.flatnonzero(anc[i]).tolist()) == chain
+        assert depth[i] == len(chain) - 1
+    with pytest.raises(ValueError, match="parents must come first"):
+        ancestors(np.array([-1, 2, 0]))
 
 
 def test_walk_tree_accepts_longest_matching_path():

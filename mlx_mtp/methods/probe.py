@@ -196,11 +196,11 @@ class Probe(Method):
         m = min(max(self.nodes, 1), rows.shape[-1])
         top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
         top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
+        order = mx.argsort(-top_p, axis=-1)  # best first, sorted on the device
+        top = mx.take_along_axis(top, order, axis=-1)
+        top_p = mx.take_along_axis(top_p, order, axis=-1)
         engine.timed_eval(top, top_p)  # LM head + top-k on the k mask rows: device work
         top_np, top_p_np = np.array(top), np.array(top_p)
-        order = np.argsort(-top_p_np, axis=-1)
-        top_np = np.take_along_axis(top_np, order, -1)
-        top_p_np = np.take_along_axis(top_p_np, order, -1)
         self.dists = [(top_np[j], top_p_np[j]) for j in range(k)]
         engine.keep(start, [0, *path])
         self.hits += len(path)
