@@ -49,7 +49,7 @@ from ..tree import worth_adding
 from ..verify import Sampler, target_tokens, walk_tree
 from .base import StepOutput, parse_bc, parse_int
 from .pld import lookup_candidates
-from .probe import Probe
+from .probe import Probe, mask_candidates
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
 PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3}
@@ -435,15 +435,7 @@ class Hybrid(Probe):
         self.dists = []
         if vstar in mask_row:
             r0 = mask_row[vstar]
-            ml = logits[r0 : r0 + k].astype(mx.float32)
-            m = min(max(self.bc, 1), ml.shape[-1])
-            top = mx.argpartition(-ml, kth=m - 1, axis=-1)[:, :m]
-            top_p = mx.take_along_axis(mx.softmax(ml, axis=-1), top, axis=-1)
-            engine.timed_eval(top, top_p)  # vocabulary-wide top-k: device work
-            top_np, top_p_np = np.array(top), np.array(top_p)
-            for j in range(k):
-                order = np.argsort(-top_p_np[j])
-                self.dists.append((top_np[j][order], top_p_np[j][order]))
+            self.dists = mask_candidates(logits[r0 : r0 + k].astype(mx.float32), self.bc, engine)
 
         self._learn(alloc, path, levels, slot_tokens, parents_np, tgt, prev)
         engine.keep(start, [0, *path])

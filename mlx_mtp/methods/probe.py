@@ -58,6 +58,32 @@ def parse_template(tree: str, masks: int) -> list[int] | None:
     return per_depth
 
 
+def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``m`` most probable tokens of each mask row, best first: the
+    per-depth candidate lists that :func:`~mlx_mtp.tree.build_tree` grows the
+    next draft tree from (ESP §3.2).
+
+    Args:
+        rows: (k, V) float32 logits of the k mask slots after the deepest
+            accepted node.
+        m: candidates per row (clipped to [1, V]).
+        engine: the top-k runs through ``engine.timed_eval`` (device time).
+
+    Returns:
+        k pairs (tokens (m,) int, probabilities (m,) float32), probabilities
+        descending.
+    """
+    m = min(max(m, 1), rows.shape[-1])
+    top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
+    top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
+    order = mx.argsort(-top_p, axis=-1)  # best first, sorted on the device
+    top = mx.take_along_axis(top, order, axis=-1)
+    top_p = mx.take_along_axis(top_p, order, axis=-1)
+    engine.timed_eval(top, top_p)  # vocabulary-wide top-k on k rows: device work
+    top_np, top_p_np = np.array(top), np.array(top_p)
+    return [(top_np[j], top_p_np[j]) for j in range(rows.shape[0])]
+
+
 class Probe(Method):
     """ESP embedding-space probing with a lossless draft tree.
 
@@ -193,15 +219,7 @@ class Probe(Method):
         vstar = path[-1] if path else 0
         h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
         rows = engine.lm_head(h_masks).astype(mx.float32)
-        m = min(max(self.nodes, 1), rows.shape[-1])
-        top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
-        top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
-        order = mx.argsort(-top_p, axis=-1)  # best first, sorted on the device
-        top = mx.take_along_axis(top, order, axis=-1)
-        top_p = mx.take_along_axis(top_p, order, axis=-1)
-        engine.timed_eval(top, top_p)  # LM head + top-k on the k mask rows: device work
-        top_np, top_p_np = np.array(top), np.array(top_p)
-        self.dists = [(top_np[j], top_p_np[j]) for j in range(k)]
+        self.dists = mask_candidates(rows, self.nodes, engine)
         engine.keep(start, [0, *path])
         self.hits += len(path)
         committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
