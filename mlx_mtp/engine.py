@@ -330,20 +330,20 @@ class Engine:
         n_new = self.offset - start
         slots = list(slots)
         if slots != list(range(len(slots))):
-            idx = mx.array([start + s for s in slots])
+            idx, at = mx.array([start + s for s in slots]), mx.array([start])
             for c in self.cache:
-                _gather_rows(c, start, idx)
+                _gather_rows(c, at, idx)
             kept = [self.cached[start + s] for s in slots]
             self.cached[start : start + len(slots)] = kept
         if n_new > len(slots):
             self.trim_to(start + len(slots))
 
 
-def _gather_rows(c: Any, start: int, idx: mx.array) -> None:
-    """Move cache rows ``idx`` (absolute positions) to ``start, start+1, ...``."""
+def _gather_rows(c: Any, at: mx.array, idx: mx.array) -> None:
+    """Move cache rows ``idx`` (absolute positions) to ``at, at+1, ...``
+    (``at``: a (1,) array holding the start position)."""
     # mx.take + mx.slice_update build the graph ~4x faster on the host than
     # ``arr[..., a:b, :] = arr[..., idx, :]`` (this runs for 2 arrays per layer)
-    at = mx.array([start])
 
     def moved(arr: mx.array) -> mx.array:
         return mx.slice_update(arr, mx.take(arr, idx, axis=-2), at, axes=(arr.ndim - 2,))
