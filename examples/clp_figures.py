@@ -81,29 +81,19 @@ def head_accuracy(engine: Engine, heads, prompt: list[int], out: list[int]) -> n
 
 def accuracy_from_bench(bench_dir: str, heads_folder: str | None) -> dict:
     """Head top-1 per offset on the ntp outputs recorded by ``mlx-mtp bench``."""
-    from pathlib import Path
-
-    from mlx_mtp.bench.runner import render_prompt
-    from mlx_mtp.data import load_questions
+    from mlx_mtp.bench.runner import recorded_outputs
 
     lm = load_model("smollm2-135m", dtype="float32")
-    records = [
-        json.loads(line)
-        for line in (Path(bench_dir) / "records.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    ntp = [r for r in records if r["method"] == "ntp" and r["turn"] == 1]
-    questions = {str(q["question_id"]): q for q in load_questions()}
+    rows = recorded_outputs(bench_dir, lm.tokenizer, "ntp")
     engine = Engine(lm.model)
     m = make_method("clp", **({"heads": heads_folder} if heads_folder else {}))
     m.prepare(engine)
     acc = np.zeros((m.heads.k, 2))
-    for r in tqdm(ntp, desc="head accuracy"):
-        msgs = [{"role": "user", "content": questions[str(r["qid"])]["turns"][0]}]
-        acc += head_accuracy(engine, m.heads, render_prompt(lm.tokenizer, msgs), r["tokens"])
+    for prompt, out, _ in tqdm(rows, desc="head accuracy"):
+        acc += head_accuracy(engine, m.heads, prompt, out)
     return {
         "bench": bench_dir,
-        "prompts": len(ntp),
+        "prompts": len(rows),
         "head_top1": [float(c / t) if t else 0.0 for c, t in acc],
         "positions": [int(t) for _, t in acc],
     }

@@ -127,6 +127,41 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
 
 
+def recorded_outputs(
+    out: str | Path, tokenizer: Any, method: str = "ntp"
+) -> list[tuple[list[int], list[int], dict[str, Any]]]:
+    """The first-turn Spec-Bench generations of ``method`` in a bench folder.
+
+    Lets analyses (head accuracy, mask hit rates) reuse a run's greedy outputs
+    instead of decoding again.
+
+    Args:
+        out: an ``mlx-mtp bench --out`` folder (finished or partial).
+        tokenizer: the tokenizer of the benchmarked model (rebuilds the prompt ids).
+        method: the method label as recorded (default the ``ntp`` reference).
+
+    Returns:
+        ``(prompt ids, generated ids, record)`` per generation, in file order.
+
+    Raises:
+        InvalidArgumentError: the folder has no ``records.jsonl``.
+    """
+    path = Path(out) / RECORDS
+    if not path.exists():
+        raise InvalidArgumentError(f"{path} does not exist: pass an `mlx-mtp bench --out` folder")
+    questions = {str(q["question_id"]): q for q in load_questions()}
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if r["method"] != method or r["turn"] != 1 or str(r["qid"]) not in questions:
+            continue
+        msgs = [{"role": "user", "content": questions[str(r["qid"])]["turns"][0]}]
+        rows.append((render_prompt(tokenizer, msgs), list(r["tokens"]), r))
+    return rows
+
+
 # ------------------------------------------------------------------ storage
 class ResultStore:
     """The per-generation records of one output folder (``records.jsonl``) and
