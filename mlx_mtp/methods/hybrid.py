@@ -351,7 +351,7 @@ class Hybrid(Probe):
         return self.bc
 
     def describe(self) -> str:
-        init = "" if self.mask_init == "mean" else ", masks=learned"
+        init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.bc}" if self.auto else str(self.bc)
         return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{init})"
 

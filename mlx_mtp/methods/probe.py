@@ -148,7 +148,7 @@ class Probe(Method):
 
     def describe(self) -> str:
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
-        init = "" if self.mask_init == "mean" else ", masks=learned"
+        init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
         return f"probe(bc={bc}, masks={self.masks}, tree={tree}{init})"
 
