@@ -141,7 +141,9 @@ def recorded_outputs(
         method: the method label as recorded (default the ``ntp`` reference).
 
     Returns:
-        ``(prompt ids, generated ids, record)`` per generation, in file order.
+        ``(prompt ids, generated ids, record)`` per generation, in file order
+        (read as :meth:`ResultStore.load` reads: a half-written last record is
+        skipped, a rerun entry counts once).
 
     Raises:
         InvalidArgumentError: the folder has no ``records.jsonl``.
@@ -151,10 +153,7 @@ def recorded_outputs(
         raise InvalidArgumentError(f"{path} does not exist: pass an `mlx-mtp bench --out` folder")
     questions = {str(q["question_id"]): q for q in load_questions()}
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
+    for r in _read_records(path)[0]:
         if r["method"] != method or r["turn"] != 1 or str(r["qid"]) not in questions:
             continue
         msgs = [{"role": "user", "content": questions[str(r["qid"])]["turns"][0]}]
@@ -196,30 +195,37 @@ class ResultStore:
         interrupted run) is also cut off the file so that appends stay valid;
         without it (reading while another process may be writing) the file is
         left alone."""
-        if not self.path.exists():
-            return []
-        good, lines = [], self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        keep = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-                if not line.endswith("\n"):
-                    raise ValueError("no newline")
-            except ValueError:
-                continue
-            good.append(rec)
-            keep.append(line)
-        if repair and len(keep) != len(lines):
+        records, keep, total = _read_records(self.path)
+        if repair and len(keep) != total:
             self.path.write_text("".join(keep), encoding="utf-8")
-        # one record per (prompt, turn, repeat, method): the last one written wins
-        unique = {entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r for r in good}
-        return list(unique.values())
+        return records
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record and flush it to disk."""
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+
+
+def _read_records(path: Path) -> tuple[list[dict[str, Any]], list[str], int]:
+    """(records, complete lines, number of lines) of a ``records.jsonl``: a
+    half-written last line is skipped; one record per (prompt, turn, repeat,
+    method), the last one written wins."""
+    if not path.exists():
+        return [], [], 0
+    good, lines = [], path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            if not line.endswith("\n"):
+                raise ValueError("no newline")
+        except ValueError:
+            continue
+        good.append(rec)
+        keep.append(line)
+    unique = {entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r for r in good}
+    return list(unique.values()), keep, len(lines)
 
 
 def entry_key(qid: str, turn: int, repeat: int, method: str) -> tuple[str, int, int, str]:
