@@ -132,3 +132,71 @@ def test_shipped_smollm_masks(smollm):
     vec = load_learned_masks(smollm.model)
     assert vec.shape[1] == 576 and vec.shape[0] >= 1
     assert bool(mx.all(mx.isfinite(vec)))
+
+
+def test_bounded_prefix_cache_gives_the_same_training():
+    """Dropping prefix keys/values past the memory bound only costs recomputation:
+    the learned vectors are the same as with every prefix kept."""
+    from mlx_mtp.training.masks import train_masks
+
+    m = make_tiny_model("llama", seed=0)
+    train = _tiny_sequences(m, 5, seed=3)
+    kw = dict(slots=2, steps=12, lr=0.05, anchors_per_step=8, progress=False)
+    kept = train_masks(m, train, **kw)
+    dropped = train_masks(m, train, kv_cache_gb=1e-9, **kw)  # keeps one prefix at a time
+    assert kept.train_loss == pytest.approx(dropped.train_loss, rel=1e-5)
+    assert np.allclose(np.array(kept.vectors), np.array(dropped.vectors), atol=1e-6)
+
+
+def test_continuations_file_roundtrip_and_mismatch(tmp_path):
+    from mlx_mtp.training.masks import TrainSequence, load_continuations, save_continuations
+
+    seqs = [TrainSequence([1, 2, 3], [4, 5]), TrainSequence([7], [8, 9, 2])]
+    meta = {"model_fingerprint": "abc", "max_tokens": 2, "prompts_sha256": "x"}
+    path = tmp_path / "c" / "cont.jsonl"
+    assert load_continuations(path, meta) is None  # nothing there yet
+    save_continuations(path, seqs, meta)
+    assert not list(path.parent.glob("*.tmp"))
+    assert load_continuations(path, meta) == seqs
+    assert load_continuations(path, {**meta, "model_fingerprint": "other"}) is None
+    path.write_text('{"meta": {}}\n{"prompt": [1]\n')
+    with pytest.raises(InvalidArgumentError, match="continuations"):
+        load_continuations(path, meta)
+
+
+def test_batched_continuations_equal_greedy(smollm, short_spec_prompts, greedy_reference):
+    """mlx-lm's batched decoding (left-padded, float32) gives the same greedy
+    continuations as one-by-one decoding on real prompts of different lengths."""
+    from mlx_mtp.data import load_questions
+    from mlx_mtp.training.masks import greedy_continuations
+
+    texts = [q["turns"][0] for q in load_questions()[:3]]
+    seqs = greedy_continuations(smollm.model, smollm.tokenizer, texts, 12, False, batch_size=3)
+    assert len({len(s.prompt) for s in seqs}) > 1  # padding really happened
+    for s in seqs:
+        assert len(s.generated) == 12
+        assert s.generated == greedy_reference(s.prompt, 12)
+
+
+def test_train_masks_command_reuses_continuations(tmp_path, monkeypatch):
+    """A second run with the same model, prompts and max_tokens reads the saved
+    continuations instead of decoding again."""
+    import json
+
+    import mlx_mtp.training.masks as tm
+    from mlx_mtp.commands.masks import run_train_masks
+
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path / "home"))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in (3, 4, 5)))
+    cont = tmp_path / "cont.jsonl"
+    kw = dict(slots=1, steps=2, max_tokens=8, anchors=4, batch_size=3, progress=False)
+    first = run_train_masks("smollm2-135m", [data], out=tmp_path / "a", continuations=cont, **kw)
+    assert cont.is_file()
+
+    def no_decoding(*a, **k):
+        raise AssertionError("continuations were decoded again")
+
+    monkeypatch.setattr(tm, "greedy_continuations", no_decoding)
+    second = run_train_masks("smollm2-135m", [data], out=tmp_path / "b", continuations=cont, **kw)
+    assert second["heldout_after"] == first["heldout_after"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -24,8 +25,14 @@ def run_train_masks(
     out: Path | None = None,
     dtype: str | None = "float32",
     progress: bool = True,
+    batch_size: int = 16,
+    continuations: Path | None = None,
 ) -> dict:
     """Generate greedy continuations, train, evaluate before/after, save.
+
+    ``continuations``: a jsonl file that keeps the generated continuations; a
+    later run with the same model, prompts, ``max_tokens`` and ``batch_size``
+    reuses it instead of decoding again (any other file there is replaced).
 
     Returns:
         A summary dict: path of the saved file, hit rates and losses on the
@@ -36,12 +43,15 @@ def run_train_masks(
     """
     from ..data import eval_prompts, read_prompts
     from ..errors import InvalidArgumentError
+    from ..fingerprint import model_fingerprint
     from ..learned_masks import save_learned_masks
     from ..loading import load_model
     from ..training.masks import (
         eval_masks,
         greedy_continuations,
+        load_continuations,
         mean_prompt_vectors,
+        save_continuations,
         train_masks,
     )
 
@@ -49,6 +59,8 @@ def run_train_masks(
         raise InvalidArgumentError(f"--slots must be 1, 2 or 3, got {slots}")
     if steps < 1:
         raise InvalidArgumentError(f"--steps must be >= 1, got {steps}")
+    if batch_size < 1:
+        raise InvalidArgumentError(f"--batch-size must be >= 1, got {batch_size}")
     if not 0.0 < val_fraction < 1.0:
         raise InvalidArgumentError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     prompts = read_prompts(data, exclude=eval_prompts())  # the 48 bench prompts stay unseen
@@ -60,7 +72,19 @@ def run_train_masks(
         raise InvalidArgumentError("need at least 2 prompts (one to train on, one held out)")
     lm = load_model(model, dtype=dtype)
     t0 = time.perf_counter()
-    seqs = greedy_continuations(lm.model, lm.tokenizer, prompts, max_tokens, progress)
+    meta = {
+        "model_fingerprint": model_fingerprint(lm.model),
+        "max_tokens": max_tokens,
+        "batch_size": batch_size,
+        "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+    }
+    seqs = load_continuations(continuations, meta) if continuations else None
+    if seqs is None:
+        seqs = greedy_continuations(
+            lm.model, lm.tokenizer, prompts, max_tokens, progress, batch_size
+        )
+        if continuations:
+            save_continuations(continuations, seqs, meta)
     val, train = seqs[:n_val], seqs[n_val:]
     gen_s = time.perf_counter() - t0
 
@@ -78,6 +102,7 @@ def run_train_masks(
         "train_prompts": len(train),
         "heldout_prompts": len(val),
         "max_tokens": max_tokens,
+        "batch_size": batch_size,
         "steps": steps,
         "lr": lr,
         "anchors_per_step": anchors,
@@ -112,6 +137,15 @@ def register(app: typer.Typer) -> None:
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
         dtype: str = typer.Option("float32", "--dtype", help="Compute dtype while training."),
+        batch_size: int = typer.Option(
+            16, "--batch-size", help="Prompts decoded together for continuations (1: one by one)."
+        ),
+        continuations: Path | None = typer.Option(
+            None,
+            "--continuations",
+            help="jsonl that keeps the generated continuations; reused by a later run "
+            "with the same model, prompts and --max-tokens.",
+        ),
     ):
         """Learn mask vectors (model frozen) so mask slot j predicts the token j+2
         positions ahead; use them with --opt mask_init=learned."""
@@ -128,6 +162,8 @@ def register(app: typer.Typer) -> None:
             seed,
             out,
             dtype,
+            batch_size=batch_size,
+            continuations=continuations,
         )
         b, a = s["heldout_before_mean_mask"], s["heldout_after"]
         for j in range(slots):
