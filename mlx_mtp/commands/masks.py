@@ -144,7 +144,7 @@ def register(app: typer.Typer) -> None:
             None,
             "--continuations",
             help="jsonl that keeps the generated continuations; reused by a later run "
-            "with the same model, prompts and --max-tokens.",
+            "with the same model, prompts, --max-tokens and --batch-size.",
         ),
     ):
         """Learn mask vectors (model frozen) so mask slot j predicts the token j+2
