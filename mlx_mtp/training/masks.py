@@ -52,9 +52,6 @@ class TrainSequence:
 # --------------------------------------------------------------------- data
 
 
-_GEN_PROMPT = {"add_generation_prompt": True}
-
-
 def greedy_continuations(
     model: nn.Module,
     tokenizer: Any,
@@ -79,6 +76,7 @@ def greedy_continuations(
     Returns:
         One :class:`TrainSequence` per prompt, in order.
     """
+    from ..bench.runner import render_prompt
     from ..decoding import generate_steps
     from ..engine import Engine
     from ..methods.pld import PLD
@@ -86,10 +84,7 @@ def greedy_continuations(
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
-    ids = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": t}], **_GEN_PROMPT))
-        for t in prompts
-    ]
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in prompts]
     if batch_size > 1:
         from mlx_lm.generate import batch_generate
 
