@@ -42,15 +42,20 @@ def target_tokens(
     Returns:
         (R,) int64 numpy array.
     """
-    sel = logits[mx.array(rows)] if len(rows) != logits.shape[0] else logits
-    if sampler is None:
-        out = mx.argmax(sel, axis=-1)
-    else:
-        sel = sel.astype(mx.float32)
-        out = sampler(sel - mx.logsumexp(sel, axis=-1, keepdims=True))
+    out = target_graph(logits, rows, sampler)
     if engine is not None:
         engine.timed_eval(out)
     return np.array(out, dtype=np.int64)
+
+
+def target_graph(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -> mx.array:
+    """The (R,) uint32 mx array (not evaluated) behind :func:`target_tokens`:
+    argmax, or one draw of ``sampler``, at each of ``rows`` of ``logits`` (N, V)."""
+    sel = logits[mx.array(rows)] if len(rows) != logits.shape[0] else logits
+    if sampler is None:
+        return mx.argmax(sel, axis=-1)
+    sel = sel.astype(mx.float32)
+    return sampler(sel - mx.logsumexp(sel, axis=-1, keepdims=True))
 
 
 def walk_tree(

@@ -182,6 +182,45 @@ def test_tree_forward_equals_sequential_paths(family):
     assert mx.allclose(nxt, ref, atol=1e-4, rtol=1e-4).item()
 
 
+def test_forward_tree_without_waiting_gives_the_same_logits_and_counts_device_time():
+    model = make_tiny_model("llama", seed=1)
+    check_tree_support(model, "probe")
+    parents, tokens = np.array([-1, 0, 0, 1]), [11, 12, 13, 14]
+    ref_eng, eng = Engine(model), Engine(model)
+    for e in (ref_eng, eng):
+        e.sync([3, 17, 42, 8])
+    ref, _ = ref_eng.forward_tree(ref_eng.embed_tokens(tokens), parents, tokens)
+    logits, h = eng.forward_tree(eng.embed_tokens(tokens), parents, tokens, True, 2, wait=False)
+    assert eng.forward_seconds == 0.0  # not waited for yet
+    top = mx.argmax(logits, axis=-1)  # built while the pass runs
+    eng.timed_eval(top)
+    assert eng.forward_seconds > 0.0 and eng._running_since is None
+    assert logits.shape[0] == 2 and h.shape[0] == 4
+    assert mx.array_equal(logits, ref[:2]).item()
+    # a pass never waited for is settled by the next cache operation
+    eng.forward_tree(eng.embed_tokens([5]), np.array([-1]), [5], wait=False)
+    before = eng.forward_seconds
+    eng.keep(eng.offset - 1, [0])
+    assert eng._running_since is None and eng.forward_seconds > before
+
+
+def test_mask_update_in_closed_form_equals_one_update_per_token():
+    model = make_tiny_model("llama", seed=1)
+    eng = Engine(model)
+    probe = make_method("probe", bc=10, masks=2)
+    probe.prepare(eng)
+    for n in (1, 2, 5):
+        probe.begin(eng, [3, 17, 42, 8], None)
+        m = probe.mask_embedding
+        committed = [7, 9, 11, 13, 15][:n]
+        probe._update_mask(eng, committed)
+        e = eng.embed_tokens(committed)
+        for i in range(n):  # ESP §3.1: m <- m + lam (e - m), once per committed token
+            m = m + 0.1 * (e[i] - m)
+        assert probe.mask_embedding.shape == m.shape
+        assert mx.allclose(probe.mask_embedding, m, atol=1e-6).item(), n
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_on_tiny_models(family):
     model = make_tiny_model(family, seed=2)

@@ -29,7 +29,7 @@ import numpy as np
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
 from ..tree import block_complexity, build_tree, cost_aware_prefix
-from ..verify import Sampler, target_tokens, walk_tree
+from ..verify import Sampler, target_graph, walk_tree
 from .base import Method, StepOutput, parse_bc, parse_int
 
 
@@ -73,15 +73,33 @@ def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.nda
         k pairs (tokens (m,) int, probabilities (m,) float32), probabilities
         descending.
     """
-    m = min(max(m, 1), rows.shape[-1])
-    top = mx.argpartition(-rows, kth=m - 1, axis=-1)[:, :m]
-    top_p = mx.take_along_axis(mx.softmax(rows, axis=-1), top, axis=-1)
-    order = mx.argsort(-top_p, axis=-1)  # best first, sorted on the device
-    top = mx.take_along_axis(top, order, axis=-1)
-    top_p = mx.take_along_axis(top_p, order, axis=-1)
+    top, top_p = top_candidates(rows, m)
     engine.timed_eval(top, top_p)  # vocabulary-wide top-k on k rows: device work
-    top_np, top_p_np = np.array(top), np.array(top_p)
-    return [(top_np[j], top_p_np[j]) for j in range(rows.shape[0])]
+    return candidate_lists(top, top_p)
+
+
+def top_candidates(rows: mx.array, m: int) -> tuple[mx.array, mx.array]:
+    """The graph (not evaluated) behind :func:`mask_candidates`: token ids
+    (k, m) and their probabilities (k, m) float32 of the ``m`` most probable
+    tokens of each row of ``rows`` (k, V), in no particular order."""
+    vocab = rows.shape[-1]
+    m = min(max(m, 1), vocab)
+    rows = rows.astype(mx.float32)
+    top = mx.argpartition(rows, kth=vocab - m, axis=-1)[:, vocab - m :]
+    top_p = mx.exp(
+        mx.take_along_axis(rows, top, axis=-1) - mx.logsumexp(rows, axis=-1, keepdims=True)
+    )
+    return top, top_p
+
+
+def candidate_lists(top: mx.array, top_p: mx.array) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Evaluated :func:`top_candidates` output -> per-row (tokens, probabilities)
+    sorted by probability descending."""
+    out = []
+    for toks, ps in zip(np.array(top), np.array(top_p)):
+        order = np.argsort(-ps, kind="stable")
+        out.append((toks[order], ps[order]))
+    return out
 
 
 class Probe(Method):
@@ -182,11 +200,13 @@ class Probe(Method):
         # learned vectors stay fixed)
         if self.learned is not None:
             return
-        e = engine.embed_tokens(tokens)
-        m = self.mask_embedding
-        for i in range(len(tokens)):
-            m = m + self.lam * (e[i] - m)
-        self.mask_embedding = m
+        e = engine.embed_tokens(tokens)  # (n, D)
+        m, n, lam = self.mask_embedding, len(tokens), self.lam
+        if n == 1:
+            self.mask_embedding = m + lam * (e - m)
+        else:  # the n updates in closed form: (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) e_i
+            w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
+            self.mask_embedding = (1 - lam) ** n * m + (w @ e)
 
     def step(self, engine: Engine, root: int) -> StepOutput:
         k = self.masks
@@ -207,19 +227,33 @@ class Probe(Method):
         emb = engine.embed_tokens(slot_tokens[:n_tok])
         masks = mx.tile(self.mask_embedding.astype(emb.dtype), (n_tok, 1))  # slot j of each set
         start = engine.offset
+        # logits for the token slots and the root's masks (slots n_tok .. n_tok+k-1):
+        # when no draft is accepted (most steps), the root's masks draft the next
+        # tree and no second LM-head pass over the vocabulary is needed. The pass
+        # runs while the graphs that read it (argmax, top-k) are built.
         logits, hidden = engine.forward_tree(
-            mx.concatenate([emb, masks]), parents_np, slot_tokens.tolist(), True, n_tok
+            mx.concatenate([emb, masks]),
+            parents_np,
+            slot_tokens.tolist(),
+            True,
+            n_tok + k,
+            wait=False,
         )
+        targets = target_graph(logits[:n_tok], np.arange(n_tok), self.sampler)
+        top0 = top_candidates(logits[n_tok : n_tok + k], self.nodes)
+        engine.timed_eval(targets, *top0)
 
         # verification: target tokens at the token slots only
-        targets = target_tokens(logits, np.arange(n_tok), self.sampler, engine)
+        targets = np.array(targets, dtype=np.int64)
         path, bonus = walk_tree(parents_np, slot_tokens, dict(enumerate(targets.tolist())))
 
         # the k masks after the deepest accepted node draft the next tree
         vstar = path[-1] if path else 0
-        h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
-        rows = engine.lm_head(h_masks).astype(mx.float32)
-        self.dists = mask_candidates(rows, self.nodes, engine)
+        if vstar == 0:
+            self.dists = candidate_lists(*top0)
+        else:
+            h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
+            self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)
         engine.keep(start, [0, *path])
         self.hits += len(path)
         committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
