@@ -106,6 +106,7 @@ class Engine:
         self.forward_slots = 0
         self._slot_costs: dict[int, float] = {}
         self._running_since: float | None = None  # start of a forward not yet waited for
+        self._running: list[mx.array] = []  # its outputs
 
     # ----------------------------------------------------------------- cache
     @property
@@ -233,8 +234,8 @@ class Engine:
         these arrays' graphs) overlapped the device's forward and cost no wall
         time of its own."""
         t0 = time.perf_counter() if self._running_since is None else self._running_since
-        mx.eval(*arrays)
-        self._running_since = None
+        mx.eval(*arrays, *self._running)
+        self._running_since, self._running = None, []
         self.forward_seconds += time.perf_counter() - t0
 
     def _settle(self) -> None:
@@ -342,7 +343,7 @@ class Engine:
             self.forward_seconds += time.perf_counter() - t0
         else:
             mx.async_eval(logits, h)
-            self._running_since = t0
+            self._running_since, self._running = t0, [logits, h]
         return logits, (h if hidden else None)
 
     def keep(self, start: int, slots: list[int]) -> None:
