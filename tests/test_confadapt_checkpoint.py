@@ -234,6 +234,84 @@ def test_train_lora_adapter_adds_mask_token(tmp_path, tokenizer_dirs, family):
         tr3.resume()
 
 
+def _slot_logits(models, mask_id):
+    """Logits of each model on 12 real tokens plus two mask regions (k = 4, 3)."""
+    from mlx_mtp.training.mtp import forward_layout, region_layout
+
+    real = list(range(3, 15))
+    lay = region_layout(len(real), [5, 9], [4, 3])
+    ids = mx.array(real + [mask_id] * lay.n_slots)
+    return lay.n_real, [forward_layout(m, ids, lay) for m in models]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gated_adapter_keeps_next_token_prediction(tmp_path, tokenizer_dirs, family):
+    """The default LoRA adapter is gated: real tokens are computed by the base
+    model bit for bit, so ConfAdapt with tau > 1 is the base model's greedy
+    decoding; the mask slots do change; and the loaded adapter computes what
+    the trained student computed (LoRA stored in float16)."""
+    import mlx_mtp
+    from mlx_mtp.methods.confadapt import (
+        GatedLoRALinear,
+        MaskedEmbedding,
+        apply_adapter,
+        clone_modules,
+        read_adapter_config,
+    )
+
+    src = make_checkpoint(tmp_path / "src", family, tokenizer_dirs, with_mask=False)
+    lm, tr = _trainer(src, tmp_path / "adapter", steps=3, lr=5e-2)
+    out = tr.run()
+    cfg = read_adapter_config(out)
+    assert cfg["lora"]["gated"] is True
+    adapted = apply_adapter(lm.model, out, cfg)
+    assert isinstance(adapted.model.layers[0].self_attn.q_proj, GatedLoRALinear)
+    plain = clone_modules(lm.model)  # the base model with the same mask-token row, no LoRA
+    plain.model.embed_tokens = MaskedEmbedding(
+        plain.model.embed_tokens, tr.mask_id, adapted.model.embed_tokens.mask_embedding
+    )
+    n, (a, p, s) = _slot_logits([adapted, plain, tr.student], tr.mask_id)
+    assert mx.array_equal(a[:n], p[:n])
+    assert not mx.allclose(a[n:], p[n:], atol=1e-3)
+    assert mx.allclose(a, s, atol=1e-2, rtol=1e-2)
+
+    base = mlx_mtp.load(str(src), method="ntp", dtype="float32")
+    slow = mlx_mtp.load(
+        str(src), method="confadapt", adapter=str(out), k=4, tau=1.01, dtype="float32"
+    )
+    for prompt in ["Hello", "What is two plus two?", "Count to three.", "Name a colour."]:
+        ref = base.generate(prompt, max_tokens=12).tokens
+        assert slow.generate(prompt, max_tokens=12).tokens == ref
+
+
+def test_ungated_adapter_is_fused_and_moves_real_tokens(tmp_path, tokenizer_dirs):
+    """``gated=False``: plain LoRA (mlx-lm), fused into the linears on load; it
+    changes real tokens too, which the next-token loss term only holds near."""
+    from mlx_mtp.methods.confadapt import (
+        GatedLoRALinear,
+        MaskedEmbedding,
+        apply_adapter,
+        clone_modules,
+        read_adapter_config,
+    )
+
+    src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs, with_mask=False)
+    lm, tr = _trainer(src, tmp_path / "adapter", steps=2, lr=5e-2, gated=False)
+    out = tr.run()
+    cfg = read_adapter_config(out)
+    assert cfg["lora"]["gated"] is False
+    adapted = apply_adapter(lm.model, out, cfg)
+    q = adapted.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "Linear" and not isinstance(q, GatedLoRALinear)
+    plain = clone_modules(lm.model)
+    plain.model.embed_tokens = MaskedEmbedding(
+        plain.model.embed_tokens, tr.mask_id, adapted.model.embed_tokens.mask_embedding
+    )
+    n, (a, p, s) = _slot_logits([adapted, plain, tr.student], tr.mask_id)
+    assert not mx.allclose(a[:n], p[:n], atol=1e-3)
+    assert mx.allclose(a, s, atol=1e-2, rtol=1e-2)
+
+
 def test_train_full_writes_loadable_folder(tmp_path, tokenizer_dirs):
     import mlx_mtp
 

@@ -110,6 +110,11 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("smollm2-135m", "--model", help="Base model to adapt."),
         data: str = typer.Option(..., "--data", help="Prompts JSONL, or 'gsm8k-train'."),
         lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapter or full fine-tune."),
+        gated: bool = typer.Option(
+            True,
+            "--gated/--ungated",
+            help="LoRA acts only at mask tokens (next-token prediction stays the base model's).",
+        ),
         steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default 60)."),
         stop_after: int | None = typer.Option(
             None, "--stop-after", help="Stop (and export) at this step of the schedule."
@@ -144,6 +149,7 @@ def register(app: typer.Typer) -> None:
             prompt_format,
             stop_after,
             rank=rank,
+            gated=gated,
             regions=regions,
             gen_tokens=gen_tokens,
         )

@@ -48,6 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tuner.lora import LoRALinear
 
 from ..engine import Engine, model_parts
 from ..errors import CheckpointMismatchError, InvalidArgumentError, UnsupportedModelError
@@ -163,6 +164,61 @@ def tokenizer_eos_ids(tokenizer: Any) -> list[int]:
 
 
 # ------------------------------------------------------------ model surgery
+class MaskGate:
+    """The mask-token positions of the forward pass being run, shared by a
+    :class:`MaskedEmbedding` (which sets it from the input ids) and the
+    :class:`GatedLoRALinear` layers of the same model (which read it).
+
+    Attributes:
+        value: (B, L, 1) float32, 1.0 at mask-token positions, else 0.0; None
+            before the first forward pass.
+    """
+
+    def __init__(self) -> None:
+        self.value: mx.array | None = None
+
+
+class GatedLoRALinear(LoRALinear):
+    """A LoRA linear (mlx-lm's :class:`~mlx_lm.tuner.lora.LoRALinear`) whose
+    low-rank delta applies only at mask-token positions.
+
+    ``y = W x + gate * scale * (x A) B`` with gate 1 at mask tokens and 0 at
+    every real token, so real tokens (their hidden states, KV and next-token
+    logits) are computed by the unchanged base model and only the mask slots
+    see the adapter. This is the gated LoRA of Samragh et al., *Your LLM Knows
+    the Future* (arXiv 2507.11851, §3.3): MTP adaptation that cannot change
+    next-token prediction. Not fusable into the base weight.
+
+    Args (of :meth:`from_base`):
+        linear: the base ``nn.Linear`` / ``nn.QuantizedLinear`` (not copied).
+        gate: the model's :class:`MaskGate`.
+        r, scale: LoRA rank and scale.
+    """
+
+    @classmethod
+    def from_base(  # type: ignore[override]
+        cls, linear: nn.Module, gate: MaskGate, r: int = 8, scale: float = 20.0
+    ) -> GatedLoRALinear:
+        out_dims, in_dims = linear.weight.shape
+        if isinstance(linear, nn.QuantizedLinear):
+            in_dims = in_dims * 32 // linear.bits
+        m = cls(input_dims=in_dims, output_dims=out_dims, r=r, dropout=0.0, scale=scale)
+        m.linear = linear
+        m.gate = gate
+        return m
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        g = self.gate.value
+        if g is None or g.shape[:-1] != x.shape[:-1]:
+            raise RuntimeError(
+                "GatedLoRALinear ran without a mask gate for this input; the model's "
+                "embedding must be the MaskedEmbedding that shares its MaskGate."
+            )
+        z = (x @ self.lora_a) @ self.lora_b
+        return y + (self.scale * z * g).astype(x.dtype)
+
+
 class MaskedEmbedding(nn.Module):
     """An input embedding with one extra row for the MTP mask token.
 
@@ -174,17 +230,28 @@ class MaskedEmbedding(nn.Module):
         base: the model's ``nn.Embedding`` / ``nn.QuantizedEmbedding`` (not copied).
         mask_token_id: id of the mask token (may lie past the base rows).
         mask_embedding: (D,) vector.
+        gate: where to record the mask positions of each forward pass, for the
+            model's :class:`GatedLoRALinear` layers (None: not recorded).
     """
 
-    def __init__(self, base: nn.Module, mask_token_id: int, mask_embedding: mx.array):
+    def __init__(
+        self,
+        base: nn.Module,
+        mask_token_id: int,
+        mask_embedding: mx.array,
+        gate: MaskGate | None = None,
+    ):
         super().__init__()
         self.base = base
         self.mask_token_id = int(mask_token_id)
         self.mask_embedding = mask_embedding
         self.rows = int(base.weight.shape[0])
+        self.gate = gate
 
     def __call__(self, ids: mx.array) -> mx.array:
         is_mask = mx.expand_dims(ids == self.mask_token_id, -1)
+        if self.gate is not None:
+            self.gate.value = is_mask.astype(mx.float32)
         e = self.base(mx.minimum(ids, self.rows - 1))
         return mx.where(is_mask, self.mask_embedding.astype(e.dtype), e)
 
@@ -227,20 +294,22 @@ def _get_module(root: nn.Module, path: str) -> nn.Module:
 def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.Module:
     """A copy of ``model`` with an on-device MTP adapter applied.
 
-    The LoRA deltas of :mod:`mlx_mtp.training.mtp` are fused into copies of
-    the adapted linears (``LoRALinear.fuse``, quantized linears stay quantized)
-    and the embedding gets the mask-token row (:class:`MaskedEmbedding`). The
-    original model is not modified.
+    The embedding gets the mask-token row (:class:`MaskedEmbedding`). A gated
+    adapter (``lora.gated``, the default of :mod:`mlx_mtp.training.mtp`) keeps
+    its LoRA deltas as :class:`GatedLoRALinear` layers that act only at mask
+    tokens, so next-token prediction stays the base model's. An ungated one is
+    fused into copies of the adapted linears (``LoRALinear.fuse``; quantized
+    linears stay quantized). The original model is not modified.
 
     Raises:
         CheckpointMismatchError: the adapter's tensors do not fit the model.
     """
     from mlx.utils import tree_unflatten
-    from mlx_lm.tuner.lora import LoRALinear
 
     weights = mx.load(str(adapter / ADAPTER_WEIGHTS))
     clone = clone_modules(model)
     lora = meta.get("lora") or {}
+    gate = MaskGate() if lora.get("gated") else None
     fused = []
     dtype = model.model.embed_tokens.weight.dtype
     if not mx.issubdtype(dtype, mx.floating):
@@ -248,9 +317,18 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
     try:
         for path in lora.get("modules", []):
             base = _get_module(clone, path)
-            ll = LoRALinear.from_base(base, r=int(lora["rank"]), scale=float(lora["scale"]))
-            ll.lora_a = weights[f"{path}.lora_a"].astype(mx.float32)
-            ll.lora_b = weights[f"{path}.lora_b"].astype(mx.float32)
+            r, scale = int(lora["rank"]), float(lora["scale"])
+            a = weights[f"{path}.lora_a"].astype(mx.float32)
+            b = weights[f"{path}.lora_b"].astype(mx.float32)
+            if gate is not None:
+                g = GatedLoRALinear.from_base(base, gate, r=r, scale=scale)
+                if a.shape != g.lora_a.shape or b.shape != g.lora_b.shape:
+                    raise ValueError(f"{path} LoRA shapes {a.shape}, {b.shape}")
+                g.lora_a, g.lora_b = a, b
+                fused.append((path, g))
+                continue
+            ll = LoRALinear.from_base(base, r=r, scale=scale)
+            ll.lora_a, ll.lora_b = a, b
             f = ll.fuse()
             if not isinstance(f, nn.QuantizedLinear):
                 f.weight = f.weight.astype(base.weight.dtype)
@@ -261,7 +339,7 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
         base_emb = clone.model.embed_tokens
         if row.shape != (base_emb.weight.shape[-1] * _pack(base_emb),):
             raise ValueError(f"mask_embedding has shape {row.shape}")
-        clone.model.embed_tokens = MaskedEmbedding(base_emb, meta["mask_token_id"], row)
+        clone.model.embed_tokens = MaskedEmbedding(base_emb, meta["mask_token_id"], row, gate)
     except (KeyError, ValueError, AttributeError) as e:
         raise CheckpointMismatchError(
             f"The MTP adapter in {adapter} does not fit this model ({type(e).__name__}: {e}). "

@@ -15,14 +15,20 @@ weights; the student's vocabulary gets one mask token. One training step:
    same layout, and the teacher's argmax at p and at each draft is the hard
    target of the student's prediction at p and at each mask.
 5. Loss: cross-entropy of the student's mask predictions against those
-   targets, plus cross-entropy at the real continuation positions against the
-   teacher's argmax (keeps next-token prediction unchanged).
+   targets, plus (full fine-tuning and ungated LoRA) cross-entropy at the real
+   continuation positions against the teacher's argmax, which holds
+   next-token prediction near the teacher's.
 
 Full fine-tuning (AdamW, lr 1e-5 after warm-up) writes a complete model folder
 with the mask token added to the vocabulary (embedding and LM head resized,
-tied embeddings included). LoRA mode (mlx-lm's tuner) trains low-rank deltas
-plus the mask token's embedding row and writes a small adapter folder, keyed
-by the base model's fingerprint, that ``--method confadapt`` applies on load.
+tied embeddings included). LoRA mode trains low-rank deltas plus the mask
+token's embedding row and writes a small adapter folder, keyed by the base
+model's fingerprint, that ``--method confadapt`` applies on load. By default
+the deltas are gated (:class:`~mlx_mtp.methods.confadapt.GatedLoRALinear`,
+after Samragh et al., arXiv 2507.11851 §3.3): they act only at mask tokens, so
+real tokens, and with them every block's first token, stay exactly the base
+model's. ``gated=False`` uses mlx-lm's plain LoRA, which the next-token loss
+term only holds near the base model.
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ from ..methods.confadapt import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
+    GatedLoRALinear,
     MaskedEmbedding,
+    MaskGate,
     MTPMetadata,
+    _get_module,
     clone_modules,
     lora_modules,
     tokenizer_eos_ids,
@@ -76,6 +85,8 @@ class TrainConfig:
     Attributes:
         steps: optimizer steps (one sequence each).
         lora: LoRA (True) or full fine-tuning.
+        gated: LoRA deltas act only at mask tokens (next-token prediction
+            stays the base model's); False: plain LoRA on every token.
         lr: peak learning rate (None: 1e-5 full, 5e-4 LoRA).
         warmup: linear warm-up steps, then cosine decay to 10%.
         rank, scale, lora_layers: LoRA rank, scale, number of last layers adapted.
@@ -90,6 +101,7 @@ class TrainConfig:
 
     steps: int = 60
     lora: bool = True
+    gated: bool = True
     lr: float | None = None
     warmup: int = 5
     rank: int = 8
@@ -260,6 +272,7 @@ def self_distillation_loss(
     layout: RegionLayout,
     mask_id: int,
     vocab: int,
+    ntp_term: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Student-forced hard-teacher loss of one sequence (see the module docstring).
 
@@ -271,6 +284,8 @@ def self_distillation_loss(
         mask_id: the mask token id.
         vocab: number of output logits that may be emitted (the mask column,
             if any, is excluded).
+        ntp_term: add the next-token term at the real continuation positions
+            (pointless for a gated student, whose real positions are the teacher's).
 
     Returns:
         (loss, mtp_accuracy): scalar loss and the share of mask predictions
@@ -288,9 +303,11 @@ def self_distillation_loss(
     slot_rows = mx.array(np.arange(layout.n_real, layout.n_real + layout.n_slots))
     slot_targets = targets[slot_rows]
     mtp = nn.losses.cross_entropy(s_logits[slot_rows], slot_targets, reduction="mean")
+    acc = mx.mean(mx.argmax(s_logits[slot_rows], axis=-1) == slot_targets)
+    if not ntp_term:
+        return mtp, acc
     ntp_rows = mx.array(np.arange(gen_start - 1, layout.n_real - 1))
     ntp = nn.losses.cross_entropy(s_logits[ntp_rows], targets[ntp_rows], reduction="mean")
-    acc = mx.mean(mx.argmax(s_logits[slot_rows], axis=-1) == slot_targets)
     return mtp + ntp, acc
 
 
@@ -403,13 +420,29 @@ class Trainer:
             student = clone_modules(self.teacher)
             student.freeze()
             self.lora_paths = lora_modules(student, LORA_KEYS, cfg.lora_layers)
-            linear_to_lora_layers(
-                student,
-                min(cfg.lora_layers, len(student.layers)),
-                {"rank": cfg.rank, "scale": cfg.scale, "dropout": 0.0, "keys": LORA_KEYS},
-            )
+            gate = MaskGate() if cfg.gated else None
+            if gate is not None:
+                student.update_modules(
+                    tree_unflatten(
+                        [
+                            (
+                                p,
+                                GatedLoRALinear.from_base(
+                                    _get_module(student, p), gate, cfg.rank, cfg.scale
+                                ),
+                            )
+                            for p in self.lora_paths
+                        ]
+                    )
+                )
+            else:
+                linear_to_lora_layers(
+                    student,
+                    min(cfg.lora_layers, len(student.layers)),
+                    {"rank": cfg.rank, "scale": cfg.scale, "dropout": 0.0, "keys": LORA_KEYS},
+                )
             student.model.embed_tokens = MaskedEmbedding(
-                student.model.embed_tokens, self.mask_id, row
+                student.model.embed_tokens, self.mask_id, row, gate
             )
             student.model.embed_tokens.freeze()
             student.model.embed_tokens.unfreeze(keys=["mask_embedding"], recurse=False)
@@ -492,7 +525,14 @@ class Trainer:
 
         def loss_fn(model):
             return self_distillation_loss(
-                model, self.teacher, real, gen_start, layout, self.mask_id, self.vocab
+                model,
+                self.teacher,
+                real,
+                gen_start,
+                layout,
+                self.mask_id,
+                self.vocab,
+                ntp_term=not (self.cfg.lora and self.cfg.gated),
             )
 
         (loss, acc), grads = nn.value_and_grad(self.student, loss_fn)(self.student)
@@ -591,8 +631,6 @@ class Trainer:
 
     def _export_adapter(self, d: Path) -> None:
         weights: dict[str, mx.array] = {}
-        from ..methods.confadapt import _get_module
-
         for path in self.lora_paths:
             m = _get_module(self.student, path)
             weights[f"{path}.lora_a"] = m.lora_a.astype(mx.float16)
@@ -616,6 +654,7 @@ class Trainer:
                 "scale": self.cfg.scale,
                 "keys": LORA_KEYS,
                 "modules": self.lora_paths,
+                "gated": self.cfg.gated,
             },
             "training": {**asdict(self.cfg), "steps_done": self.step, "prompts": len(self.prompts)},
         }
