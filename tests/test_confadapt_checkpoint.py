@@ -312,6 +312,35 @@ def test_ungated_adapter_is_fused_and_moves_real_tokens(tmp_path, tokenizer_dirs
     assert mx.allclose(a, s, atol=1e-2, rtol=1e-2)
 
 
+def test_teacher_forcing_targets_are_the_continuation(tmp_path, tokenizer_dirs):
+    """``forcing="teacher"``: each mask slot's target is the continuation token
+    after its position; slots past the continuation's end are left out."""
+    import mlx.nn as nn
+
+    from mlx_mtp.training.mtp import forward_layout, region_layout, self_distillation_loss
+
+    src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs, with_mask=False)
+    lm, tr = _trainer(src, tmp_path / "adapter", forcing="teacher")
+    real = list(range(3, 19))  # 16 tokens, the continuation starts at index 8
+    lay = region_layout(len(real), [8, 13], [4, 5])  # slots at positions 9-11 and 14-17
+    args = (tr.student, tr.teacher, real, 8, lay, tr.mask_id, tr.vocab)
+    loss, _ = self_distillation_loss(*args, ntp_term=False, forcing="teacher")
+    logits = forward_layout(tr.student, mx.array(real + [tr.mask_id] * lay.n_slots), lay)
+    logits = logits[:, : tr.vocab].astype(mx.float32)
+    n = len(real)
+    rows, targets = [n, n + 1, n + 2, n + 3], [real[10], real[11], real[12], real[15]]
+    want = nn.losses.cross_entropy(logits[mx.array(rows)], mx.array(targets), reduction="mean")
+    assert mx.allclose(loss, want, atol=1e-5)
+    with_ntp, _ = self_distillation_loss(*args, forcing="teacher")
+    ntp = nn.losses.cross_entropy(logits[7:15], mx.array(real[8:16]), reduction="mean")
+    assert mx.allclose(with_ntp, want + ntp, atol=1e-5)
+    assert tr.run().is_dir()
+    with pytest.raises(InvalidArgumentError, match="forcing"):
+        self_distillation_loss(*args, forcing="both")
+    with pytest.raises(InvalidArgumentError, match="forcing"):
+        _trainer(src, tmp_path / "other", forcing="both")
+
+
 def test_train_full_writes_loadable_folder(tmp_path, tokenizer_dirs):
     import mlx_mtp
 

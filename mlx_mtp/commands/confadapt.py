@@ -51,7 +51,7 @@ def run_train_mtp(
     dtype: str = "float32",
     prompt_format: str = "chat",
     stop_after: int | None = None,
-    **config: int | float,
+    **config: int | float | str,
 ) -> Path:
     """Adapt ``model`` for confadapt by self-distillation and write the result.
 
@@ -124,6 +124,12 @@ def register(app: typer.Typer) -> None:
         regions: int = typer.Option(6, "--regions", help="Mask regions per sequence."),
         gen_tokens: int = typer.Option(64, "--gen-tokens", help="Teacher tokens per prompt."),
         seed: int = typer.Option(0, "--seed"),
+        forcing: str = typer.Option(
+            "student",
+            "--forcing",
+            help="student (the paper: the teacher scores the student's own drafts) or teacher "
+            "(targets = the teacher's greedy continuation).",
+        ),
         out: Path | None = typer.Option(None, "--out", help="Output folder."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a checkpoint."),
         dtype: str = typer.Option("float32", "--dtype", help="Training dtype."),
@@ -132,6 +138,8 @@ def register(app: typer.Typer) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
         from ..errors import InvalidArgumentError
 
+        if forcing not in ("student", "teacher"):
+            raise InvalidArgumentError(f"--forcing must be student or teacher: {forcing}")
         if prompt_format not in ("chat", "plain"):
             raise InvalidArgumentError(f"--prompt-format must be chat or plain: {prompt_format}")
         if rank < 1 or regions < 1 or gen_tokens < 2:
@@ -150,6 +158,7 @@ def register(app: typer.Typer) -> None:
             stop_after,
             rank=rank,
             gated=gated,
+            forcing=forcing,
             regions=regions,
             gen_tokens=gen_tokens,
         )

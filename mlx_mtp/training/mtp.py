@@ -97,6 +97,9 @@ class TrainConfig:
         max_prompt_tokens: prompts are cut to this many tokens (from the left).
         save_every: checkpoint interval in steps.
         seed: everything random (prompt order, regions) derives from it.
+        forcing: ``"student"`` (the paper's objective) or ``"teacher"``
+            (targets from the teacher's greedy continuation), see
+            :func:`self_distillation_loss`.
     """
 
     steps: int = 60
@@ -115,6 +118,7 @@ class TrainConfig:
     max_prompt_tokens: int = 192
     save_every: int = 10
     seed: int = 0
+    forcing: str = "student"
 
     @property
     def peak_lr(self) -> float:
@@ -273,8 +277,9 @@ def self_distillation_loss(
     mask_id: int,
     vocab: int,
     ntp_term: bool = True,
+    forcing: str = "student",
 ) -> tuple[mx.array, mx.array]:
-    """Student-forced hard-teacher loss of one sequence (see the module docstring).
+    """Hard-teacher self-distillation loss of one sequence (see the module docstring).
 
     Args:
         student, teacher: models with positional RoPE; the teacher is frozen.
@@ -286,22 +291,43 @@ def self_distillation_loss(
             if any, is excluded).
         ntp_term: add the next-token term at the real continuation positions
             (pointless for a gated student, whose real positions are the teacher's).
+        forcing: ``"student"`` (the paper's objective): the teacher scores the
+            student's own block, and its argmax after the student's drafts is
+            the target. ``"teacher"``: the target of the slot at position q is
+            the teacher's greedy continuation token at q + 1 (slots past the
+            continuation's end are left out); no teacher forward pass. Student
+            forcing can settle into a fixed point where the student drafts a
+            filler token and the teacher, given those drafts, predicts it again;
+            teacher forcing cannot.
 
     Returns:
         (loss, mtp_accuracy): scalar loss and the share of mask predictions
-        equal to the teacher's target.
+        equal to their target.
+
+    Raises:
+        InvalidArgumentError: unknown ``forcing``.
     """
-    pred_rows, draft_src = region_rows(layout)
+    if forcing not in ("student", "teacher"):
+        raise InvalidArgumentError(f"forcing must be 'student' or 'teacher', not {forcing!r}.")
     ids = mx.array(real + [mask_id] * layout.n_slots)
     s_logits = forward_layout(student, ids, layout)[:, :vocab].astype(mx.float32)
-    drafts = mx.stop_gradient(mx.argmax(s_logits[mx.array(draft_src)], axis=-1))
-    t_ids = mx.concatenate([mx.array(real), drafts.astype(mx.int32)])
-    t_logits = mx.stop_gradient(forward_layout(teacher, t_ids, layout)[:, :vocab])
-    targets = mx.argmax(t_logits, axis=-1)
-    # multi-token part: slot s (position p+s, draft d_s in the teacher's input) predicts
-    # the token at p+s+1; its target is the teacher's argmax at that same slot
-    slot_rows = mx.array(np.arange(layout.n_real, layout.n_real + layout.n_slots))
-    slot_targets = targets[slot_rows]
+    slots = np.arange(layout.n_real, layout.n_real + layout.n_slots)
+    if forcing == "teacher":
+        nxt = layout.positions[slots].astype(np.int64) + 1
+        keep = nxt < layout.n_real
+        slot_rows = mx.array(slots[keep])
+        slot_targets = mx.array(np.asarray(real, dtype=np.int32)[nxt[keep]])
+        targets = mx.array(real[1:] + [0])  # row i's target at real rows: token i + 1
+    else:
+        _, draft_src = region_rows(layout)
+        drafts = mx.stop_gradient(mx.argmax(s_logits[mx.array(draft_src)], axis=-1))
+        t_ids = mx.concatenate([mx.array(real), drafts.astype(mx.int32)])
+        t_logits = mx.stop_gradient(forward_layout(teacher, t_ids, layout)[:, :vocab])
+        targets = mx.argmax(t_logits, axis=-1)
+        # slot s (position p+s, draft d_s in the teacher's input) predicts the token at
+        # p+s+1; its target is the teacher's argmax at that same slot
+        slot_rows = mx.array(slots)
+        slot_targets = targets[slot_rows]
     mtp = nn.losses.cross_entropy(s_logits[slot_rows], slot_targets, reduction="mean")
     acc = mx.mean(mx.argmax(s_logits[slot_rows], axis=-1) == slot_targets)
     if not ntp_term:
@@ -387,6 +413,10 @@ class Trainer:
     ):
         from ..fingerprint import model_fingerprint
 
+        if config.forcing not in ("student", "teacher"):
+            raise InvalidArgumentError(
+                f"forcing must be 'student' or 'teacher', not {config.forcing!r}."
+            )
         if config.k_min < 2 or config.k_max < config.k_min:
             raise InvalidArgumentError(
                 f"k range [{config.k_min}, {config.k_max}] is invalid; k_min must be >= 2."
@@ -533,6 +563,7 @@ class Trainer:
                 self.mask_id,
                 self.vocab,
                 ntp_term=not (self.cfg.lora and self.cfg.gated),
+                forcing=self.cfg.forcing,
             )
 
         (loss, acc), grads = nn.value_and_grad(self.student, loss_fn)(self.student)
