@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--adapter", default=None, help="adapter folder (default: found)")
     ap.add_argument("--out", type=Path, default=Path("confadapt_eval.json"))
+    ap.add_argument("--sets", default="gsm8k,spec_bench", help="which prompt sets, in order")
     args = ap.parse_args()
 
     from mlx_mtp.api import MTPModel
@@ -127,7 +128,9 @@ def main() -> None:
             opts["adapter"] = args.adapter
         runners[f"tau={tau:g}"] = MTPModel(base, make_method("confadapt", **opts))
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "k": args.k, "sets": {}}
-    for name, prompts in prompt_sets(args.gsm8k, args.spec).items():
+    sets = prompt_sets(args.gsm8k, args.spec)
+    for name in args.sets.split(","):
+        prompts = sets.get(name)
         if not prompts:
             continue
         rows = {key: [] for key in runners}
@@ -152,34 +155,41 @@ def main() -> None:
                 if "answer" in p:
                     row["correct"] = same_number(last_number(r.text), p["answer"])
                 rows[key].append(row)
-        summary = {}
-        ntp_tps = sum(x["tokens"] for x in rows["ntp"]) / sum(x["decode_s"] for x in rows["ntp"])
-        for key, rs in rows.items():
-            toks = sum(x["tokens"] for x in rs)
-            tps = toks / sum(x["decode_s"] for x in rs)
-            rep, tot = (sum(x["rep"][i] for x in rs) for i in (0, 1))
-            summary[key] = {
-                "prompts": len(rs),
-                "eff_k": toks / sum(x["forwards"] for x in rs),
-                "decode_tps": tps,
-                "speedup": tps / ntp_tps,
-                "token_match": sum(x["match"] for x in rs) / len(rs),
-                "rouge_l": sum(x["rouge_l"] for x in rs) / len(rs),
-                "repetition": rep / tot if tot else 0.0,
-                "mean_tokens": toks / len(rs),
-            }
-            if "correct" in rs[0]:
-                summary[key]["accuracy"] = sum(x["correct"] for x in rs) / len(rs)
-        report["sets"][name] = {"summary": summary, "rows": rows}
+            # written after every prompt, so an interrupted run keeps what it measured
+            report["sets"][name] = {"summary": summarize(rows), "rows": rows}
+            args.out.write_text(json.dumps(report, indent=1))
         print(f"\n== {name} ({len(prompts)} prompts, max {args.max_tokens} tokens)")
-        for key, s in summary.items():
+        for key, s in report["sets"][name]["summary"].items():
             acc = f" acc {s['accuracy']:.1%}" if "accuracy" in s else ""
             print(
                 f"{key:8s} Eff.k {s['eff_k']:.2f} speedup {s['speedup']:.2f}x "
                 f"({s['decode_tps']:.1f} tok/s) match {s['token_match']:.3f} "
                 f"ROUGE-L {s['rouge_l']:.3f} rep {s['repetition']:.3f}{acc}"
             )
-        args.out.write_text(json.dumps(report, indent=1))
+
+
+def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per decoding: Eff. k, tokens/s, speedup over ntp, match, ROUGE-L,
+    repetition and (GSM8K) accuracy over the prompts measured so far."""
+    summary = {}
+    ntp_tps = sum(x["tokens"] for x in rows["ntp"]) / sum(x["decode_s"] for x in rows["ntp"])
+    for key, rs in rows.items():
+        toks = sum(x["tokens"] for x in rs)
+        tps = toks / sum(x["decode_s"] for x in rs)
+        rep, tot = (sum(x["rep"][i] for x in rs) for i in (0, 1))
+        summary[key] = {
+            "prompts": len(rs),
+            "eff_k": toks / sum(x["forwards"] for x in rs),
+            "decode_tps": tps,
+            "speedup": tps / ntp_tps,
+            "token_match": sum(x["match"] for x in rs) / len(rs),
+            "rouge_l": sum(x["rouge_l"] for x in rs) / len(rs),
+            "repetition": rep / tot if tot else 0.0,
+            "mean_tokens": toks / len(rs),
+        }
+        if "correct" in rs[0]:
+            summary[key]["accuracy"] = sum(x["correct"] for x in rs) / len(rs)
+    return summary
 
 
 if __name__ == "__main__":

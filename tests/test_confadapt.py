@@ -181,14 +181,16 @@ def test_options_from_strings_and_describe():
 
 
 def test_shipped_adapter_for_embedded_model(smollm):
-    """The undertrained example adapter is not applied on its own: without an
-    adapter the embedded model is refused with a message naming `train mtp`.
-    Asked for explicitly, it decodes without modifying the caller's model; with
-    tau > 1 it is the adapted model's own greedy decoding."""
+    """The example adapter is not applied on its own: without an adapter the
+    embedded model is refused with a message naming `train mtp`. Asked for
+    explicitly, it decodes without modifying the caller's model. It is gated,
+    so every block's first token is the base model's greedy token: with tau > 1
+    (or static k = 1) the output is plain greedy decoding of the base model,
+    token for token, on several prompts."""
     import mlx.core as mx
 
     from mlx_mtp.fingerprint import model_fingerprint
-    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS, find_adapter
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS, find_adapter, read_adapter_config
 
     assert find_adapter(model_fingerprint(smollm.model)) is None
     engine = Engine(smollm.model)
@@ -196,13 +198,14 @@ def test_shipped_adapter_for_embedded_model(smollm):
     with pytest.raises(MTPError, match="train mtp"):
         ConfAdapt().prepare(engine)
     shipped = SHIPPED_ADAPTERS / "smollm2-135m-gsm8k"
+    assert read_adapter_config(shipped)["lora"]["gated"] is True
     before = mx.array(smollm.model.model.layers[0].self_attn.q_proj.weight)
-    prompt = smollm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True
-    )
     eos = set(smollm.tokenizer.eos_token_ids)
 
-    def run(method, n=12):
+    def run(method, question, n=16):
+        prompt = smollm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
         engine = Engine(smollm.model)
         engine.loaded = smollm
         method.prepare(engine)
@@ -212,11 +215,21 @@ def test_shipped_adapter_for_embedded_model(smollm):
             st = s.stats
         return toks, st, engine
 
-    greedy, _, eng = run(ConfAdapt(k=1, mode="static", adapter=shipped))
-    assert eng.model is not smollm.model
-    slow, _, _ = run(ConfAdapt(k=8, tau=1.5, adapter=shipped))
-    assert slow == greedy
-    fast, st, _ = run(ConfAdapt(k=4, tau=0.0, adapter=shipped))
+    questions = [
+        "What is 12 + 30?",
+        "Tom has 3 apples and buys 5 more. How many apples does he have?",
+        "Name three colours.",
+        "Translate 'good morning' into French.",
+    ]
+    for q in questions:
+        ref, _, _ = run(make_method("ntp"), q)
+        one, _, eng = run(ConfAdapt(k=1, mode="static", adapter=shipped), q)
+        assert eng.model is not smollm.model
+        assert one == ref
+        slow, _, _ = run(ConfAdapt(k=8, tau=1.5, adapter=shipped), q)
+        assert slow == ref
+    fast, st, _ = run(ConfAdapt(k=4, tau=0.0, adapter=shipped), questions[0])
     assert st.tau == pytest.approx(len(fast) / -(-len(fast) // 4))  # Eff. k = k
-    assert fast[:1] == greedy[:1]
+    first, _, _ = run(make_method("ntp"), questions[0], n=1)
+    assert fast[:1] == first
     assert mx.array_equal(before, smollm.model.model.layers[0].self_attn.q_proj.weight)

@@ -358,8 +358,10 @@ def adapter_dirs() -> list[Path]:
     """Folders searched for on-device adapters: the cache's ``confadapt/``.
 
     The example adapter shipped in ``assets/confadapt/`` is NOT searched: it is
-    undertrained (Eff. k ~1.0, lower agreement with the base model, see the
-    README), so it is only used when asked for with ``adapter=<its folder>``.
+    gated (next-token prediction stays the base model's) but undertrained, so
+    on SmolLM2 it emits about one token per forward pass and is slower than
+    plain decoding (see the README); it is only used when asked for with
+    ``adapter=<its folder>``.
     """
     from ..loading import cache_home
 
