@@ -334,6 +334,11 @@ def test_teacher_forcing_targets_are_the_continuation(tmp_path, tokenizer_dirs):
     with_ntp, _ = self_distillation_loss(*args, forcing="teacher")
     ntp = nn.losses.cross_entropy(logits[7:15], mx.array(real[8:16]), reduction="mean")
     assert mx.allclose(with_ntp, want + ntp, atol=1e-5)
+    # a continuation too short for any slot's target: a zero loss, not NaN
+    late = region_layout(len(real), [14], [4])
+    args_late = (tr.student, tr.teacher, real, 8, late, tr.mask_id, tr.vocab)
+    empty, _ = self_distillation_loss(*args_late, ntp_term=False, forcing="teacher")
+    assert float(empty) == 0.0
     assert tr.run().is_dir()
     with pytest.raises(InvalidArgumentError, match="forcing"):
         self_distillation_loss(*args, forcing="both")

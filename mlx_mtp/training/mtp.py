@@ -328,8 +328,12 @@ def self_distillation_loss(
         # p+s+1; its target is the teacher's argmax at that same slot
         slot_rows = mx.array(slots)
         slot_targets = targets[slot_rows]
-    mtp = nn.losses.cross_entropy(s_logits[slot_rows], slot_targets, reduction="mean")
-    acc = mx.mean(mx.argmax(s_logits[slot_rows], axis=-1) == slot_targets)
+    if slot_rows.size:
+        mtp = nn.losses.cross_entropy(s_logits[slot_rows], slot_targets, reduction="mean")
+        acc = mx.mean(mx.argmax(s_logits[slot_rows], axis=-1) == slot_targets)
+    else:  # every slot lies past the continuation's end (a continuation of one token)
+        mtp = mx.sum(s_logits[:1]) * 0.0
+        acc = mx.array(0.0)
     if not ntp_term:
         return mtp, acc
     ntp_rows = mx.array(np.arange(gen_start - 1, layout.n_real - 1))
