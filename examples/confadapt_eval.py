@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -129,6 +130,9 @@ def main() -> None:
         runners[f"tau={tau:g}"] = MTPModel(base, make_method("confadapt", **opts))
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "k": args.k, "sets": {}}
     sets = prompt_sets(args.gsm8k, args.spec)
+    unknown = [n for n in args.sets.split(",") if n not in ("gsm8k", "spec_bench")]
+    if unknown:
+        ap.error(f"--sets: unknown set(s) {unknown}; choose from gsm8k, spec_bench")
     for name in args.sets.split(","):
         prompts = sets.get(name)
         if not prompts:
@@ -157,7 +161,9 @@ def main() -> None:
                 rows[key].append(row)
             # written after every prompt, so an interrupted run keeps what it measured
             report["sets"][name] = {"summary": summarize(rows), "rows": rows}
-            args.out.write_text(json.dumps(report, indent=1))
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, args.out)
         print(f"\n== {name} ({len(prompts)} prompts, max {args.max_tokens} tokens)")
         for key, s in report["sets"][name]["summary"].items():
             acc = f" acc {s['accuracy']:.1%}" if "accuracy" in s else ""

@@ -97,6 +97,8 @@ def main() -> None:
             lay = region_layout(len(real), anchors, [k] * len(anchors))
             ids = mx.array(real + [mask_id] * lay.n_slots)
             logits = forward_layout(model, ids, lay).astype(mx.float32)
+            if mask_id < logits.shape[-1]:  # input-only token, as in ConfAdapt.step
+                logits[:, mask_id] = -mx.inf
             logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             arg = np.array(mx.argmax(logp, axis=-1))
             conf = np.array(mx.exp(mx.max(logp, axis=-1)))

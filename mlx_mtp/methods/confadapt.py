@@ -211,12 +211,20 @@ class GatedLoRALinear(LoRALinear):
         y = self.linear(x)
         g = self.gate.value
         if g is None or g.shape[:-1] != x.shape[:-1]:
-            raise RuntimeError(
-                "GatedLoRALinear ran without a mask gate for this input; the model's "
-                "embedding must be the MaskedEmbedding that shares its MaskGate."
+            raise UnsupportedModelError(
+                "A gated MTP adapter needs the model to be called with token ids (its "
+                "MaskedEmbedding marks the mask positions); this call passed none."
             )
         z = (x @ self.lora_a) @ self.lora_b
         return y + (self.scale * z * g).astype(x.dtype)
+
+    def fuse(self, dequantize: bool = False) -> nn.Module:
+        """Refused: a gated delta depends on the token, so it has no fused form.
+
+        Raises:
+            UnsupportedModelError: always.
+        """
+        raise UnsupportedModelError("A gated LoRA layer cannot be fused into its base weight.")
 
 
 class MaskedEmbedding(nn.Module):
@@ -464,7 +472,8 @@ class ConfAdapt(Method):
     def prepare(self, engine: Engine) -> None:
         """Find the mask token (and apply an on-device adapter if that is where
         it comes from). With an adapter, ``engine`` gets a copy of its model
-        with the adapter fused in; the caller's model object is not modified.
+        with the adapter applied (:func:`apply_adapter`); the caller's model
+        object is not modified.
 
         Raises:
             MissingMaskTokenError: neither the model nor an adapter has a mask token.

@@ -13,7 +13,9 @@ weights; the student's vocabulary gets one mask token. One training step:
 4. The teacher scores that block token by token given the student's own
    earlier drafts (student-forced): the drafts sit in the mask slots of the
    same layout, and the teacher's argmax at p and at each draft is the hard
-   target of the student's prediction at p and at each mask.
+   target of the student's prediction at p and at each mask. With
+   ``forcing="teacher"`` the targets are the teacher's greedy continuation
+   instead (see :func:`self_distillation_loss`).
 5. Loss: cross-entropy of the student's mask predictions against those
    targets, plus (full fine-tuning and ungated LoRA) cross-entropy at the real
    continuation positions against the teacher's argmax, which holds
@@ -120,6 +122,10 @@ class TrainConfig:
     seed: int = 0
     forcing: str = "student"
 
+    def __post_init__(self) -> None:
+        if not self.lora:
+            self.gated = False  # full fine-tuning has no LoRA deltas to gate
+
     @property
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else (5e-4 if self.lora else 1e-5)
@@ -167,6 +173,9 @@ def batch_continuations(
 
     r = batch_generate(model, tokenizer, prompts, max_tokens=cfg.gen_tokens, return_token_ids=True)
     eos = tokenizer_eos_ids(tokenizer)
+    main = getattr(tokenizer, "eos_token_id", None)
+    if main in eos:  # the chat models' end-of-turn token (Qwen <|im_end|>), not min(eos)
+        eos = [main] + [e for e in eos if e != main]
     out = []
     for toks in r.token_ids:
         toks = [int(t) for t in toks]
@@ -440,6 +449,7 @@ class Trainer:
         self.eos = set(tokenizer_eos_ids(self.tokenizer))
         self.mask_id, row = add_mask_token(self.teacher, self.tokenizer)
         self.vocab = int(self.teacher.model.embed_tokens.weight.shape[0])
+        mx.random.seed(config.seed)  # the LoRA init below draws random numbers
         self.student = self._make_student(row)
         self.opt = optim.AdamW(learning_rate=self._schedule(), weight_decay=0.0)
         self.step = 0
@@ -605,10 +615,23 @@ class Trainer:
         if not (d / "state.json").is_file():
             return False
         info = json.loads((d / "state.json").read_text())
-        if info.get("fingerprint") != self.fingerprint or info.get("config") != asdict(self.cfg):
+        # checkpoints from before these settings existed used their old behaviour
+        saved = {"gated": False, "forcing": "student", **(info.get("config") or {})}
+        now = asdict(self.cfg)
+        if info.get("fingerprint") != self.fingerprint:
             raise InvalidArgumentError(
-                f"The checkpoint in {d} was made for another model or other settings; delete "
-                "it or use --no-resume to start over."
+                f"The checkpoint in {d} was made for another model; delete it or use "
+                "--no-resume to start over."
+            )
+        if saved != now:
+            diff = ", ".join(
+                f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now"
+                for k in sorted(set(saved) | set(now))
+                if saved.get(k) != now.get(k)
+            )
+            raise InvalidArgumentError(
+                f"The checkpoint in {d} was made with other settings ({diff}); use the same "
+                "settings, delete it, or use --no-resume to start over."
             )
         w = mx.load(str(d / "trainable.safetensors"))
         self.student.update(tree_unflatten(list(w.items())))
