@@ -105,8 +105,8 @@ class Engine:
         #: input slots (tokens and masks) over those forward passes
         self.forward_slots = 0
         self._slot_costs: dict[int, float] = {}
-        self._running_since: float | None = None  # start of a forward not yet waited for
-        self._running: list[mx.array] = []  # its outputs
+        # a forward pass started with wait=False and not yet waited for: (start, outputs)
+        self._pending: tuple[float, list[mx.array]] | None = None
 
     # ----------------------------------------------------------------- cache
     @property
@@ -233,14 +233,14 @@ class Engine:
         from the start of that forward pass: host work done meanwhile (building
         these arrays' graphs) overlapped the device's forward and cost no wall
         time of its own."""
-        t0 = time.perf_counter() if self._running_since is None else self._running_since
-        mx.eval(*arrays, *self._running)
-        self._running_since, self._running = None, []
+        t0, running = self._pending or (time.perf_counter(), [])
+        mx.eval(*arrays, *running)
+        self._pending = None
         self.forward_seconds += time.perf_counter() - t0
 
     def _settle(self) -> None:
         # a forward started with wait=False and never waited for: finish it here
-        if self._running_since is not None:
+        if self._pending is not None:
             self.timed_eval()
 
     def slot_cost(self, n: int = 32, repeats: int = 3) -> float:
@@ -343,7 +343,7 @@ class Engine:
             self.forward_seconds += time.perf_counter() - t0
         else:
             mx.async_eval(logits, h)
-            self._running_since, self._running = t0, [logits, h]
+            self._pending = (t0, [logits, h])
         return logits, (h if hidden else None)
 
     def keep(self, start: int, slots: list[int]) -> None:

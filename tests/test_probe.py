@@ -194,14 +194,14 @@ def test_forward_tree_without_waiting_gives_the_same_logits_and_counts_device_ti
     assert eng.forward_seconds == 0.0  # not waited for yet
     top = mx.argmax(logits, axis=-1)  # built while the pass runs
     eng.timed_eval(top)
-    assert eng.forward_seconds > 0.0 and eng._running_since is None
+    assert eng.forward_seconds > 0.0 and eng._pending is None
     assert logits.shape[0] == 2 and h.shape[0] == 4
     assert mx.array_equal(logits, ref[:2]).item()
     # a pass never waited for is settled by the next cache operation
     eng.forward_tree(eng.embed_tokens([5]), np.array([-1]), [5], wait=False)
     before = eng.forward_seconds
     eng.keep(eng.offset - 1, [0])
-    assert eng._running_since is None and eng.forward_seconds > before
+    assert eng._pending is None and eng.forward_seconds > before
 
 
 def test_mask_update_in_closed_form_equals_one_update_per_token():
