@@ -137,9 +137,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
         from ..errors import InvalidArgumentError
+        from ..training.mtp import FORCINGS
 
-        if forcing not in ("student", "teacher"):
-            raise InvalidArgumentError(f"--forcing must be student or teacher: {forcing}")
+        if forcing not in FORCINGS:
+            raise InvalidArgumentError(f"--forcing must be one of {', '.join(FORCINGS)}: {forcing}")
         if prompt_format not in ("chat", "plain"):
             raise InvalidArgumentError(f"--prompt-format must be chat or plain: {prompt_format}")
         if rank < 1 or regions < 1 or gen_tokens < 2:

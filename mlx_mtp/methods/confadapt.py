@@ -227,6 +227,15 @@ class GatedLoRALinear(LoRALinear):
         raise UnsupportedModelError("A gated LoRA layer cannot be fused into its base weight.")
 
 
+def gated_lora_layers(
+    model: nn.Module, paths: list[str], gate: MaskGate, r: int, scale: float
+) -> list[tuple[str, GatedLoRALinear]]:
+    """A :class:`GatedLoRALinear` around each of ``model``'s linears at ``paths``
+    (fresh LoRA weights, ``lora_b`` zero), all reading ``gate``; install them
+    with ``model.update_modules(tree_unflatten(...))``."""
+    return [(p, GatedLoRALinear.from_base(_get_module(model, p), gate, r, scale)) for p in paths]
+
+
 class MaskedEmbedding(nn.Module):
     """An input embedding with one extra row for the MTP mask token.
 
@@ -323,24 +332,26 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
     if not mx.issubdtype(dtype, mx.floating):
         dtype = mx.float16
     try:
-        for path in lora.get("modules", []):
-            base = _get_module(clone, path)
-            r, scale = int(lora["rank"]), float(lora["scale"])
-            a = weights[f"{path}.lora_a"].astype(mx.float32)
-            b = weights[f"{path}.lora_b"].astype(mx.float32)
-            if gate is not None:
-                g = GatedLoRALinear.from_base(base, gate, r=r, scale=scale)
+        paths = lora.get("modules", [])
+        r, scale = (int(lora["rank"]), float(lora["scale"])) if paths else (0, 0.0)
+        if gate is not None:
+            fused = gated_lora_layers(clone, paths, gate, r, scale)
+            for path, g in fused:
+                a = weights[f"{path}.lora_a"].astype(mx.float32)
+                b = weights[f"{path}.lora_b"].astype(mx.float32)
                 if a.shape != g.lora_a.shape or b.shape != g.lora_b.shape:
                     raise ValueError(f"{path} LoRA shapes {a.shape}, {b.shape}")
                 g.lora_a, g.lora_b = a, b
-                fused.append((path, g))
-                continue
-            ll = LoRALinear.from_base(base, r=r, scale=scale)
-            ll.lora_a, ll.lora_b = a, b
-            f = ll.fuse()
-            if not isinstance(f, nn.QuantizedLinear):
-                f.weight = f.weight.astype(base.weight.dtype)
-            fused.append((path, f))
+        else:
+            for path in paths:
+                base = _get_module(clone, path)
+                ll = LoRALinear.from_base(base, r=r, scale=scale)
+                ll.lora_a = weights[f"{path}.lora_a"].astype(mx.float32)
+                ll.lora_b = weights[f"{path}.lora_b"].astype(mx.float32)
+                f = ll.fuse()
+                if not isinstance(f, nn.QuantizedLinear):
+                    f.weight = f.weight.astype(base.weight.dtype)
+                fused.append((path, f))
         if fused:
             clone.update_modules(tree_unflatten(fused))
         row = weights["mask_embedding"].astype(dtype)

@@ -56,12 +56,12 @@ from ..methods.confadapt import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
-    GatedLoRALinear,
     MaskedEmbedding,
     MaskGate,
     MTPMetadata,
     _get_module,
     clone_modules,
+    gated_lora_layers,
     lora_modules,
     tokenizer_eos_ids,
     tokenizer_mask_id,
@@ -78,6 +78,10 @@ LORA_KEYS = [
     "mlp.up_proj",
     "mlp.down_proj",
 ]
+
+
+#: where the mask slots' targets come from (see :func:`self_distillation_loss`)
+FORCINGS = ("student", "teacher")
 
 
 @dataclass
@@ -123,6 +127,10 @@ class TrainConfig:
     forcing: str = "student"
 
     def __post_init__(self) -> None:
+        if self.forcing not in FORCINGS:
+            raise InvalidArgumentError(
+                f"forcing must be one of {', '.join(FORCINGS)}, not {self.forcing!r}."
+            )
         if not self.lora:
             self.gated = False  # full fine-tuning has no LoRA deltas to gate
 
@@ -316,8 +324,10 @@ def self_distillation_loss(
     Raises:
         InvalidArgumentError: unknown ``forcing``.
     """
-    if forcing not in ("student", "teacher"):
-        raise InvalidArgumentError(f"forcing must be 'student' or 'teacher', not {forcing!r}.")
+    if forcing not in FORCINGS:
+        raise InvalidArgumentError(
+            f"forcing must be one of {', '.join(FORCINGS)}, not {forcing!r}."
+        )
     ids = mx.array(real + [mask_id] * layout.n_slots)
     s_logits = forward_layout(student, ids, layout)[:, :vocab].astype(mx.float32)
     slots = np.arange(layout.n_real, layout.n_real + layout.n_slots)
@@ -426,10 +436,6 @@ class Trainer:
     ):
         from ..fingerprint import model_fingerprint
 
-        if config.forcing not in ("student", "teacher"):
-            raise InvalidArgumentError(
-                f"forcing must be 'student' or 'teacher', not {config.forcing!r}."
-            )
         if config.k_min < 2 or config.k_max < config.k_min:
             raise InvalidArgumentError(
                 f"k range [{config.k_min}, {config.k_max}] is invalid; k_min must be >= 2."
@@ -466,19 +472,8 @@ class Trainer:
             self.lora_paths = lora_modules(student, LORA_KEYS, cfg.lora_layers)
             gate = MaskGate() if cfg.gated else None
             if gate is not None:
-                student.update_modules(
-                    tree_unflatten(
-                        [
-                            (
-                                p,
-                                GatedLoRALinear.from_base(
-                                    _get_module(student, p), gate, cfg.rank, cfg.scale
-                                ),
-                            )
-                            for p in self.lora_paths
-                        ]
-                    )
-                )
+                layers = gated_lora_layers(student, self.lora_paths, gate, cfg.rank, cfg.scale)
+                student.update_modules(tree_unflatten(layers))
             else:
                 linear_to_lora_layers(
                     student,
