@@ -34,6 +34,7 @@ from mlx_mtp.errors import (
     InvalidArgumentError,
     UnsupportedModelError,
 )
+from mlx_mtp.loading import one_line
 from mlx_mtp.methods.confadapt import (
     MASK_TOKEN,
     PROMPT_FORMATS,
@@ -235,8 +236,8 @@ def _load_weights(path: Path, dtype: str | None) -> tuple[Any, dict[str, Any]]:
         raise
     except Exception as e:
         raise MTPCheckpointError(
-            f"The weights in {path} cannot be read ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}); a shard is corrupt or does "
+            f"The weights in {path} cannot be read ({type(e).__name__}: {one_line(e)}); a "
+            "shard is corrupt or does "
             "not match config.json. Download the checkpoint again."
         ) from e
     return model, config

@@ -9,18 +9,18 @@ for chunk in m.stream_generate("Tell me a story", max_tokens=200):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
-
 from .decoding import GenerationStats, generate_steps
-from .engine import Engine
+from .engine import Engine, check_cache_support
 from .errors import InvalidArgumentError
 from .loading import EMBEDDED_MODEL, LoadedModel, load_model
 from .methods import Method, make_method
+from .sampling import PositionalSampler, random_seed
+from .validation import GENERATION_ARGS, check_generation_args, check_value
 
 Prompt = Union[str, list[int], list[dict[str, str]]]  # noqa: UP007 (py3.10 alias)
 
@@ -51,16 +51,36 @@ class MTPModel:
     """A loaded model, a method and one KV cache (reused across calls by prefix).
 
     Not thread-safe: use one instance per conversation thread.
+
+    Raises:
+        InvalidArgumentError: ``max_kv_size`` out of range or too small for the
+            method's block complexity; a block complexity whose forward pass
+            would not fit in memory (see :meth:`Engine.check_slots`).
+        UnsupportedModelError: a method that must drop rejected draft tokens on
+            a model whose cache cannot (recurrent or hybrid layers), or a model
+            architecture the method cannot run.
     """
 
     def __init__(self, loaded: LoadedModel, method: Method, max_kv_size: int | None = None):
+        if max_kv_size is not None:
+            max_kv_size = check_value("max_kv_size", max_kv_size)
+            if method.needs_trimmable_cache and max_kv_size <= method.block_complexity + 4:
+                raise InvalidArgumentError(
+                    f"max_kv_size (--max-kv-size) {max_kv_size} is too small for "
+                    f"{method.describe()}: one forward pass adds up to "
+                    f"{method.block_complexity} tokens to a window that also keeps 4; use at "
+                    f"least {method.block_complexity + 5}, or a smaller block complexity."
+                )
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.method = method
+        self._warned_template = False
         self.engine = Engine(self.model, max_kv_size=max_kv_size)
         self.engine.loaded = loaded  # the folder and tokenizer, for methods (confadapt)
+        check_cache_support(self.engine, method)
         method.prepare(self.engine)
+        self.engine.check_slots(method.block_complexity, what=method.describe())
 
     @property
     def eos_ids(self) -> set[int]:
@@ -74,23 +94,64 @@ class MTPModel:
                 chat template and ``chat_template``), a list of chat messages
                 ``{"role", "content"}``, or token ids.
 
+        A tokenizer without a chat template renders chat messages as plain
+        text turns (``"user: ...\nassistant: "``, see :func:`plain_chat_text`)
+        and warns once; text prompts are then encoded as they are.
+
         Raises:
-            InvalidArgumentError: an empty prompt.
+            InvalidArgumentError: an empty prompt, malformed messages, or token
+                ids outside the vocabulary.
         """
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidArgumentError("The prompt is empty; type some text.")
-            if chat_template and getattr(self.tokenizer, "chat_template", None):
+            if chat_template and self.has_chat_template:
                 prompt = [{"role": "user", "content": prompt}]
             else:
                 return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidArgumentError(
+                        f"A chat message must have string 'role' and 'content', got {m!r}."
+                    )
+            if self.has_chat_template:
+                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            if not self._warned_template:
+                warnings.warn(
+                    f"{self.loaded.name}: the tokenizer has no chat template; chat messages "
+                    "are sent as plain 'role: text' lines.",
+                    stacklevel=2,
+                )
+                self._warned_template = True
+            return list(self.tokenizer.encode(plain_chat_text(prompt)))
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            vocab = self.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError(
+                    f"Token id(s) {bad[:5]} are outside this model's vocabulary [0, {vocab})."
+                )
             return list(prompt)
         raise InvalidArgumentError(
             "The prompt is empty or of the wrong type; give text, chat messages or token ids."
         )
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding table (from its args, not the possibly
+        quantized weight)."""
+        args = getattr(self.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer.vocab))
 
     def stream_generate(
         self,
@@ -99,6 +160,8 @@ class MTPModel:
         max_tokens: int = 256,
         temp: float = 0.0,
         top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: int | None = None,
         chat_template: bool = True,
     ) -> Iterator[Chunk]:
@@ -106,21 +169,32 @@ class MTPModel:
 
         Args:
             prompt: see :meth:`encode`.
-            max_tokens: limit on new tokens (> 0).
-            temp: sampling temperature; 0 is greedy.
-            top_p: nucleus sampling threshold (0 disables), used when temp > 0.
-            seed: seed for ``mx.random`` (sampling only).
+            max_tokens: limit on new tokens (>= 1).
+            temp: sampling temperature (>= 0); 0 is greedy.
+            top_p: nucleus sampling threshold in [0, 1] (0 or 1 disables).
+            top_k: keep the k most likely tokens (0 disables).
+            min_p: min-p threshold in [0, 1] (0 disables).
+            seed: base seed in [0, 2**64) for sampling. Each sampled token's
+                randomness depends only on (seed, its position), so a seed
+                fixes the output whatever draft trees the method builds (see
+                :mod:`mlx_mtp.sampling`). None draws one from ``mx.random``.
+
+        The ranges are :data:`mlx_mtp.validation.LIMITS`, the same as the CLI's.
 
         Raises:
-            InvalidArgumentError: empty prompt, max_tokens <= 0, temp < 0.
+            InvalidArgumentError: empty or malformed prompt, or an argument out
+                of range (the message names it).
             CacheNotTrimmableError: the model's cache cannot drop rejected drafts.
         """
-        if temp < 0:
-            raise InvalidArgumentError(f"temp must be >= 0, got {temp}")
+        args = check_generation_args(
+            max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+        )
         tokens = self.encode(prompt, chat_template)
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp, top_p) if temp > 0 else None
+        sampler = None
+        if args["temp"] > 0:
+            seed = args["seed"] if args["seed"] is not None else random_seed()
+            sampler = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, seed)
+        max_tokens = args["max_tokens"]
         detok = self.tokenizer.detokenizer
         detok.reset()
         eos = self.eos_ids
@@ -164,8 +238,11 @@ class ChatSession:
 
     def send(self, text: str, **kwargs: Any) -> Iterator[Chunk]:
         """Stream the assistant's answer to one user message."""
-        if not text.strip():
+        if not isinstance(text, str) or not text.strip():
             raise InvalidArgumentError("The message is empty.")
+        # check the arguments before the history changes
+        limits = {k: v for k, v in kwargs.items() if k in GENERATION_ARGS}
+        check_generation_args(**{"max_tokens": 256, "temp": 0.0, **limits})
         self.messages.append({"role": "user", "content": text})
         answer = []
         try:
@@ -195,7 +272,25 @@ def load(
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnknownMethodError,
-        UnsupportedModelError, InvalidArgumentError.
+        UnsupportedModelError, InvalidArgumentError (unknown method options,
+        out-of-range values; all checked before the model is loaded where
+        they can be).
     """
+    if not isinstance(model, str):
+        raise InvalidArgumentError(
+            f"model must be a string (alias, path or repo id), got {model!r}"
+        )
+    if not isinstance(method, str):
+        raise InvalidArgumentError(f"method must be a string, got {method!r}")
     m = make_method(method, **method_options)  # validate before the slow load
+    if max_kv_size is not None:
+        check_value("max_kv_size", max_kv_size)
     return MTPModel(load_model(model, dtype), m, max_kv_size=max_kv_size)
+
+
+def plain_chat_text(messages: list[dict[str, str]]) -> str:
+    """Chat messages as plain text for a tokenizer without a chat template:
+    one ``"role: content"`` line per message, then ``"assistant: "``. A longer
+    conversation renders to an extension of a shorter one, so the KV cache of
+    the previous turn is reused."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from .errors import MTPError
+from .validation import LIMITS, check_generation_args, typer_range
 
 app = typer.Typer(
     add_completion=False,
@@ -18,10 +19,23 @@ app = typer.Typer(
 MODEL = typer.Option("smollm2-135m", "--model", "-m", help="Alias, folder, .gguf or HF repo id.")
 METHOD = typer.Option("ntp", "--method", help="ntp, pld, probe, ... (see `mlx-mtp models`).")
 DTYPE = typer.Option(None, "--dtype", help="float32, bfloat16, float16 or auto (as stored).")
-MAX_TOKENS = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens per answer.")
-TEMP = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
-TOP_P = typer.Option(0.0, "--top-p", help="Nucleus sampling threshold (with --temp > 0).")
-SEED = typer.Option(None, "--seed", help="Random seed for sampling.")
+
+
+def _ranged(name: str, default, *flags: str, help: str):
+    """A typer option whose range comes from :data:`mlx_mtp.validation.LIMITS`
+    (the API checks the same table), so out-of-range values are usage errors."""
+    lim = LIMITS[name]
+    return typer.Option(default, lim.cli, *flags, help=help, **typer_range(name))
+
+
+MAX_TOKENS = _ranged("max_tokens", 256, "-n", help="Maximum new tokens per answer (>= 1).")
+TEMP = _ranged("temp", 0.0, help="Sampling temperature (0 = greedy).")
+TOP_P = _ranged("top_p", 0.0, help="Nucleus sampling threshold in [0, 1] (0 = off).")
+TOP_K = _ranged("top_k", 0, help="Sample from the k most likely tokens (0 = off).")
+MIN_P = _ranged("min_p", 0.0, help="Min-p threshold in [0, 1] (0 = off).")
+SEED = _ranged(
+    "seed", None, help="Seed in [0, 2^64): fixes sampled output whatever the draft trees."
+)
 BC = typer.Option(
     None,
     "--bc",
@@ -33,7 +47,7 @@ TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e
 K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
 TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
 OPT = typer.Option(None, "--opt", help="Extra method option key=value (repeatable).")
-MAX_KV = typer.Option(None, "--max-kv-size", help="Sliding-window KV cache size in tokens.")
+MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in tokens (>= 16).")
 
 
 def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
@@ -42,10 +56,15 @@ def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
         if val is not None:
             out[key] = val
     for item in opt or []:
-        if "=" not in item:
-            raise typer.BadParameter(f"--opt expects key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
+        key, eq, v = item.partition("=")
+        if not eq or not key.strip():
+            raise typer.BadParameter(f"expects key=value, got {item!r}", param_hint="'--opt'")
+        if key.strip() in out:
+            raise typer.BadParameter(
+                f"{key.strip()} is given twice (as a flag or an earlier --opt)",
+                param_hint="'--opt'",
+            )
+        out[key.strip()] = v.strip()
     return out
 
 
@@ -65,6 +84,8 @@ def generate(
     max_tokens: int = MAX_TOKENS,
     temp: float = TEMP,
     top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
     seed: int | None = SEED,
     bc: str | None = BC,
     masks: int | None = MASKS,
@@ -78,11 +99,11 @@ def generate(
     """Generate one answer and print statistics."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
     last = None
-    for chunk in m.stream_generate(
-        prompt, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, chat_template=not raw
-    ):
+    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    check_generation_args(**sampling, seed=seed)  # before the slow load
+    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
+    for chunk in m.stream_generate(prompt, **sampling, seed=seed, chat_template=not raw):
         typer.echo(chunk.text, nl=False)
         last = chunk
     typer.echo("")
@@ -98,6 +119,8 @@ def chat(
     max_tokens: int = MAX_TOKENS,
     temp: float = TEMP,
     top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
     seed: int | None = SEED,
     bc: str | None = BC,
     masks: int | None = MASKS,
@@ -108,6 +131,8 @@ def chat(
     max_kv_size: int | None = MAX_KV,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
+    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    check_generation_args(**sampling, seed=seed)  # before the slow load
     m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
     session = m.chat()
     typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
@@ -126,9 +151,7 @@ def chat(
             continue
         last = None
         try:
-            for chunk in session.send(
-                line, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed
-            ):
+            for chunk in session.send(line, **sampling, seed=seed):
                 typer.echo(chunk.text, nl=False)
                 last = chunk
         except KeyboardInterrupt:
@@ -173,26 +196,41 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _click_exceptions() -> tuple[type[BaseException], ...]:
+    """Click's exception base classes: typer >= 0.17 raises those of its own
+    bundled click copy (``typer._click``), which are not subclasses of
+    ``click.ClickException``; older typer raises click's."""
+    import click
+
+    found: list[type[BaseException]] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as BundledClickException
+    except ImportError:
+        pass
+    else:
+        found.append(BundledClickException)
+    return tuple(found)
+
+
 def main() -> None:
-    """Console entry point (OpenBLAS is preloaded by ``import mlx_mtp``); errors
-    from mlx-mtp are printed without a traceback and exit with status 2."""
+    """Console entry point (OpenBLAS is preloaded by ``import mlx_mtp``).
+
+    Exit status 2 with one line on stderr for bad input: usage errors (unknown
+    flag, missing or unparsable value, out-of-range value: click prints the
+    usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
+    Never a traceback for either."""
     try:
         app(standalone_mode=False)
-    except MTPError as e:
+    except (MTPError, FileExistsError) as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except FileExistsError as e:
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except _click_exceptions() as e:
+        if type(e).__name__ == "Abort":
+            sys.exit(130)
+        e.show()  # type: ignore[attr-defined]
+        sys.exit(e.exit_code)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -101,6 +101,18 @@ class GenerationStats:
         return d
 
 
+def _synchronize_streams() -> None:
+    """Wait for work other code left running: mlx-lm's generator queues its
+    next step with ``mx.async_eval`` on its own stream, so a caller that left
+    it early may still have that step in flight (issue 16, item 11)."""
+    mx.synchronize()
+    try:
+        from mlx_lm.generate import generation_stream
+    except ImportError:  # an mlx-lm without the module-level stream
+        return
+    mx.synchronize(generation_stream)
+
+
 @dataclass
 class Step:
     """One yield of :func:`generate_steps`: the tokens committed by one decoding
@@ -143,6 +155,7 @@ def generate_steps(
         raise InvalidArgumentError("The prompt is empty; give at least one token of input.")
     if max_tokens <= 0:
         raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}.")
+    _synchronize_streams()
     stats = GenerationStats(
         method=method.describe(),
         block_complexity=method.block_complexity,

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from .cache_view import TreeCacheView, install_positional_rope
-from .errors import CacheNotTrimmableError, UnsupportedModelError
+from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 
 #: Model families whose tree forward pass is tested (DESIGN §3).
 TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -80,6 +80,57 @@ def check_tree_support(model: nn.Module, method: str) -> None:
         ) from e
 
 
+def check_cache_support(engine: Engine, method: Any) -> None:
+    """Refuse, at load, a method that drops tokens from the KV cache (rejected
+    drafts, mask slots) on a model whose cache cannot: recurrent or hybrid
+    layers (mamba, gated delta-net, short convolutions) keep state that no trim
+    can roll back (DESIGN §6, class 3).
+
+    Raises:
+        UnsupportedModelError: naming the model type and its cache kinds.
+    """
+    if not getattr(method, "needs_trimmable_cache", True):
+        return
+    fixed = [c for c in engine.cache if not (hasattr(c, "is_trimmable") and c.is_trimmable())]
+    if fixed:
+        mtype = getattr(engine.model, "model_type", type(engine.model).__name__)
+        kinds = ", ".join(sorted({type(c).__name__ for c in fixed}))
+        raise UnsupportedModelError(
+            f"--method {method.name} cannot run model type {mtype!r}: {len(fixed)} of its "
+            f"{len(engine.cache)} layers keep recurrent state ({kinds}) that cannot drop "
+            "rejected draft tokens. Use --method ntp for this model."
+        )
+
+
+def memory_limit() -> tuple[int, str]:
+    """The memory a process may use, in bytes, and where the figure comes from:
+    the smallest of physical memory, the GPU's recommended working set (Apple
+    silicon) and the address-space limit (``ulimit -v``)."""
+    import os
+    import resource
+
+    limits: list[tuple[int, str]] = []
+    try:
+        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        ws = int(info.get("max_recommended_working_set_size", 0))
+        if ws > 0:
+            limits.append((ws, "GPU working set"))
+    except Exception:  # no Metal device (CPU backend): nothing to add
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append((int(soft), "address-space limit (ulimit -v)"))
+    return min(limits) if limits else (16 << 30, "assumed")
+
+
+#: share of :func:`memory_limit` one forward pass's scratch memory may take
+SLOT_MEMORY_SHARE = 0.25
+
+
 class Engine:
     """A model with one KV cache and the list of tokens that cache holds.
 
@@ -105,6 +156,9 @@ class Engine:
         #: input slots (tokens and masks) over those forward passes
         self.forward_slots = 0
         self._slot_costs: dict[int, float] = {}
+        #: (N,) sequence position of each slot of the last forward pass; the
+        #: token drawn from slot i's logits sits at ``slot_positions[i] + 1``
+        self.slot_positions = np.zeros(0, dtype=np.int64)
         # a forward pass started with wait=False and not yet waited for: (start, outputs)
         self._pending: tuple[float, list[mx.array]] | None = None
 
@@ -199,6 +253,59 @@ class Engine:
             self.cached.extend(piece)
         return len(rest)
 
+    # ------------------------------------------------------------- budgets
+    def forward_bytes(self, n: int, context: int = 0) -> int:
+        """Estimated scratch memory (bytes) of one forward pass of ``n`` slots
+        after ``context`` cached tokens: attention scores and their softmax
+        (float32, every query head, ``n x (context + n)``), the tree mask, and
+        the logits of every slot (``n x vocab``, float32)."""
+        args = getattr(self.model, "args", None)
+        heads = int(getattr(args, "num_attention_heads", 0) or 32)
+        vocab = int(getattr(args, "vocab_size", 0) or 152_064)
+        hidden = int(getattr(args, "hidden_size", 0) or 4096)
+        width = context + n
+        return n * width * (2 * 4 * heads + 3) + n * vocab * 4 + n * hidden * 4 * 16
+
+    def max_slots(self, context: int = 0) -> int:
+        """The largest forward pass (slots) whose :meth:`forward_bytes` fits in
+        ``SLOT_MEMORY_SHARE`` of :func:`memory_limit`."""
+        budget = SLOT_MEMORY_SHARE * memory_limit()[0]
+        lo, hi = 0, 1
+        while self.forward_bytes(hi, context) <= budget and hi < 1 << 24:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.forward_bytes(mid, context) <= budget else (lo, mid)
+        return lo
+
+    def check_slots(self, n: int, context: int | None = None, what: str = "") -> None:
+        """Refuse a forward pass of ``n`` slots that would not fit in memory
+        (DESIGN §6, class 13: an unbounded block size allocating an (N, N)
+        mask), before anything is allocated.
+
+        Args:
+            n: slots (tokens + masks) of the pass, i.e. the block complexity.
+            context: cached tokens before it (default: the cache's length).
+            what: the method's settings, for the message.
+
+        Raises:
+            InvalidArgumentError: naming the estimate, the limit and the largest
+                block complexity that fits.
+        """
+        context = self.offset if context is None else context
+        if n <= 1:
+            return
+        need = self.forward_bytes(n, context)
+        limit, source = memory_limit()
+        if need > SLOT_MEMORY_SHARE * limit:
+            raise InvalidArgumentError(
+                f"{what or 'this method'}: a forward pass of {n} tokens (block complexity) "
+                f"after {context} cached tokens needs about {need / 1e9:.1f} GB of scratch "
+                f"memory, over {SLOT_MEMORY_SHARE:.0%} of the {limit / 1e9:.1f} GB {source}. "
+                f"The largest block complexity that fits is {self.max_slots(context)}; the "
+                "papers use 10-60. Use a smaller --bc (or method option), or --bc auto."
+            )
+
     # --------------------------------------------------------------- forward
     def forward_chain(
         self, tokens: list[int], hidden: bool = False
@@ -210,7 +317,10 @@ class Engine:
             if ``hidden``.
         """
         self._settle()
+        if len(tokens) > 1:
+            self.check_slots(len(tokens))
         t0 = time.perf_counter()
+        self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
         self.forward_passes += 1
         self.forward_slots += len(tokens)
@@ -325,10 +435,12 @@ class Engine:
         """
         self._settle()
         n = len(parents)
+        self.check_slots(n)
         self._require_trimmable(n)
         anc, depth = ancestors(parents)  # tree mask and positions: host work
         L = self.offset
         mask = np.concatenate([np.ones((n, L), dtype=bool), anc], axis=1)
+        self.slot_positions = L + depth.astype(np.int64)
         positions = mx.array((L + depth).astype(np.int32))
         mask_mx = mx.array(mask)
         views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]

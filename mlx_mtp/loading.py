@@ -196,9 +196,8 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
         model, tokenizer, config = mlx_load(str(path), return_config=True)
     except Exception as e:
         raise ModelLoadError(
-            f"Could not load the model in {path}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0][:300] if str(e) else ''}. The folder may be corrupt or "
-            "incomplete; delete it and convert or download it again."
+            f"Could not load the model in {path}: {type(e).__name__}: {one_line(e)} The folder "
+            "may be corrupt or incomplete; delete it and convert or download it again."
         ) from e
     if dtype != "auto":
         if "quantization" in config:
@@ -208,6 +207,14 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
         model.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters())
     return LoadedModel(model, tokenizer, path, config, spec, dtype)
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's whole message on one line (MLX lists missing or
+    unexpected parameter names on the lines after the first), cut at ``limit``
+    characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def cached_models() -> list[Path]:

@@ -22,7 +22,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-Sampler = Callable[[mx.array], mx.array]
+from .sampling import PositionalSampler, draw
+
+#: greedy (None), an mlx-lm sampler ``f(logprobs)``, or a PositionalSampler
+Sampler = Callable[..., mx.array]
 
 
 def target_tokens(
@@ -42,20 +45,32 @@ def target_tokens(
     Returns:
         (R,) int64 numpy array.
     """
-    out = target_graph(logits, rows, sampler)
+    positions = None if engine is None else engine.slot_positions[rows] + 1
+    out = target_graph(logits, rows, sampler, positions)
     if engine is not None:
         engine.timed_eval(out)
     return np.array(out, dtype=np.int64)
 
 
-def target_graph(logits: mx.array, rows: np.ndarray, sampler: Sampler | None) -> mx.array:
+def target_graph(
+    logits: mx.array,
+    rows: np.ndarray,
+    sampler: Sampler | None,
+    positions: np.ndarray | None = None,
+) -> mx.array:
     """The (R,) uint32 mx array (not evaluated) behind :func:`target_tokens`:
-    argmax, or one draw of ``sampler``, at each of ``rows`` of ``logits`` (N, V)."""
+    argmax, or one draw of ``sampler``, at each of ``rows`` of ``logits`` (N, V).
+
+    ``positions`` (R,): the sequence position of the token drawn at each row,
+    which keys a :class:`~mlx_mtp.sampling.PositionalSampler` (required for
+    one; ignored by greedy decoding and by mlx-lm samplers)."""
     sel = logits[mx.array(rows)] if len(rows) != logits.shape[0] else logits
     if sampler is None:
         return mx.argmax(sel, axis=-1)
+    if positions is None and isinstance(sampler, PositionalSampler):
+        raise ValueError("a PositionalSampler needs the positions of the drawn tokens")
     sel = sel.astype(mx.float32)
-    return sampler(sel - mx.logsumexp(sel, axis=-1, keepdims=True))
+    return draw(sampler, sel - mx.logsumexp(sel, axis=-1, keepdims=True), positions)
 
 
 def walk_tree(

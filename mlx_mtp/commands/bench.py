@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from ..validation import typer_range
+
 
 def register(app: typer.Typer) -> None:
     """Add the ``bench`` command to the CLI."""
@@ -27,12 +29,18 @@ def register(app: typer.Typer) -> None:
         categories: str | None = typer.Option(
             None, "--categories", help="Comma-separated tasks or categories (default: all six)."
         ),
-        limit: int | None = typer.Option(None, "--limit", help="Prompts per category."),
-        max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="New tokens per answer."),
-        turns: int = typer.Option(1, "--turns", help="1, or 2 for MT-bench second turns."),
-        temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
-        seed: int = typer.Option(0, "--seed", help="Base random seed."),
-        repeats: int = typer.Option(1, "--repeats", help="Runs per prompt and method."),
+        limit: int | None = typer.Option(None, "--limit", min=1, help="Prompts per category."),
+        max_tokens: int = typer.Option(
+            256, "--max-tokens", "-n", **typer_range("max_tokens"), help="New tokens per answer."
+        ),
+        turns: int = typer.Option(
+            1, "--turns", min=1, max=2, help="1, or 2 for MT-bench second turns."
+        ),
+        temp: float = typer.Option(
+            0.0, "--temp", **typer_range("temp"), help="Sampling temperature (0 = greedy)."
+        ),
+        seed: int = typer.Option(0, "--seed", **typer_range("seed"), help="Base random seed."),
+        repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per prompt and method."),
         dtype: str | None = typer.Option(None, "--dtype", help="float32, bfloat16, float16, auto."),
         out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
         overwrite: bool = typer.Option(

@@ -7,9 +7,10 @@ nothing ever falls back to plain decoding silently.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
-from ..errors import UnknownMethodError
+from ..errors import InvalidArgumentError, UnknownMethodError
 from .base import Method, StepOutput
 
 #: name -> "module:Class" of every built method
@@ -60,9 +61,42 @@ def method_class(name: str) -> type[Method]:
     raise UnknownMethodError(f"Unknown method {name!r}. Available: {avail}.")
 
 
+def method_options(cls: type[Method]) -> list[str]:
+    """The option names a method class takes (its constructor's keywords)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds]
+
+
 def make_method(name: str, **options: Any) -> Method:
-    """Instantiate a method with its options (see each method's docstring)."""
-    return method_class(name)(**options)
+    """Instantiate a method with its options (see each method's docstring).
+
+    Raises:
+        UnknownMethodError: see :func:`method_class`.
+        InvalidArgumentError: an option the method does not take (the message
+            lists the ones it takes), or a bad option value.
+    """
+    if not isinstance(name, str):
+        raise UnknownMethodError(f"method must be a name such as 'probe', got {name!r}")
+    cls = method_class(name)
+    takes = method_options(cls)
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        listed = ", ".join(takes) if takes else "no options"
+        raise InvalidArgumentError(
+            f"--method {name} does not take the option{s} {', '.join(unknown)} (given as a flag "
+            f"or --opt key=value). It takes: {listed}."
+        )
+    return cls(**options)
 
 
-__all__ = ["METHODS", "available_methods", "Method", "StepOutput", "make_method", "method_class"]
+__all__ = [
+    "METHODS",
+    "available_methods",
+    "Method",
+    "StepOutput",
+    "make_method",
+    "method_class",
+    "method_options",
+]

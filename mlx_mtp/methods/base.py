@@ -41,6 +41,9 @@ class Method:
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
+    #: whether the method drops tokens from the KV cache (rejected drafts, mask
+    #: slots); such methods cannot run on recurrent or hybrid-cache models
+    needs_trimmable_cache: ClassVar[bool] = True
 
     def __init__(self, **options: Any):
         if options:

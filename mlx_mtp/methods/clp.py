@@ -42,7 +42,7 @@ import numpy as np
 from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
-from ..verify import Sampler
+from ..verify import Sampler, target_graph
 from .base import Method, StepOutput, parse_int
 
 MODES = ("verified", "paper")
@@ -141,12 +141,10 @@ class CLP(Method):
         self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
 
     # ------------------------------------------------------------- internals
-    def _targets(self, logits: mx.array) -> mx.array:
-        """Backbone token at each row (argmax, or a sample), lazily: (N,)."""
-        if self.sampler is None:
-            return mx.argmax(logits, axis=-1)
-        lg = logits.astype(mx.float32)
-        return self.sampler(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+    def _targets(self, logits: mx.array, positions: np.ndarray) -> mx.array:
+        """Backbone token at each row (argmax, or a sample), lazily: (N,).
+        ``positions`` (N,): sequence position of each drawn token."""
+        return target_graph(logits, np.arange(logits.shape[0]), self.sampler, positions)
 
     def _heads(self, engine: Engine, h: mx.array, nxt: mx.array) -> tuple[mx.array, mx.array]:
         """Head tokens (N, k) and kept span (N,) at hidden states h (N, D) whose
@@ -172,7 +170,7 @@ class CLP(Method):
         if drafts:
             engine._require_trimmable(len(drafts) + 1)
         logits, h = engine.forward_chain([root, *drafts], hidden=True)
-        tgt = self._targets(logits)  # (n,) backbone token after each row
+        tgt = self._targets(logits, engine.slot_positions + 1)  # (n,) backbone token after each row
         toks, span = self._heads(engine, h, tgt)  # heads at every row, one eval
         engine.timed_eval(tgt, toks, span)  # heads + predictor: device work
         tgt_np, toks_np, span_np = np.array(tgt), np.array(toks), np.array(span)
@@ -189,7 +187,8 @@ class CLP(Method):
         pending = self._carry if self._root == root else []
         _, h = engine.forward_chain([*pending, root], hidden=True)
         h = h[-1:]
-        nxt = self._targets(engine.lm_head(h))  # only the last row goes through the LM head
+        # only the last row goes through the LM head
+        nxt = self._targets(engine.lm_head(h), engine.slot_positions[-1:] + 1)
         toks, span = self._heads(engine, h, nxt)
         engine.timed_eval(nxt, toks, span)  # LM head, heads, predictor: device work
         s = int(np.array(span)[0])

@@ -52,6 +52,7 @@ from mlx_lm.tuner.lora import LoRALinear
 
 from ..engine import Engine, model_parts
 from ..errors import CheckpointMismatchError, InvalidArgumentError, UnsupportedModelError
+from ..sampling import draw
 from ..verify import Sampler
 from .base import Method, StepOutput, parse_int
 
@@ -524,7 +525,10 @@ class ConfAdapt(Method):
             dist = mx.where(col, -mx.inf, dist)
         logp = dist - mx.logsumexp(dist, axis=-1, keepdims=True)
         conf = mx.exp(mx.max(logp, axis=-1))
-        toks = mx.argmax(logp, axis=-1) if self.sampler is None else self.sampler(logp)
+        if self.sampler is None:
+            toks = mx.argmax(logp, axis=-1)
+        else:
+            toks = draw(self.sampler, logp, engine.slot_positions[len(real) - 1 :] + 1)
         engine.timed_eval(toks, conf)
         toks_np, conf_np = np.array(toks).tolist(), np.array(conf)
         # drop the masks' KV; the root's KV is exact and stays

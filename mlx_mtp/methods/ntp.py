@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..engine import Engine
+from ..sampling import draw
 from .base import Method, StepOutput
 
 
@@ -13,6 +14,7 @@ class NTP(Method):
 
     name = "ntp"
     lossless = True
+    needs_trimmable_cache = False
 
     def step(self, engine: Engine, root: int) -> StepOutput:
         logits, _ = engine.forward_chain([root])
@@ -21,6 +23,7 @@ class NTP(Method):
             tok = mx.argmax(last, axis=-1)
         else:
             last = last.astype(mx.float32)
-            tok = self.sampler(last - mx.logsumexp(last, axis=-1, keepdims=True))
+            lp = last - mx.logsumexp(last, axis=-1, keepdims=True)
+            tok = draw(self.sampler, lp, engine.slot_positions[-1:] + 1)
         engine.timed_eval(tok)
         return StepOutput([int(tok.item())])

@@ -239,7 +239,9 @@ class Probe(Method):
             n_tok + k,
             wait=False,
         )
-        targets = target_graph(logits[:n_tok], np.arange(n_tok), self.sampler)
+        targets = target_graph(
+            logits[:n_tok], np.arange(n_tok), self.sampler, engine.slot_positions[:n_tok] + 1
+        )
         top0 = top_candidates(logits[n_tok : n_tok + k], self.nodes)
         engine.timed_eval(targets, *top0)
 

@@ -1,0 +1,116 @@
+"""One place for the ranges of generation arguments, shared by the CLI and the API.
+
+The CLI builds its typer options from :data:`LIMITS` (so a bad value is a usage
+error naming the option, exit status 2), and the Python API checks the same
+table in :func:`check_generation_args` (an :class:`InvalidArgumentError` naming
+the argument). Method options are checked by each method's constructor and by
+:func:`mlx_mtp.methods.make_method` (unknown option names); the memory bound on
+a forward pass's size by :meth:`mlx_mtp.engine.Engine.check_slots`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+#: the largest seed MLX's random state takes (uint64)
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The valid range of one argument: ``lo <= value <= hi`` (None: unbounded).
+
+    ``cli`` is the option's CLI flag, used in messages."""
+
+    kind: type
+    lo: float | None
+    hi: float | None
+    cli: str
+    what: str
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f">= {self.lo:g}" if self.kind is float else f">= {int(self.lo)}"
+        return f"in [{self.lo:g}, {self.hi:g}]"
+
+
+#: argument name -> its valid range (the API's keyword, the CLI's flag)
+LIMITS: dict[str, Limit] = {
+    "max_tokens": Limit(int, 1, None, "--max-tokens", "new tokens per answer"),
+    "temp": Limit(float, 0.0, None, "--temp", "sampling temperature (0 = greedy)"),
+    "top_p": Limit(float, 0.0, 1.0, "--top-p", "nucleus threshold (0 or 1 = off)"),
+    "top_k": Limit(int, 0, None, "--top-k", "keep the k most likely tokens (0 = off)"),
+    "min_p": Limit(float, 0.0, 1.0, "--min-p", "min-p threshold (0 = off)"),
+    "seed": Limit(int, 0, MAX_SEED, "--seed", "random seed"),
+    # RotatingKVCache keeps 4 tokens (the attention sink) and needs room beyond them
+    "max_kv_size": Limit(int, 16, None, "--max-kv-size", "sliding-window KV cache size"),
+}
+
+
+#: the keyword arguments of :func:`check_generation_args`
+GENERATION_ARGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
+
+
+def check_value(name: str, value: Any) -> Any:
+    """Check one argument against :data:`LIMITS` and return it as its type.
+
+    Raises:
+        InvalidArgumentError: wrong type, not finite, or out of range; the
+            message names the argument (API keyword and CLI flag).
+    """
+    lim = LIMITS[name]
+    label = f"{name} ({lim.cli})"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{label} must be a number, got {value!r}")
+    if lim.kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise InvalidArgumentError(f"{label} must be an integer, got {value!r}")
+        value = int(value)
+    elif not math.isfinite(value):
+        raise InvalidArgumentError(f"{label} must be a finite number, got {value!r}")
+    if (lim.lo is not None and value < lim.lo) or (lim.hi is not None and value > lim.hi):
+        raise InvalidArgumentError(f"{label} must be {lim.describe()}, got {value!r}")
+    return lim.kind(value)
+
+
+def check_generation_args(
+    *,
+    max_tokens: Any,
+    temp: Any,
+    top_p: Any = 0.0,
+    top_k: Any = 0,
+    min_p: Any = 0.0,
+    seed: Any = None,
+) -> dict[str, Any]:
+    """Check the sampling and length arguments of one generation.
+
+    Returns:
+        The arguments as their types (``seed`` None stays None).
+
+    Raises:
+        InvalidArgumentError: naming the first bad argument.
+    """
+    out = {
+        "max_tokens": check_value("max_tokens", max_tokens),
+        "temp": check_value("temp", temp),
+        "top_p": check_value("top_p", top_p),
+        "top_k": check_value("top_k", top_k),
+        "min_p": check_value("min_p", min_p),
+        "seed": None if seed is None else check_value("seed", seed),
+    }
+    return out
+
+
+def typer_range(name: str) -> dict[str, Any]:
+    """``min``/``max`` keyword arguments of a typer option for ``name``."""
+    lim = LIMITS[name]
+    out: dict[str, Any] = {}
+    if lim.lo is not None:
+        out["min"] = lim.kind(lim.lo)
+    if lim.hi is not None:
+        out["max"] = lim.kind(lim.hi)
+    return out

@@ -1,0 +1,278 @@
+"""Bad input gets a one-line error naming the problem (issue 16).
+
+Table-driven: every option of ``generate``/``chat``/``bench`` and every
+argument of ``load()``/``generate()`` with its bad values. The CLI cases run
+``mlx_mtp.cli.main`` in-process (they fail before any model is loaded); the
+cases that need the model (a block complexity too large for memory) run the
+real console script in a subprocess under an address-space limit, so that a
+regression fails the test instead of taking the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_mtp import cli
+from mlx_mtp.errors import InvalidArgumentError, MTPError, UnknownMethodError
+
+HI = ["-p", "hi"]
+
+#: (argv after the command, text the error must contain); every case must exit
+#: 2 with one error line and no traceback, before anything is loaded or written
+CLI_CASES: list[tuple[list[str], str]] = [
+    ([], "--prompt"),
+    ([*HI, "-n", "abc"], "--max-tokens"),
+    ([*HI, "-n", "0"], "--max-tokens"),
+    ([*HI, "-n", "-5"], "--max-tokens"),
+    ([*HI, "--foo", "1"], "--foo"),
+    ([*HI, "--opt", "foo"], "--opt"),
+    ([*HI, "--opt", "=3"], "--opt"),
+    ([*HI, "--opt", "bc=10", "--bc", "10"], "bc"),
+    ([*HI, "--temp", "-0.1"], "--temp"),
+    ([*HI, "--temp", "nan"], "--temp"),
+    ([*HI, "--temp", "inf"], "--temp"),
+    ([*HI, "--temp", "hot"], "--temp"),
+    ([*HI, "--top-p", "2"], "--top-p"),
+    ([*HI, "--top-p", "-1"], "--top-p"),
+    ([*HI, "--top-k", "-1"], "--top-k"),
+    ([*HI, "--top-k", "2.5"], "--top-k"),
+    ([*HI, "--min-p", "1.5"], "--min-p"),
+    ([*HI, "--temp", "0.5", "--seed", "-1"], "--seed"),
+    ([*HI, "--seed", str(2**64)], "--seed"),
+    ([*HI, "--seed", "x"], "--seed"),
+    ([*HI, "--max-kv-size", "0"], "--max-kv-size"),
+    ([*HI, "--max-kv-size", "-1"], "--max-kv-size"),
+    ([*HI, "--max-kv-size", "8"], "--max-kv-size"),
+    ([*HI, "--dtype", "float8"], "float8"),
+    ([*HI, "--model", "no-such-model"], "no-such-model"),
+    ([*HI, "--method", "nope"], "nope"),
+    ([*HI, "--method", "ntp", "--bc", "10"], "bc"),
+    ([*HI, "--method", "ntp", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "pld", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "pld", "--bc", "10"], "bc"),
+    ([*HI, "--method", "pld", "--opt", "max_draft=0"], "max_draft"),
+    ([*HI, "--method", "pld", "--opt", "window=x"], "window"),
+    ([*HI, "--method", "probe", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "probe", "--bc", "abc"], "bc"),
+    ([*HI, "--method", "probe", "--bc", "1"], "bc"),
+    ([*HI, "--method", "probe", "--masks", "0"], "masks"),
+    ([*HI, "--method", "probe", "--masks", "x"], "--masks"),
+    ([*HI, "--method", "probe", "--tree", "0"], "--tree"),
+    ([*HI, "--method", "probe", "--opt", "lam=2"], "lam"),
+    ([*HI, "--method", "probe", "--opt", "mask_init=zeros"], "mask_init"),
+    ([*HI, "--method", "probe", "--bc", "auto", "--opt", "max_bc=1"], "max_bc"),
+    ([*HI, "--method", "probe", "--k", "2"], " k"),
+    ([*HI, "--method", "hybrid", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "hybrid", "--tree", "14"], "--tree"),
+    ([*HI, "--method", "hybrid", "--opt", "matches=99"], "matches"),
+    ([*HI, "--method", "lookahead", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "lookahead", "--opt", "level=1"], "level"),
+    ([*HI, "--method", "lookahead", "--bc", "10"], "bc"),
+    ([*HI, "--method", "clp", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "clp", "--k", "0"], " k"),
+    ([*HI, "--method", "clp", "--opt", "mode=fast"], "mode"),
+    ([*HI, "--method", "clp", "--tau", "0.5"], "tau"),
+    ([*HI, "--method", "confadapt", "--opt", "foo=1"], "foo"),
+    ([*HI, "--method", "confadapt", "--tau", "-1"], "tau"),
+    ([*HI, "--method", "confadapt", "--tau", "x"], "--tau"),
+    ([*HI, "--method", "confadapt", "--k", "100"], " k"),
+]
+
+#: options that ``chat`` shares with ``generate``
+CHAT_CASES: list[tuple[list[str], str]] = [
+    (["-n", "0"], "--max-tokens"),
+    (["--top-p", "2"], "--top-p"),
+    (["--temp", "-1"], "--temp"),
+    (["--seed", "-1"], "--seed"),
+    (["--max-kv-size", "0"], "--max-kv-size"),
+    (["--method", "pld", "--opt", "foo=1"], "foo"),
+    (["--method", "probe", "--opt", "bar"], "--opt"),
+    (["--bogus"], "--bogus"),
+]
+
+BENCH_CASES: list[tuple[list[str], str]] = [
+    (["--limit", "0"], "--limit"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--turns", "3"], "--turns"),
+    (["--temp", "-1"], "--temp"),
+    (["--seed", "-1"], "--seed"),
+    (["--repeats", "0"], "--repeats"),
+    (["--mode", "mmlu"], "--mode"),
+    (["--methods", "ntp,pld:foo=1"], "foo"),
+    (["--methods", "ntp,nope"], "nope"),
+    (["--methods", ""], "--methods"),
+]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Run the console entry point in this process: (exit code, stderr)."""
+    old = sys.argv
+    sys.argv = ["mlx-mtp", *argv]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            cli.main()
+    finally:
+        sys.argv = old
+    err = capsys.readouterr().err
+    return exc.value.code, err
+
+
+def snapshot(*roots: Path) -> set[str]:
+    return {str(p) for r in roots for p in r.rglob("*")}
+
+
+def check_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "Error:"))]
+    assert len(lines) == 1, err  # one error line (click adds a usage line above it)
+    assert needle in lines[0], (needle, err)
+
+
+@pytest.mark.parametrize(
+    "command,argv,needle",
+    [("generate", a, n) for a, n in CLI_CASES]
+    + [("chat", a, n) for a, n in CHAT_CASES]
+    + [("bench", [*a, "--out", "bench-bad"], n) for a, n in BENCH_CASES],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
+)
+def test_cli_bad_input(command, argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    home = Path(os.environ["MLX_MTP_HOME"])
+    before = snapshot(tmp_path, home)
+    code, err = run_cli([command, *argv], capsys)
+    check_error(code, err, needle)
+    assert snapshot(tmp_path, home) == before  # nothing written to disk
+
+
+def test_cli_lists_the_options_a_method_takes(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["generate", *HI, "--method", "pld", "--opt", "foo=1"], capsys)
+    assert code == 2 and "It takes: window, max_draft." in err
+
+
+# ------------------------------------------------------------------ Python API
+LOAD_CASES: list[tuple[dict, type[MTPError], str]] = [
+    ({"method": "pld", "foo": 1}, InvalidArgumentError, "foo"),
+    ({"method": "probe", "bc": 10, "k": 2}, InvalidArgumentError, "k"),
+    ({"method": "probe", "bc": None}, InvalidArgumentError, "bc"),
+    ({"method": "probe", "bc": "big"}, InvalidArgumentError, "bc"),
+    ({"method": "nope"}, UnknownMethodError, "nope"),
+    ({"method": 3}, InvalidArgumentError, "method"),
+    ({"model": 3}, InvalidArgumentError, "model"),
+    ({"max_kv_size": 0}, InvalidArgumentError, "max_kv_size"),
+    ({"max_kv_size": "x"}, InvalidArgumentError, "max_kv_size"),
+    ({"dtype": "int4"}, InvalidArgumentError, "int4"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,needle", LOAD_CASES, ids=str)
+def test_load_bad_arguments(kwargs, error, needle):
+    import mlx_mtp
+
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", "smollm2-135m")
+    with pytest.raises(error, match=needle):
+        mlx_mtp.load(model, **kwargs)
+
+
+GENERATE_CASES: list[tuple[dict, str]] = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"temp": -1}, "temp"),
+    ({"temp": float("nan")}, "temp"),
+    ({"temp": "hot"}, "temp"),
+    ({"top_p": 2}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": 3}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": "x"}, "seed"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": 5}, "wrong type"),
+    ({"prompt": [10**9]}, "vocabulary"),
+    ({"prompt": [-1]}, "vocabulary"),
+    ({"prompt": [{"role": "user"}]}, "content"),
+]
+
+
+@pytest.fixture(scope="module")
+def ntp_model(smollm):
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.methods import make_method
+
+    return MTPModel(smollm, make_method("ntp"))
+
+
+@pytest.mark.parametrize("kwargs,needle", GENERATE_CASES, ids=str)
+def test_generate_bad_arguments(ntp_model, kwargs, needle):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", "hi")
+    with pytest.raises(InvalidArgumentError, match=needle):
+        ntp_model.generate(prompt, **kwargs)
+
+
+def test_chat_bad_arguments_leave_history_unchanged(ntp_model):
+    chat = ntp_model.chat()
+    with pytest.raises(InvalidArgumentError, match="top_p"):
+        list(chat.send("hello", top_p=5))
+    assert chat.messages == []
+
+
+def test_max_kv_size_must_fit_the_block(smollm):
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.methods import make_method
+
+    with pytest.raises(InvalidArgumentError, match="max_kv_size .*too small.*probe"):
+        MTPModel(smollm, make_method("probe", bc=30), max_kv_size=20)
+    MTPModel(smollm, make_method("ntp"), max_kv_size=20)  # plain decoding: fine
+
+
+# ------------------------------------------------------- memory-bounded options
+def _limit_address_space():  # in the child, before exec
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+def test_huge_block_complexity_refused_under_memory_limit(tmp_path):
+    """``--bc 100000`` allocated a (98304, 98304) mask; now a clear error,
+    checked under a 6 GB address-space limit so a regression fails the test
+    (MemoryError / killed) instead of taking the machine."""
+    exe = Path(sys.executable).parent / "mlx-mtp"
+    argv = [str(exe), "generate", "-p", "hi", "--method", "probe", "--bc", "100000", "-n", "8"]
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        preexec_fn=_limit_address_space,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
+    check_error(proc.returncode, proc.stderr, "block complexity")
+    assert "address-space limit" in proc.stderr
+    assert "largest block complexity that fits" in proc.stderr
+
+
+def test_check_slots_bounds_every_forward(smollm):
+    from mlx_mtp.engine import Engine
+
+    eng = Engine(smollm.model)
+    top = eng.max_slots()
+    assert 64 < top < 100_000
+    eng.check_slots(top)
+    with pytest.raises(InvalidArgumentError, match="block complexity"):
+        eng.check_slots(top + 1)
+    # a long context shrinks what fits
+    assert eng.max_slots(context=200_000) < top
