@@ -110,6 +110,22 @@ BENCH_CASES: list[tuple[list[str], str]] = [
 ]
 
 
+#: training and conversion commands (full argv)
+OTHER_CASES: list[tuple[list[str], str]] = [
+    (["train", "masks", "--data", "p.jsonl", "--slots", "0"], "--slots"),
+    (["train", "masks", "--data", "p.jsonl", "--steps", "0"], "--steps"),
+    (["train", "masks", "--data", "p.jsonl", "--val-fraction", "2"], "--val-fraction"),
+    (["train", "masks", "--data", "p.jsonl", "--lr", "-1"], "--lr"),
+    (["train", "clp", "--data", "p.jsonl", "--k", "0"], "--k"),
+    (["train", "clp", "--data", "p.jsonl", "--epochs", "0"], "--epochs"),
+    (["train", "mtp", "--data", "gsm8k-train", "--steps", "0"], "--steps"),
+    (["train", "mtp", "--data", "gsm8k-train", "--rank", "0"], "--rank"),
+    (["train", "mtp", "--data", "gsm8k-train", "--forcing", "x"], "forcing"),
+    (["convert", "mtp-checkpoint", "no-such-dir", "out", "--quantize", "3"], "--quantize"),
+    (["convert", "clp-heads"], "'src'"),
+]
+
+
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     """Run the console entry point in this process: (exit code, stderr)."""
     old = sys.argv
@@ -139,7 +155,8 @@ def check_error(code: int, err: str, needle: str) -> None:
     "command,argv,needle",
     [("generate", a, n) for a, n in CLI_CASES]
     + [("chat", a, n) for a, n in CHAT_CASES]
-    + [("bench", [*a, "--out", "bench-bad"], n) for a, n in BENCH_CASES],
+    + [("bench", [*a, "--out", "bench-bad"], n) for a, n in BENCH_CASES]
+    + [(a[0], a[1:], n) for a, n in OTHER_CASES],
     ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
 )
 def test_cli_bad_input(command, argv, needle, capsys, tmp_path, monkeypatch):

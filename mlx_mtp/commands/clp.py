@@ -24,21 +24,29 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Heads folder (default: $MLX_MTP_HOME/clp/<model>-<fingerprint>)."
         ),
-        k: int = typer.Option(2, "--k", help="Horizon: heads for tokens n+2 .. n+1+k."),
-        bottleneck: int = typer.Option(256, "--bottleneck", help="Width of each head's block."),
+        k: int = typer.Option(
+            2, "--k", min=1, max=8, help="Horizon: heads for tokens n+2 .. n+1+k."
+        ),
+        bottleneck: int = typer.Option(
+            256, "--bottleneck", min=1, help="Width of each head's block."
+        ),
         limit: int | None = typer.Option(
-            None, "--limit", help="At most this many prompts per --data file."
+            None, "--limit", min=1, help="At most this many prompts per --data file."
         ),
-        max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Greedy tokens/prompt."),
+        max_new_tokens: int = typer.Option(
+            64, "--max-new-tokens", min=1, help="Greedy tokens/prompt."
+        ),
         max_prompt_tokens: int = typer.Option(
-            256, "--max-prompt-tokens", help="Keep the last N tokens of longer prompts."
+            256, "--max-prompt-tokens", min=1, help="Keep the last N tokens of longer prompts."
         ),
-        gen_batch: int = typer.Option(32, "--gen-batch", help="Prompts per generation batch."),
-        epochs: int = typer.Option(3, "--epochs", help="Head training epochs."),
-        batch_size: int = typer.Option(128, "--batch-size", help="Positions per head step."),
-        lr: float = typer.Option(1e-3, "--lr", help="Head learning rate (AdamW, cosine)."),
+        gen_batch: int = typer.Option(
+            32, "--gen-batch", min=1, help="Prompts per generation batch."
+        ),
+        epochs: int = typer.Option(3, "--epochs", min=1, help="Head training epochs."),
+        batch_size: int = typer.Option(128, "--batch-size", min=1, help="Positions per head step."),
+        lr: float = typer.Option(1e-3, "--lr", min=0.0, help="Head learning rate (AdamW, cosine)."),
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
-        seed: int = typer.Option(0, "--seed", help="Random seed."),
+        seed: int = typer.Option(0, "--seed", min=0, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
         dtype: str = typer.Option("float32", "--dtype", help="Backbone compute dtype."),
     ):

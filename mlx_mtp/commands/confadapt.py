@@ -115,15 +115,21 @@ def register(app: typer.Typer) -> None:
             "--gated/--ungated",
             help="LoRA acts only at mask tokens (next-token prediction stays the base model's).",
         ),
-        steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (default 60)."),
-        stop_after: int | None = typer.Option(
-            None, "--stop-after", help="Stop (and export) at this step of the schedule."
+        steps: int | None = typer.Option(
+            None, "--steps", min=1, help="Optimizer steps (default 60)."
         ),
-        lr: float | None = typer.Option(None, "--lr", help="Peak lr (5e-4 LoRA, 1e-5 full)."),
-        rank: int = typer.Option(8, "--rank", help="LoRA rank."),
-        regions: int = typer.Option(6, "--regions", help="Mask regions per sequence."),
-        gen_tokens: int = typer.Option(64, "--gen-tokens", help="Teacher tokens per prompt."),
-        seed: int = typer.Option(0, "--seed"),
+        stop_after: int | None = typer.Option(
+            None, "--stop-after", min=1, help="Stop (and export) at this step of the schedule."
+        ),
+        lr: float | None = typer.Option(
+            None, "--lr", min=0.0, help="Peak lr (5e-4 LoRA, 1e-5 full)."
+        ),
+        rank: int = typer.Option(8, "--rank", min=1, help="LoRA rank."),
+        regions: int = typer.Option(6, "--regions", min=1, help="Mask regions per sequence."),
+        gen_tokens: int = typer.Option(
+            64, "--gen-tokens", min=2, help="Teacher tokens per prompt."
+        ),
+        seed: int = typer.Option(0, "--seed", min=0),
         forcing: str = typer.Option(
             "student",
             "--forcing",

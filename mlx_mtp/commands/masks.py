@@ -125,20 +125,25 @@ def register(app: typer.Typer) -> None:
         data: list[Path] = typer.Option(
             ..., "--data", help="jsonl of prompts (turns/question/prompt/text); repeatable."
         ),
-        slots: int = typer.Option(2, "--slots", help="Mask slots to learn (1-3)."),
-        steps: int = typer.Option(300, "--steps", help="Adam steps (one sequence each)."),
-        max_tokens: int = typer.Option(96, "--max-tokens", help="Greedy tokens per prompt."),
-        limit: int | None = typer.Option(None, "--limit", help="Use at most N prompts."),
-        val_fraction: float = typer.Option(0.1, "--val-fraction", help="Held-out share."),
-        lr: float = typer.Option(3e-3, "--lr", help="Adam learning rate."),
-        anchors: int = typer.Option(48, "--anchors", help="Anchors (mask sets) per step."),
-        seed: int = typer.Option(0, "--seed"),
+        slots: int = typer.Option(2, "--slots", min=1, max=3, help="Mask slots to learn (1-3)."),
+        steps: int = typer.Option(300, "--steps", min=1, help="Adam steps (one sequence each)."),
+        max_tokens: int = typer.Option(96, "--max-tokens", min=1, help="Greedy tokens per prompt."),
+        limit: int | None = typer.Option(None, "--limit", min=1, help="Use at most N prompts."),
+        val_fraction: float = typer.Option(
+            0.1, "--val-fraction", min=0.0, max=0.9, help="Held-out share."
+        ),
+        lr: float = typer.Option(3e-3, "--lr", min=0.0, help="Adam learning rate."),
+        anchors: int = typer.Option(48, "--anchors", min=1, help="Anchors (mask sets) per step."),
+        seed: int = typer.Option(0, "--seed", min=0),
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
         dtype: str = typer.Option("float32", "--dtype", help="Compute dtype while training."),
         batch_size: int = typer.Option(
-            16, "--batch-size", help="Prompts decoded together for continuations (1: one by one)."
+            16,
+            "--batch-size",
+            min=1,
+            help="Prompts decoded together for continuations (1: one by one).",
         ),
         continuations: Path | None = typer.Option(
             None,
