@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -135,7 +136,7 @@ def test_parse_request_shape_errors():
         parse_request({"model": MODEL, "prompt": ["a", "b"]}, "completion")
 
 
-def test_missing_extra_is_a_clear_error(monkeypatch):
+def test_missing_extra_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
 
     from mlx_mtp.errors import MTPError
@@ -147,6 +148,14 @@ def test_missing_extra_is_a_clear_error(monkeypatch):
     )
     with pytest.raises(MTPError, match=r"pip install 'mlx-mtp\[server\]'"):
         require_server_extra()
+    # through the command line: the message, exit status 2, no model loaded
+    from mlx_mtp import cli
+
+    monkeypatch.setattr(sys, "argv", ["mlx-mtp", "serve", "--model", "no-such-model"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 2
+    assert "pip install 'mlx-mtp[server]'" in capsys.readouterr().err
 
 
 def test_is_loopback():
@@ -171,6 +180,12 @@ def test_chat_equals_generate(client, ref):
     assert r.usage.completion_tokens == len(want.tokens)
     assert r.usage.prompt_tokens == want.stats.prompt_tokens
     assert r.model_extra["mtp"]["method"] == "ntp"
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, messages=Q, max_tokens=4, temperature=0.9, top_p=0.95)
+    a, b = (client.chat.completions.create(seed=7, **kw) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_chat_stream_with_method_equals_generate(client, ref):

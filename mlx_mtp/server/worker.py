@@ -125,6 +125,7 @@ class Worker:
         self.loaded: Any = None
         self.context_length: int | None = None
         self.running: Job | None = None
+        self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
         self.counts = {"done": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         #: the last finished jobs (for /health and tests)
         self.recent: deque[Job] = deque(maxlen=64)
@@ -204,7 +205,7 @@ class Worker:
             "busy": self.running is not None,
             "queue": {"waiting": self._queue.qsize(), "capacity": self.queue_size},
             "jobs": dict(self.counts),
-            "methods_loaded": [k[0] + "".join(f",{a}={b}" for a, b in k[1]) for k in self._models],
+            "methods_loaded": list(self._loaded_names),
         }
 
     # --------------------------------------------------------------- thread
@@ -215,6 +216,7 @@ class Worker:
             self._build(self.method, self.options, loaded=None)  # validate options first
             self.loaded = load_model(self.model_id, self.dtype)
             self._models[self.default_key] = self._build(self.method, self.options, self.loaded)
+            self._snapshot()
             cfg = self.loaded.config
             self.context_length = cfg.get("max_position_embeddings") or cfg.get(
                 "text_config", {}
@@ -272,7 +274,13 @@ class Worker:
         while len(self._models) > self.max_methods:
             old = next(k for k in self._models if k != self.default_key)
             del self._models[old]
+        self._snapshot()
         return m
+
+    def _snapshot(self) -> None:
+        self._loaded_names = tuple(
+            k[0] + "".join(f",{a}={b}" for a, b in k[1]) for k in self._models
+        )
 
     def _serve(self, job: Job) -> None:
         job.started = time.perf_counter()
