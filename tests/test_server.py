@@ -45,6 +45,7 @@ def server():
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
+    worker.http = srv  # for the tests that look at open connections
     yield f"http://127.0.0.1:{port}", worker
     srv.should_exit = True
     thread.join(15)
@@ -365,10 +366,20 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
         body = {"model": MODEL, "messages": Q, "max_tokens": 4, "temperature": 0}
         results[i] = raw(base, "POST", "/v1/chat/completions", body)
 
-    threads = [threading.Thread(target=small, args=(i,)) for i in range(QUEUE)]
+    before = worker.counts["cancelled"]
+    threads = [threading.Thread(target=small, args=(i,)) for i in range(QUEUE - 1)]
     try:
         for t in threads:
             t.start()
+        # one more that waits in the queue and then leaves
+        host, port = base.removeprefix("http://").split(":")
+        leaver = http.client.HTTPConnection(host, int(port), timeout=120)
+        leaver.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(dict(LONG, stream=False)).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+        )
         deadline = time.time() + 30
         while worker.health()["queue"]["waiting"] < QUEUE:
             assert time.time() < deadline, worker.health()
@@ -376,11 +387,21 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
         status, headers, err = raw(base, "POST", "/v1/chat/completions", dict(LONG, max_tokens=2))
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert err["error"]["type"] == "rate_limit_error"
+        leaver.close()
     finally:
         resp.close()
         conn.close()
     for t in threads:
         t.join(120)
     want = ref(Q, n=4).text
+    assert len(results) == QUEUE - 1
     for status, _, body in results.values():
         assert status == 200 and body["choices"][0]["message"]["content"] == want
+    wait_idle(worker)
+    assert worker.counts["cancelled"] == before + 2  # the stream and the queued leaver
+    assert [j.generated_tokens for j in worker.recent if j.status == "cancelled"][-1] == 0
+    # no request handler is left waiting for a job that will never run
+    deadline = time.time() + 10
+    while worker.http.server_state.tasks:
+        assert time.time() < deadline, f"{len(worker.http.server_state.tasks)} handlers left"
+        time.sleep(0.05)

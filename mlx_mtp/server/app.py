@@ -116,6 +116,8 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
             first = await events.get()
             if first[0] == "error":
                 raise first[1]
+            if first[0] == "cancelled":
+                raise _client_gone()
             if req.stream:
                 return StreamingResponse(
                     _stream(job, events, first, watcher),
@@ -139,6 +141,8 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
                 text.append(ev[1])
             elif ev[0] == "error":
                 raise ev[1]
+            elif ev[0] == "cancelled":
+                raise _client_gone()
             elif ev[0] == "done":
                 _, finish, usage_, mtp = ev
                 return completion_object(
@@ -163,6 +167,8 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
                     yield chunk(text=ev[1])
                 elif ev[0] == "error":
                     yield sse(ev[1].body())
+                    return
+                elif ev[0] == "cancelled":
                     return
                 elif ev[0] == "done":
                     _, finish, usage_, mtp = ev
@@ -211,6 +217,11 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
             Exception: on_error,
         },
     )
+
+
+def _client_gone() -> OpenAIError:
+    # 499 "client closed request" (nginx's code): nobody reads it, the client is gone
+    return OpenAIError(499, "The client disconnected; the request was cancelled.")
 
 
 def _unknown_model(asked: str, served: str) -> OpenAIError:

@@ -34,6 +34,7 @@ log = logging.getLogger("mlx_mtp.server")
 #:   ("delta", text)                         new answer text, already cut at stop strings
 #:   ("done", finish_reason, usage, mtp)     the end: "stop" | "length" | "cancelled"
 #:   ("error", OpenAIError)                  the request failed (before or during generation)
+#:   ("cancelled",)                          the client left while the job was queued
 Event = tuple
 
 
@@ -286,6 +287,7 @@ class Worker:
         job.started = time.perf_counter()
         if job.cancel.is_set():  # the client left while queued
             job.status = "cancelled"
+            self._emit(job, ("cancelled",))  # ends the request's handler
             self._finish(job)
             return
         self.running = job
