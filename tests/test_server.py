@@ -171,6 +171,11 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, _, body = raw(server[0], "GET", "/health", key=None)
     assert status == 200 and body["status"] == "ok" and body["model"] == MODEL
+    assert raw(server[0], "GET", f"/v1/models/{MODEL}")[2]["id"] == MODEL
+    status, _, body = raw(server[0], "GET", "/v1/models/gpt-4o")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, _, body = raw(server[0], "POST", "/v1/completions", b"x" * (9 << 20))
+    assert status == 413 and "error" in body
 
 
 def test_chat_equals_generate(client, ref):

@@ -101,6 +101,9 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
 
     async def _generate(request: Request, kind: str) -> Response:
         check_auth(request)
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
