@@ -300,9 +300,8 @@ class Worker:
             job.status = "failed"
             name = type(e).__name__
             param = "mtp.method" if name == "UnknownMethodError" else None
-            code = re.sub(
-                r"(?<!^)(?=[A-Z])", "_", name
-            ).lower()  # InvalidArgumentError -> invalid_argument_error
+            # the class name as the code: InvalidArgumentError -> invalid_argument_error
+            code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
             self._emit(job, ("error", OpenAIError(400, str(e), param=param, code=code)))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
             job.status = "failed"
