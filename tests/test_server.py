@@ -12,13 +12,10 @@ import sys
 import threading
 import time
 
+import openai  # the dev extra installs it, with starlette and uvicorn (a missing one fails)
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-
-from mlx_mtp.server.protocol import OpenAIError, StopCutter, parse_request  # noqa: E402
+from mlx_mtp.server.protocol import OpenAIError, StopCutter, parse_request
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
