@@ -156,11 +156,20 @@ def test_missing_extra_is_a_clear_error(monkeypatch, capsys):
     assert "pip install 'mlx-mtp[server]'" in capsys.readouterr().err
 
 
-def test_is_loopback():
+def test_is_loopback_and_other_hosts_warn(monkeypatch, capsys):
+    from mlx_mtp import cli
     from mlx_mtp.commands.serve import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
+    # the warning comes before anything is loaded or bound (the model is missing here)
+    argv = ["mlx-mtp", "serve", "--host", "0.0.0.0", "--model", "/no/such/model"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "WARNING: binding 0.0.0.0" in err and "no --api-key" in err
+    assert "No such model" in err
 
 
 # ------------------------------------------------------------------ end to end
