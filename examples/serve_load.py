@@ -8,7 +8,7 @@ generation through the Python API (``mlx_mtp.load(...).generate``): none may be
 lost or differ. Prints p50/p95 latency (client side, request sent to last
 byte) and queue wait (the ``mtp.queue_wait_s`` the server reports), and exits
 with status 1 if anything was wrong. Requests refused with 429 are retried
-after ``Retry-After`` and counted.
+after ``Retry-After`` and counted (their latency includes those waits).
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python examples/serve_load.py [--clients 8]
         [--requests 4] [--max-tokens 16] [--method ntp] [--json out.json]
@@ -70,9 +70,8 @@ def request(port: int, i: int, max_tokens: int) -> dict:
 
 def send(port: int, req: dict) -> dict:
     """Send one request (retrying after 429); returns text, latency, queue wait."""
-    retries = 0
+    retries, t0 = 0, time.perf_counter()  # latency includes waits after 429
     while True:
-        t0 = time.perf_counter()
         conn = http.client.HTTPConnection(HOST, port, timeout=600)
         conn.request(
             "POST",
