@@ -64,11 +64,12 @@ def ref(smollm):
 
     models: dict = {}
 
-    def run(prompt, method="ntp", chat=True, n=N, **options):
+    def run(prompt, method="ntp", chat=True, n=N, sampling=None, **options):
         key = (method, tuple(sorted(options.items())))
         if key not in models:
             models[key] = MTPModel(smollm, make_method(method, **options))
-        return models[key].generate(prompt, max_tokens=n, temp=0.0, chat_template=chat)
+        kw = sampling or {"temp": 0.0}
+        return models[key].generate(prompt, max_tokens=n, chat_template=chat, **kw)
 
     return run
 
@@ -194,10 +195,11 @@ def test_chat_equals_generate(client, ref):
     assert r.model_extra["mtp"]["method"] == "ntp"
 
 
-def test_seed_makes_sampling_reproducible(client):
-    kw = dict(model=MODEL, messages=Q, max_tokens=4, temperature=0.9, top_p=0.95)
-    a, b = (client.chat.completions.create(seed=7, **kw) for _ in range(2))
-    assert a.choices[0].message.content == b.choices[0].message.content
+def test_seeded_sampling_equals_generate(client, ref):
+    kw = dict(model=MODEL, messages=Q, max_tokens=6, temperature=1.5, top_p=0.95, seed=7)
+    a, b = (client.chat.completions.create(**kw) for _ in range(2))
+    want = ref(Q, n=6, sampling={"temp": 1.5, "top_p": 0.95, "seed": 7}).text
+    assert a.choices[0].message.content == b.choices[0].message.content == want
 
 
 def test_chat_stream_with_method_equals_generate(client, ref):
