@@ -418,3 +418,18 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
     while worker.http.server_state.tasks:
         assert time.time() < deadline, f"{len(worker.http.server_state.tasks)} handlers left"
         time.sleep(0.05)
+
+
+def test_method_models_are_bounded_and_keep_the_default(server, client, monkeypatch):
+    base, worker = server
+    monkeypatch.setattr(worker, "max_methods", 2)
+    for window in (1, 2, 3):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=Q,
+            max_tokens=2,
+            temperature=0,
+            extra_body={"mtp": {"method": "pld", "window": window}},
+        )
+    loaded = raw(base, "GET", "/health", key=None)[2]["methods_loaded"]
+    assert sorted(loaded) == ["ntp", "pld,window=3"], loaded
