@@ -1,0 +1,467 @@
+"""The OpenAI wire format: request parsing, response objects, errors, stop strings.
+
+Pure Python (no web framework), so that it is tested and reused without one.
+Shapes follow the OpenAI API reference for ``/v1/chat/completions`` and
+``/v1/completions`` (https://platform.openai.com/docs/api-reference); mlx-mtp's
+own settings and statistics travel in an extra ``mtp`` object, which standard
+clients ignore.
+
+Checked here: the *shape* of a request (JSON types, ``n``, ``stop``, the
+``mtp`` object, parameters this server cannot honour). Value ranges of the
+generation settings (temperature, top_p, max_tokens, seed, method options) are
+checked by :mod:`mlx_mtp.api` / :mod:`mlx_mtp.methods`, whose
+:class:`~mlx_mtp.errors.MTPError` the server turns into a 400 (one validation
+for the CLI, the Python API and the server).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+#: roles accepted in ``messages`` ("developer" is OpenAI's newer name for "system")
+ROLES = {"system", "developer", "user", "assistant"}
+#: most stop strings per request (OpenAI allows 4; a few more cost nothing here)
+MAX_STOP = 16
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape ``{"error": {message, type, param, code}}``.
+
+    Args:
+        status: HTTP status (400, 401, 404, 429, 500, 503).
+        message: what is wrong and what to do.
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``,
+            ``rate_limit_error``, ``server_error``).
+        param: the request field at fault, if any (e.g. ``"messages"``).
+        code: a short machine-readable code (e.g. ``"context_length_exceeded"``).
+        headers: extra response headers (``Retry-After`` for 429).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body ``{"error": {...}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 ``invalid_request_error``."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenRequest:
+    """A parsed, shape-checked generation request (chat or text completion).
+
+    Attributes:
+        kind: ``"chat"`` or ``"completion"``.
+        prompt: chat messages (list of ``{"role", "content"}`` with string
+            content), prompt text, or token ids.
+        max_tokens: requested new tokens, or None for the server default.
+        temperature / top_p / seed: sampling settings, None for the server default.
+        stop: stop strings (the text is cut before the first one).
+        stream: answer as server-sent events.
+        include_usage: with ``stream``, send a usage chunk before ``[DONE]``.
+        method: the mlx-mtp method, None for the server's.
+        options: that method's options (used only with ``method``).
+    """
+
+    kind: str
+    model: str
+    prompt: Any
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    method: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Raises:
+        OpenAIError: 400 ``invalid_json`` for bytes that are not a JSON object.
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(
+            f"The request body is not valid JSON ({e}). Send a JSON object with "
+            "Content-Type: application/json.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(f"'{name}' must be a number, got {json.dumps(v)}.", param=name)
+    return float(v)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise bad(f"'{name}' must be an integer, got {json.dumps(v)}.", param=name)
+    return v
+
+
+def _boolean(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be true or false, got {json.dumps(v)}.", param=name)
+    return v
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Refuse settings this server cannot honour instead of ignoring them."""
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise bad(f"Only n=1 is supported (one answer per request), got n={n}.", param="n")
+    best_of = _integer(body, "best_of")
+    if best_of is not None and best_of != 1:
+        raise bad("best_of is not supported; send best_of=1 or leave it out.", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name)
+        if v not in (None, 0.0):
+            raise bad(f"'{name}' is not supported by mlx-mtp; leave it out or 0.", param=name)
+    if body.get("logprobs") not in (None, False, 0):
+        raise bad("logprobs are not supported by mlx-mtp; leave them out.", param="logprobs")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported by mlx-mtp.", param="logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise bad("Tool / function calling is not supported by mlx-mtp.", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad(
+            "response_format other than {'type': 'text'} is not supported.",
+            param="response_format",
+        )
+    if _boolean(body, "echo"):
+        raise bad("echo is not supported by mlx-mtp.", param="echo")
+    if body.get("suffix"):
+        raise bad("suffix (insertion) is not supported by mlx-mtp.", param="suffix")
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or a list of strings.", param="stop")
+    if len(items) > MAX_STOP:
+        raise bad(f"At most {MAX_STOP} stop strings, got {len(items)}.", param="stop")
+    if any(s == "" for s in items):
+        raise bad("Stop strings must not be empty.", param="stop")
+    return list(dict.fromkeys(items))
+
+
+def _mtp(body: dict) -> tuple[str | None, dict[str, Any]]:
+    v = body.get("mtp")
+    if v is None:
+        return None, {}
+    if not isinstance(v, dict):
+        raise bad('\'mtp\' must be an object such as {"method": "pld", "bc": "auto"}.', param="mtp")
+    opts = dict(v)
+    method = opts.pop("method", None)
+    if method is not None and not isinstance(method, str):
+        raise bad("'mtp.method' must be a string such as \"probe\".", param="mtp.method")
+    if opts and method is None:
+        raise bad(
+            "'mtp' options need 'mtp.method' (the options belong to a method).",
+            param="mtp.method",
+        )
+    for k, val in opts.items():
+        if isinstance(val, (dict, list)) or val is None:
+            raise bad(f"'mtp.{k}' must be a string, number or boolean.", param=f"mtp.{k}")
+    return method, opts
+
+
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    if c is None and msg.get("role") == "assistant":
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: only text
+        out = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported.",
+                    param=f"messages[{i}].content",
+                )
+            if not isinstance(part.get("text"), str):
+                raise bad(
+                    f"messages[{i}].content: a text part needs a string 'text'.",
+                    param=f"messages[{i}].content",
+                )
+            out.append(part["text"])
+        return "".join(out)
+    raise bad(
+        f"messages[{i}].content must be a string or a list of text parts.",
+        param=f"messages[{i}].content",
+    )
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list of messages.", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object.", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(
+                f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
+                f"{json.dumps(role)}.",
+                param=f"messages[{i}].role",
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+    if not any(m["content"].strip() for m in out):
+        raise bad("All messages are empty; send some text.", param="messages")
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p.strip():
+            raise bad("'prompt' is empty; send some text.", param="prompt")
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+        raise bad("Only one prompt per request is supported (no batches).", param="prompt")
+    raise bad("'prompt' must be a non-empty string or a list of token ids.", param="prompt")
+
+
+def parse_request(body: dict[str, Any], kind: str) -> GenRequest:
+    """Check the shape of a chat (``kind="chat"``) or text completion request.
+
+    Raises:
+        OpenAIError: 400 naming the field at fault.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required (see GET /v1/models).", param="model")
+    _refuse_unsupported(body)
+    prompt = _messages(body) if kind == "chat" else _prompt(body)
+    max_tokens = _integer(body, "max_tokens")
+    if kind == "chat":
+        mct = _integer(body, "max_completion_tokens")
+        if mct is not None:
+            if max_tokens is not None and max_tokens != mct:
+                raise bad(
+                    "max_tokens and max_completion_tokens differ; send one of them.",
+                    param="max_completion_tokens",
+                )
+            max_tokens = mct
+    seed = _integer(body, "seed")
+    stream = _boolean(body, "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad("'stream_options' must be an object.", param="stream_options")
+    include_usage = bool(so and _boolean(so, "include_usage"))
+    method, options = _mtp(body)
+    return GenRequest(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature"),
+        top_p=_number(body, "top_p"),
+        seed=seed,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        method=method,
+        options=options,
+    )
+
+
+class StopCutter:
+    """Cut streamed text before the first stop string, never emitting past it.
+
+    Text that could be the start of a stop string (a suffix of what has come
+    so far that is a prefix of one) is held back until the next piece shows
+    whether it is; so a stop string split across pieces is still found and
+    nothing of it is sent.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Add ``text``; return what can be sent now ('' once stopped)."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            return out
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        """The text held back, at the end of a generation that hit no stop string."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+
+# ------------------------------------------------------------------ responses
+def new_id(kind: str) -> str:
+    """An id like OpenAI's: ``chatcmpl-...`` or ``cmpl-...``."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts prompt
+    tokens whose KV cache was reused from the previous request."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_object(
+    kind: str,
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, Any],
+    mtp: dict[str, Any],
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` or ``text_completion`` object."""
+    created = created or int(time.time())
+    if kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+        "mtp": mtp,
+    }
+
+
+def chunk_object(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    role: bool = False,
+    usage_: dict[str, Any] | None = None,
+    mtp: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk`` / ``text_completion`` event.
+
+    ``usage_`` set: the usage chunk (empty ``choices``), sent last when
+    ``stream_options.include_usage`` asks for it.
+    """
+    if usage_ is not None:
+        choices: list[dict[str, Any]] = []
+    elif kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        choices = [
+            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        ]
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        out["usage"] = usage_
+    if mtp is not None:
+        out["mtp"] = mtp
+    return out
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or a literal like ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
