@@ -9,6 +9,7 @@ for chunk in m.stream_generate("Tell me a story", max_tokens=200):
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class MTPModel:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidArgumentError("The prompt is empty; type some text.")
+            _check_text(prompt, "The prompt")
             if chat_template and self.has_chat_template:
                 prompt = [{"role": "user", "content": prompt}]
             else:
@@ -115,6 +117,7 @@ class MTPModel:
                     raise InvalidArgumentError(
                         f"A chat message must have string 'role' and 'content', got {m!r}."
                     )
+                _check_text(m["content"], "A chat message")
             if self.has_chat_template:
                 return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
             if not self._warned_template:
@@ -128,7 +131,7 @@ class MTPModel:
         if (
             isinstance(prompt, list)
             and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
         ):
             vocab = self.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -136,7 +139,7 @@ class MTPModel:
                 raise InvalidArgumentError(
                     f"Token id(s) {bad[:5]} are outside this model's vocabulary [0, {vocab})."
                 )
-            return list(prompt)
+            return [int(t) for t in prompt]
         raise InvalidArgumentError(
             "The prompt is empty or of the wrong type; give text, chat messages or token ids."
         )
@@ -214,7 +217,13 @@ class MTPModel:
             yield Chunk(detok.last_segment, step.tokens, step.stats, step.finish_reason)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Result:
-        """Generate to the end; same arguments as :meth:`stream_generate`."""
+        """Generate to the end; same arguments as :meth:`stream_generate`.
+
+        Raises:
+            InvalidArgumentError: an unknown keyword, and see
+                :meth:`stream_generate`.
+        """
+        check_keywords(kwargs)
         text, toks, last = [], [], None
         for chunk in self.stream_generate(prompt, **kwargs):
             text.append(chunk.text)
@@ -238,8 +247,11 @@ class ChatSession:
 
     def send(self, text: str, **kwargs: Any) -> Iterator[Chunk]:
         """Stream the assistant's answer to one user message."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"A chat message must be a string, got {text!r}.")
+        if not text.strip():
             raise InvalidArgumentError("The message is empty.")
+        check_keywords(kwargs)
         # check the arguments before the history changes
         limits = {k: v for k, v in kwargs.items() if k in GENERATION_ARGS}
         check_generation_args(**{"max_tokens": 256, "temp": 0.0, **limits})
@@ -294,3 +306,38 @@ def plain_chat_text(messages: list[dict[str, str]]) -> str:
     conversation renders to an extension of a shorter one, so the KV cache of
     the previous turn is reused."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+#: the keyword arguments of :meth:`MTPModel.stream_generate`
+STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template")
+
+
+def check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse keywords :meth:`MTPModel.stream_generate` does not take, by name
+    (before a chat history changes).
+
+    Raises:
+        InvalidArgumentError: naming the unknown keywords and listing the valid ones.
+    """
+    unknown = sorted(set(kwargs) - set(STREAM_KEYWORDS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown generation argument(s) {', '.join(unknown)}; the arguments are "
+            f"{', '.join(STREAM_KEYWORDS)}."
+        )
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates, e.g. from
+    undecodable bytes on the command line), which tokenizers reject deep inside.
+
+    Raises:
+        InvalidArgumentError
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{what} is not valid UTF-8 text (undecodable input at character {e.start}); "
+            "re-encode it as UTF-8."
+        ) from None

@@ -99,6 +99,8 @@ def generate(
     """Generate one answer and print statistics."""
     if prompt == "-":
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
     last = None
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_generation_args(**sampling, seed=seed)  # before the slow load
@@ -221,7 +223,7 @@ def main() -> None:
     Never a traceback for either."""
     try:
         app(standalone_mode=False)
-    except (MTPError, FileExistsError) as e:
+    except (MTPError, OSError) as e:  # OSError: an --out/--data path that cannot be used
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:

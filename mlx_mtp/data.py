@@ -52,6 +52,10 @@ def load_questions(path: str | Path | None = None) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{i}: not a Spec-Bench question (no 'turns')")
         if not turns:
             raise ValueError(f"{path}:{i}: empty 'turns'")
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}:{i}: 'turns' must be a list of strings, got {turns!r:.80}")
+        if not isinstance(q.get("category", ""), str):
+            raise ValueError(f"{path}:{i}: 'category' must be a string, got {q['category']!r}")
         q["task"] = task_of(q.get("category", ""))
         out.append(q)
     return out

@@ -98,7 +98,10 @@ def resolve_model(spec: str) -> Path:
     target = ALIASES.get(spec, spec)
     if target.startswith("embedded:"):
         return _gguf_folder(_embedded_gguf(target[len("embedded:") :]), name=spec)
-    path = Path(target).expanduser()
+    try:
+        path = Path(target).expanduser()
+    except RuntimeError:  # "~user/..." for a user without a home directory
+        raise ModelNotFoundError(f"No such model file or folder: {target}") from None
     if path.exists():
         if path.is_file():
             if path.suffix == ".gguf":
@@ -186,8 +189,8 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
 
     from .errors import InvalidArgumentError
 
-    dtype = dtype or default_dtype()
-    if dtype not in DTYPES and dtype != "auto":
+    dtype = default_dtype() if dtype is None else dtype
+    if not isinstance(dtype, str) or (dtype not in DTYPES and dtype != "auto"):
         raise InvalidArgumentError(
             f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto."
         )

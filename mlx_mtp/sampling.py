@@ -82,7 +82,11 @@ class PositionalSampler:
     ):
         if not temp > 0:
             raise ValueError(f"PositionalSampler needs temp > 0, got {temp}")
-        self.temp, self.top_p, self.top_k, self.min_p = float(temp), top_p, int(top_k), min_p
+        self.temp, self.top_k, self.min_p = float(temp), int(top_k), min_p
+        # below these, float32 underflows (1/temp -> inf, top_p * mass -> 0) and
+        # every token would be masked; the limits already mean "the top token"
+        self.inv_temp = min(1.0 / self.temp, 1e4)
+        self.top_p = max(top_p, 1e-6) if top_p > 0 else 0.0
         self.seed = int(seed)
 
     def filter(self, logprobs: mx.array) -> mx.array:
@@ -100,7 +104,7 @@ class PositionalSampler:
         if pos.shape[0] != logprobs.shape[0]:
             raise ValueError(f"{logprobs.shape[0]} rows but {pos.shape[0]} positions")
         noise = _gumbel_rows(position_keys(self.seed, pos), logprobs)
-        return mx.argmax(self.filter(logprobs) * (1.0 / self.temp) + noise, axis=-1)
+        return mx.argmax(self.filter(logprobs) * self.inv_temp + noise, axis=-1)
 
 
 Sampler = Callable[..., mx.array]

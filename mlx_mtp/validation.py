@@ -11,6 +11,7 @@ a forward pass's size by :meth:`mlx_mtp.engine.Engine.check_slots`.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +65,10 @@ def check_value(name: str, value: Any) -> Any:
     """
     lim = LIMITS[name]
     label = f"{name} ({lim.cli})"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{label} must be a number, got {value!r}")
     if lim.kind is int:
-        if isinstance(value, float) and not value.is_integer():
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
             raise InvalidArgumentError(f"{label} must be an integer, got {value!r}")
         value = int(value)
     elif not math.isfinite(value):

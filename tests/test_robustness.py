@@ -60,6 +60,10 @@ def test_positional_sampler_distribution_and_filters():
     assert got[2:].sum() == 0 and abs(got[0] / n - 0.625) < 0.01
     got = np.array(PositionalSampler(1.0, top_k=1, seed=6)(lp[:1000], np.arange(1000)))
     assert (got == 0).all()
+    # limits that underflow float32 still mean "the most likely token", not token 0
+    lp = mx.log(mx.array([[0.1, 0.2, 0.6, 0.1]] * 50))
+    for s in (PositionalSampler(1e-300, seed=1), PositionalSampler(1.0, top_p=1e-300, seed=1)):
+        assert (np.array(s(lp, np.arange(50))) == 2).all()
 
 
 @pytest.fixture(scope="module")

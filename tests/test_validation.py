@@ -16,10 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlx_mtp import cli
-from mlx_mtp.errors import InvalidArgumentError, MTPError, UnknownMethodError
+from mlx_mtp.errors import (
+    InvalidArgumentError,
+    ModelNotFoundError,
+    MTPError,
+    UnknownMethodError,
+)
 
 HI = ["-p", "hi"]
 
@@ -50,6 +56,10 @@ CLI_CASES: list[tuple[list[str], str]] = [
     ([*HI, "--max-kv-size", "-1"], "--max-kv-size"),
     ([*HI, "--max-kv-size", "8"], "--max-kv-size"),
     ([*HI, "--dtype", "float8"], "float8"),
+    ([*HI, "--dtype", ""], "dtype"),
+    (["-p", "  "], "--prompt"),
+    ([*HI, "--model", "~no_such_user_zz/m"], "No such model"),
+    ([*HI, "--method", "probe", "--tree", "14", "--bc", "10"], "--bc 10"),
     ([*HI, "--model", "no-such-model"], "no-such-model"),
     ([*HI, "--method", "nope"], "nope"),
     ([*HI, "--method", "ntp", "--bc", "10"], "bc"),
@@ -107,6 +117,9 @@ BENCH_CASES: list[tuple[list[str], str]] = [
     (["--methods", "ntp,pld:foo=1"], "foo"),
     (["--methods", "ntp,nope"], "nope"),
     (["--methods", ""], "--methods"),
+    (["--temp", "inf"], "--temp"),
+    (["--model", "no-such-model-zz"], "no-such-model-zz"),
+    (["--dtype", "int8"], "int8"),
 ]
 
 
@@ -121,6 +134,7 @@ OTHER_CASES: list[tuple[list[str], str]] = [
     (["train", "mtp", "--data", "gsm8k-train", "--steps", "0"], "--steps"),
     (["train", "mtp", "--data", "gsm8k-train", "--rank", "0"], "--rank"),
     (["train", "mtp", "--data", "gsm8k-train", "--forcing", "x"], "forcing"),
+    (["train", "clp", "--data", "p.jsonl", "--seed", str(2**70)], "--seed"),
     (["convert", "mtp-checkpoint", "no-such-dir", "out", "--quantize", "3"], "--quantize"),
     (["convert", "clp-heads"], "'src'"),
 ]
@@ -156,6 +170,8 @@ def check_error(code: int, err: str, needle: str) -> None:
     [("generate", a, n) for a, n in CLI_CASES]
     + [("chat", a, n) for a, n in CHAT_CASES]
     + [("bench", [*a, "--out", "bench-bad"], n) for a, n in BENCH_CASES]
+    + [("bench", ["--out", "", "--report-only"], "--out")]
+    + [("bench", ["--out", "never-run", "--report-only"], "no finished generations")]
     + [(a[0], a[1:], n) for a, n in OTHER_CASES],
     ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
 )
@@ -178,7 +194,14 @@ def test_cli_lists_the_options_a_method_takes(capsys, tmp_path, monkeypatch):
 LOAD_CASES: list[tuple[dict, type[MTPError], str]] = [
     ({"method": "pld", "foo": 1}, InvalidArgumentError, "foo"),
     ({"method": "probe", "bc": 10, "k": 2}, InvalidArgumentError, "k"),
-    ({"method": "probe", "bc": None}, InvalidArgumentError, "bc"),
+    ({"method": "probe", "bc": 2.5}, InvalidArgumentError, "bc"),
+    ({"method": "probe", "tree": "14", "bc": 10}, InvalidArgumentError, "bc 10"),
+    ({"method": "probe", "lam": None}, InvalidArgumentError, "lam"),
+    ({"method": "pld", "max_draft": float("inf")}, InvalidArgumentError, "max_draft"),
+    ({"method": "pld", "window": 2.7}, InvalidArgumentError, "window"),
+    ({"method": "pld", "window": True}, InvalidArgumentError, "window"),
+    ({"dtype": ["x"]}, InvalidArgumentError, "dtype"),
+    ({"model": "~no_such_user_zz/m"}, ModelNotFoundError, "No such model"),
     ({"method": "probe", "bc": "big"}, InvalidArgumentError, "bc"),
     ({"method": "nope"}, UnknownMethodError, "nope"),
     ({"method": 3}, InvalidArgumentError, "method"),
@@ -222,6 +245,9 @@ GENERATE_CASES: list[tuple[dict, str]] = [
     ({"prompt": [10**9]}, "vocabulary"),
     ({"prompt": [-1]}, "vocabulary"),
     ({"prompt": [{"role": "user"}]}, "content"),
+    ({"prompt": "hi \udcff there"}, "UTF-8"),
+    ({"prompt": [{"role": "user", "content": "a \ud800"}]}, "UTF-8"),
+    ({"foo": 1}, "foo"),
 ]
 
 
@@ -245,7 +271,17 @@ def test_chat_bad_arguments_leave_history_unchanged(ntp_model):
     chat = ntp_model.chat()
     with pytest.raises(InvalidArgumentError, match="top_p"):
         list(chat.send("hello", top_p=5))
+    with pytest.raises(InvalidArgumentError, match="foo"):
+        list(chat.send("hello", foo=1))
+    with pytest.raises(InvalidArgumentError, match="must be a string"):
+        list(chat.send(["hello"]))
     assert chat.messages == []
+
+
+def test_numpy_integers_are_numbers(ntp_model):
+    ids = np.array(ntp_model.encode("hi"), dtype=np.int64)
+    out = ntp_model.generate(list(ids), max_tokens=np.int64(2), seed=np.int64(3), temp=0.5)
+    assert len(out.tokens) == 2
 
 
 def test_max_kv_size_must_fit_the_block(smollm):

@@ -141,8 +141,10 @@ class BenchConfig:
             raise InvalidArgumentError(f"--limit must be > 0, got {self.limit}")
         if self.repeats <= 0:
             raise InvalidArgumentError(f"--repeats must be > 0, got {self.repeats}")
-        if self.temp < 0:
-            raise InvalidArgumentError(f"--temp must be >= 0, got {self.temp}")
+        if not self.temp >= 0 or self.temp == float("inf"):
+            raise InvalidArgumentError(f"--temp must be a finite number >= 0, got {self.temp}")
+        if not str(self.out).strip():
+            raise InvalidArgumentError("--out is empty; give an output folder.")
         if not self.methods or self.methods[0].name != "ntp":
             raise InvalidArgumentError("the first method must be the ntp reference")
 

@@ -108,6 +108,8 @@ def _gsm8k_prompts(config: BenchConfig) -> list[BenchPrompt]:
                 continue
             try:
                 q = json.loads(line)
+                if not (isinstance(q["question"], str) and isinstance(q["answer"], str)):
+                    raise TypeError("'question' and 'answer' must be strings")
                 out.append(
                     BenchPrompt(f"gsm8k-{i}", "gsm8k", "gsm8k", [q["question"]], q["answer"])
                 )
@@ -270,6 +272,17 @@ def run_bench(
     methods = {s.label: make_method(s.name, **s.options) for s in config.methods}
     prompts, groups = select_prompts(config)
     out = Path(config.out)
+    if not generate and not (out / RECORDS).exists():
+        raise InvalidArgumentError(f"{out} holds no finished generations to report on.")
+    if generate and loaded is None:
+        # a bad model spec or dtype fails here, before the output folder is made
+        from ..loading import DTYPES, resolve_model
+
+        if config.dtype is not None and config.dtype not in (*DTYPES, "auto"):
+            raise InvalidArgumentError(
+                f"Unknown dtype {config.dtype!r}; use one of float32, bfloat16, float16, auto."
+            )
+        resolve_model(config.model)
     store = ResultStore(out, config.settings(), overwrite)
     done = {
         entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r

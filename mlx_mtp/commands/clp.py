@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(128, "--batch-size", min=1, help="Positions per head step."),
         lr: float = typer.Option(1e-3, "--lr", min=0.0, help="Head learning rate (AdamW, cosine)."),
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
-        seed: int = typer.Option(0, "--seed", min=0, help="Random seed."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
         dtype: str = typer.Option("float32", "--dtype", help="Backbone compute dtype."),
     ):

@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
         gen_tokens: int = typer.Option(
             64, "--gen-tokens", min=2, help="Teacher tokens per prompt."
         ),
-        seed: int = typer.Option(0, "--seed", min=0),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1),
         forcing: str = typer.Option(
             "student",
             "--forcing",

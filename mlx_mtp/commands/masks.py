@@ -134,7 +134,7 @@ def register(app: typer.Typer) -> None:
         ),
         lr: float = typer.Option(3e-3, "--lr", min=0.0, help="Adam learning rate."),
         anchors: int = typer.Option(48, "--anchors", min=1, help="Anchors (mask sets) per step."),
-        seed: int = typer.Option(0, "--seed", min=0),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1),
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),

@@ -96,10 +96,13 @@ class ChainDraftMethod(Method):
 
 def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     """Parse a positive integer option or raise InvalidArgumentError."""
+    bad = InvalidArgumentError(f"option {name} must be an integer, got {value!r}")
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise bad  # no silent truncation of 2.7 or True
     try:
         v = int(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"option {name} must be an integer, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise bad from None
     if v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidArgumentError(f"option {name} must be {rng}, got {v}")

@@ -107,8 +107,9 @@ class Probe(Method):
 
     Args:
         bc: block complexity, tokens per forward pass (10 and 30 are the edge
-            settings, 60 the paper's large one). Ignored by a template, whose
-            BC is ``(masks + 1) * (1 + sum(template))``. ``"auto"``: up to
+            settings, 60 the paper's large one; None: 30). A template sets its
+            own BC, ``(masks + 1) * (1 + sum(template))``; a different ``bc``
+            with it is refused. ``"auto"``: up to
             ``max_bc`` slots, but each step keeps only the nodes that raise the
             expected tokens per second, given this device's measured cost of a
             slot (:meth:`Engine.slot_cost`) and the mask probabilities
@@ -132,7 +133,7 @@ class Probe(Method):
 
     def __init__(
         self,
-        bc: Any = 30,
+        bc: Any = None,
         masks: Any = 1,
         tree: str = "dynamic",
         lam: Any = 0.1,
@@ -142,16 +143,22 @@ class Probe(Method):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
-            self.auto, bc = parse_bc(bc, max_bc, 2 * (self.masks + 1))
+            self.auto, bc = parse_bc(30 if bc is None else bc, max_bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
             if str(bc) == "auto":
                 raise InvalidArgumentError("bc=auto sizes a dynamic tree; drop --tree or bc=auto.")
             self.auto = False
             self.nodes = sum(self.template)
+            fixed = block_complexity(self.masks, self.nodes)
+            if bc is not None and parse_bc(bc, max_bc, 2)[1] != fixed:
+                raise InvalidArgumentError(
+                    f"--tree {tree} with --masks {self.masks} has block complexity {fixed}; "
+                    f"--bc {bc} does not match it. Drop --bc (the template sets the tree size)."
+                )
         try:
             self.lam = float(lam)
-        except ValueError:
+        except (TypeError, ValueError):
             raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
         if not 0.0 <= self.lam <= 1.0:
             raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
