@@ -589,6 +589,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is not secret
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         files = {"config.json": config, **tok_files}
         for fname, content in files.items():
