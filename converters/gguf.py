@@ -53,9 +53,9 @@ from mlx_mtp.errors import MTPError
 #: GGML tensor types that ``mx.load`` reads (quantized ones map to MLX affine
 #: quantization with group size 32).
 NATIVE_TENSOR_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
-#: Everything else the importer dequantizes with ``gguf.quants.dequantize``;
-#: the exact set is whatever that version of the ``gguf`` package implements.
-SUPPORTED_TENSOR_TYPES = NATIVE_TENSOR_TYPES  # kept for callers; see _dequantizable()
+# Every other type is dequantized with ``gguf.quants.dequantize``; the exact
+# set is whatever that version of the ``gguf`` package implements
+# (:func:`_dequantizable`).
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
 #: Bits accepted by ``quantize`` (re-quantization with ``mx.quantize``).
 QUANTIZE_BITS = (4, 8)
