@@ -396,3 +396,26 @@ def test_qwen2_import_writes_complete_marker_and_tokenizer(tmp_path):
     ids = tok.encode("hello world", add_special_tokens=False)
     assert tok._tokenizer.convert_ids_to_tokens(ids)[:1] == ["hell"]
     assert tok.decode(ids) == "hello world"
+
+
+@pytest.mark.parametrize(
+    "dims,base", [(4, 1e8), (16, 5e5), (64, 5e5), (128, 5e5)], ids=["0-blended", "1", "3", "6"]
+)
+def test_llama3_scaling_fit_for_any_number_of_blended_frequencies(dims, base):
+    """Head sizes with 0, 1 or many frequencies in the blended band: the fitted
+    rope_scaling reproduces every rope_freqs factor (checked inside), and a
+    table that does not follow the Llama-3 formula is refused."""
+    from mlx_mtp.converters.gguf import _llama3_rope_scaling
+
+    cfg = LLAMA3
+    freqs = 1.0 / base ** (np.arange(0, dims, 2) / dims)
+    wl = 2 * np.pi / freqs
+    old, lo, hi, f = 8192, 1.0, 4.0, 8.0
+    smooth = (old / wl - lo) / (hi - lo)
+    r = np.where(wl < old / hi, 1.0, np.where(wl > old / lo, f, 1 / ((1 - smooth) / f + smooth)))
+    scaling = _llama3_rope_scaling(r.astype(np.float32), base, dims, 8192)
+    assert scaling["rope_type"] == cfg["rope_type"] and scaling["factor"] == pytest.approx(8.0)
+    assert _llama3_rope_scaling(np.ones(dims // 2, np.float32), base, dims, 8192) is None
+    bad = r[::-1].copy()  # short wavelengths scaled, long ones not: not Llama-3's formula
+    with pytest.raises(GGUFImportError, match="Llama-3 RoPE scaling formula"):
+        _llama3_rope_scaling(bad.astype(np.float32), base, dims, 8192)
