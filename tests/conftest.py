@@ -8,6 +8,9 @@ import tempfile
 
 import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
 
+#: The user's cache folder, recorded before the tests replace it: the Qwen model
+#: imported by scripts/get_test_model.sh lives there (``qwen`` fixture).
+REAL_MLX_MTP_HOME = os.environ.get("MLX_MTP_HOME") or os.path.expanduser("~/.cache/mlx-mtp")
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
 
 import numpy as np  # noqa: E402
@@ -20,6 +23,27 @@ def smollm():
     from mlx_mtp.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """The second real model, Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF imported
+    as float16 by scripts/get_test_model.sh), loaded in float32: a
+    ``LoadedModel``. Fails (does not skip) when the model was not imported."""
+    from pathlib import Path
+
+    from mlx_mtp.converters.gguf import COMPLETE_MARKER
+
+    from mlx_mtp.loading import QWEN_CODER_MODEL, imported_model_dir, load_model
+
+    path = imported_model_dir(QWEN_CODER_MODEL, Path(REAL_MLX_MTP_HOME))
+    if not (path / COMPLETE_MARKER).exists():
+        pytest.fail(
+            f"The Qwen test model is not imported ({path} is missing). Run "
+            "`bash scripts/get_test_model.sh` first (the README's test command does).",
+            pytrace=False,
+        )
+    return load_model(str(path), dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -90,9 +90,10 @@ def write_tiny_gguf(path: Path, qtypes: dict[str, Q], seed: int = 0) -> dict[str
             data = arr.astype(np.float16 if qt == Q.F16 else np.float32)
             w.add_tensor(f"{name}.weight", data)
             back = data.astype(np.float32)
-        elif qt == Q.Q6_K:  # raw bytes of a type MLX cannot load
-            # one 256-value super-block per row (210 bytes); refused before use
-            w.add_tensor(f"{name}.weight", np.zeros((shape[0], 210), np.uint8), raw_dtype=qt)
+        elif qt == Q.Q8_1:  # raw bytes of a type nothing here can read; refused before use
+            w.add_tensor(
+                f"{name}.weight", np.zeros((shape[0], 40 * shape[1] // 32), np.uint8), raw_dtype=qt
+            )
             back = arr
         else:
             qd = quantize(arr, qt)
@@ -163,8 +164,8 @@ def tokens_of(tok, text: str) -> list[str]:
 
 def test_unsupported_tensor_type_is_refused_before_writing(tmp_path):
     gguf_path = tmp_path / "k.gguf"
-    write_tiny_gguf(gguf_path, {"ffn_down": Q.Q6_K}, seed=1)
-    with pytest.raises(GGUFImportError, match="Q6_K"):
+    write_tiny_gguf(gguf_path, {"ffn_down": Q.Q8_1}, seed=1)  # no dequantizer for Q8_1
+    with pytest.raises(GGUFImportError, match="Q8_1"):
         convert_gguf(gguf_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

@@ -1,0 +1,218 @@
+"""The second real model: Qwen2.5-Coder-0.5B-Instruct (qwen2 architecture, Q4_K_M
+GGUF with Q4_K/Q5_0/Q6_K/Q8_0 tensors, imported as float16 by
+scripts/get_test_model.sh, run in float32).
+
+CI runs a short version (a recorded greedy reference, the tokenizer and chat
+template, streaming of multi-byte text, and every lossless method against plain
+greedy on 3 prompts x 24 tokens); ``-m slow`` runs every method and setting on
+30 Spec-Bench prompts x 64 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_method
+
+from mlx_mtp.engine import Engine
+from mlx_mtp.methods import make_method
+from mlx_mtp.methods.ntp import NTP
+
+CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
+#: Greedy (ntp) continuation of CODE_PROMPT, float32, 32 tokens, recorded once
+#: on Linux x86-64 (MLX 0.32.4 CPU, OpenBLAS): "Here's a Python function to check
+#: if a number is prime:\n\n```python\ndef is_prime(n):\n    \"\"\"\n    Check if a
+#: number is prime.\n\n   "
+CODE_REFERENCE = [
+    8420, 594, 264, 13027, 729, 311, 1779, 421, 264, 1372, 374, 10250, 1447, 73594,
+    12669, 198, 750, 374, 38217, 1445, 982, 262, 3190, 262, 4248, 421, 264, 1372,
+    374, 10250, 382, 262,
+]  # fmt: skip
+EDIT_PROMPT = (
+    "Add type hints and a docstring to this function, and keep the body unchanged:\n\n"
+    "def moving_average(values, window):\n"
+    "    out = []\n"
+    "    for i in range(len(values) - window + 1):\n"
+    "        out.append(sum(values[i:i + window]) / window)\n"
+    "    return out\n"
+)
+IM_END = 151645
+
+
+def _chat(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(qwen):
+    """One engine for the module: later runs reuse the prompt cache of earlier ones."""
+    return Engine(qwen.model)
+
+
+@pytest.fixture(scope="module")
+def qwen_greedy(qwen_engine):
+    """``ref(prompt, n)``: memoised plain greedy continuation of the Qwen model."""
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(prompt: list[int], n: int) -> list[int]:
+        have = memo.get(tuple(prompt), [])
+        if len(have) < n:
+            have = run_method(qwen_engine, NTP(), prompt, n, eos=set())
+            memo[tuple(prompt)] = have
+        return have[:n]
+
+    return ref
+
+
+def test_qwen_config_tokenizer_and_chat_template(qwen):
+    cfg = qwen.config
+    assert cfg["model_type"] == "qwen2" and cfg["rope_traditional"] is False
+    assert cfg["num_hidden_layers"] == 24 and cfg["hidden_size"] == 896
+    assert cfg["num_attention_heads"] == 14 and cfg["num_key_value_heads"] == 2
+    assert cfg["vocab_size"] == 151936 and cfg["tie_word_embeddings"] is False
+    tok = qwen.tokenizer
+    assert tok.eos_token_ids == {IM_END}
+    assert tok._tokenizer.convert_ids_to_tokens(IM_END) == "<|im_end|>"
+    # ChatML, with Qwen's default system prompt
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\nYou are Qwen")
+    assert text.endswith("<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert ids.count(151644) == 3 and ids.count(IM_END) == 2  # <|im_start|>, <|im_end|>
+    # byte-level BPE round trip with multi-byte text; Qwen splits digits one by one
+    for s in ("def f(x):\n    return x ** 2  # square", "héllo wörld 你好，世界 🚀", "12345"):
+        assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+    assert len(tok.encode("12345", add_special_tokens=False)) == 5
+    assert tok.encode(" world", add_special_tokens=False) == [1879]  # one merged token
+    # the streaming detokenizer never emits half a UTF-8 character
+    detok = tok.detokenizer
+    detok.reset()
+    pieces = []
+    for t in tok.encode("emoji 🚀🚀 and 世界", add_special_tokens=False):
+        detok.add_token(t)
+        pieces.append(detok.last_segment)
+    detok.finalize()
+    pieces.append(detok.last_segment)
+    assert "".join(pieces) == "emoji 🚀🚀 and 世界"
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_qwen_greedy_matches_recorded_reference(qwen, qwen_greedy):
+    prompt = _chat(qwen.tokenizer, CODE_PROMPT)
+    got = qwen_greedy(prompt, 32)
+    assert got == CODE_REFERENCE, qwen.tokenizer.decode(got)
+
+
+def test_qwen_streams_multibyte_text_with_a_drafting_method(qwen):
+    from mlx_mtp.api import MTPModel
+
+    m = MTPModel(qwen, make_method("pld"))
+    chunks = list(
+        m.stream_generate(
+            "Translate 'hello world' into Chinese. Answer with the translation only.",
+            max_tokens=12,
+        )
+    )
+    text = "".join(c.text for c in chunks)
+    assert text == "你好，世界"
+    assert not any("\ufffd" in c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"  # ended by <|im_end|>
+
+
+def _run(engine, method, prompt, n) -> tuple[list[int], int]:
+    """(tokens, accepted draft tokens) of ``method`` on ``prompt``."""
+    from mlx_mtp.decoding import generate_steps
+
+    method.prepare(engine)
+    out: list[int] = []
+    step = None
+    for step in generate_steps(engine, method, list(prompt), max_tokens=n, eos_ids=set()):
+        out.extend(step.tokens)
+    return out, step.stats.accepted
+
+
+def _clp_untrained(qwen, folder) -> object:
+    """CLP with freshly initialized resblock heads for Qwen (no trained heads
+    exist for it): each head starts as the identity, so it drafts the backbone's
+    own next token again; verification must still reproduce greedy."""
+    from mlx_mtp.clp_heads import CLPHeads, base_config, save_heads
+
+    heads = CLPHeads(base_config(qwen.model, "qwen2.5-coder-0.5b", 3, "resblock", bottleneck=64))
+    save_heads(heads, folder)
+    return make_method("clp", heads=str(folder))
+
+
+def test_qwen_lossless_methods_exact_vs_greedy(qwen, qwen_engine, qwen_greedy, tmp_path):
+    """2 prompts x 24 tokens, float32, each method once (a forward pass of this
+    model costs ~10x SmolLM2's on the CPU, so CI keeps this short): the code
+    prompt runs pld, probe (BC 30, 1 mask) and verified CLP with untrained
+    heads; the code-editing prompt (much to copy) runs lookahead, hybrid
+    (BC 30) and probe (BC 10, 2 masks). Each must equal plain greedy."""
+    tok = qwen.tokenizer
+    runs = {
+        CODE_PROMPT: {
+            "pld": make_method("pld"),
+            "probe bc=30 masks=1": make_method("probe", bc=30, masks=1),
+            "clp verified (untrained heads)": _clp_untrained(qwen, tmp_path / "heads"),
+        },
+        EDIT_PROMPT: {
+            "lookahead": make_method("lookahead"),
+            "hybrid bc=30": make_method("hybrid", bc=30),
+            "probe bc=10 masks=2": make_method("probe", bc=10, masks=2),
+        },
+    }
+    accepted: dict[str, int] = {}
+    for i, (text, methods) in enumerate(runs.items()):
+        p = _chat(tok, text)
+        ref = qwen_greedy(p, 24)
+        for name, method in methods.items():
+            got, acc = _run(qwen_engine, method, p, 24)
+            assert got == ref, f"{name}, prompt {i}"
+            accepted[name.split()[0]] = accepted.get(name.split()[0], 0) + acc
+    # drafts were accepted, so the multi-token paths were exercised
+    assert accepted["pld"] > 0 and accepted["hybrid"] > 0, accepted
+
+
+# ------------------------------------------------------------------ slow sweep
+@pytest.fixture(scope="module")
+def qwen_spec_prompts(qwen):
+    """30 Spec-Bench prompts under 700 tokens, round-robin over the six tasks,
+    in Qwen's chat template."""
+    from mlx_mtp.data import TASKS, load_questions
+
+    qs = load_questions()
+    by_task = {t: [q for q in qs if q["task"] == t] for t in TASKS}
+    order = [by_task[t][i] for i in range(80) for t in TASKS if i < len(by_task[t])]
+    prompts = [_chat(qwen.tokenizer, q["turns"][0]) for q in order]
+    return [p for p in prompts if len(p) < 700][:30]
+
+
+SLOW_METHODS = [
+    ("pld", {}),
+    ("lookahead", {}),
+    ("hybrid", {"bc": 10}),
+    ("hybrid", {"bc": 30}),
+    *[("probe", {"bc": bc, "masks": k}) for bc in (10, 30, 60) for k in (1, 2)],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,opts",
+    SLOW_METHODS,
+    ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in SLOW_METHODS],
+)
+def test_qwen_exact_full_sweep(qwen_engine, qwen_greedy, qwen_spec_prompts, name, opts):
+    for i, p in enumerate(qwen_spec_prompts):
+        got = run_method(qwen_engine, make_method(name, **opts), p, 64)
+        assert got == qwen_greedy(p, 64), f"{name} {opts} prompt {i}"
+
+
+@pytest.mark.slow
+def test_qwen_clp_untrained_exact_full_sweep(
+    qwen, qwen_engine, qwen_greedy, qwen_spec_prompts, tmp_path
+):
+    method = _clp_untrained(qwen, tmp_path / "heads")
+    for i, p in enumerate(qwen_spec_prompts):
+        assert run_method(qwen_engine, method, p, 64) == qwen_greedy(p, 64), f"prompt {i}"
