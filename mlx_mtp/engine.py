@@ -365,16 +365,26 @@ class Engine:
 
 
 def _move_rows(idx: mx.array, at: mx.array, *arrays: mx.array) -> list[mx.array]:
-    """Copy rows ``idx`` (axis -2) of every array to ``at, at+1, ...``."""
+    """Copy rows ``idx`` (axis -2) of every array to ``at, at+1, ...``, in place.
+
+    The gathered rows are evaluated first, in one ``mx.eval`` for all arrays:
+    ``slice_update(a, take(a, idx))`` in one graph keeps ``a`` alive as the
+    ``take``'s input, so the update cannot reuse ``a``'s buffer and copies all
+    of it (the whole KV cache of a layer, every step: 23-52 ms per layer at 8K
+    tokens, hundreds at 32K on a CPU). With the rows already computed, the
+    update's only input is ``a``, whose buffer it takes over (DESIGN §7);
+    ``examples/keep_bench.py`` measures both ways.
+    """
     # mx.take + mx.slice_update build the graph ~4x faster on the host than
-    # ``arr[..., a:b, :] = arr[..., idx, :]`` (this runs for 2 arrays per layer;
-    # an mx.compile'd version over all layers measured no faster here)
-    return [mx.slice_update(a, mx.take(a, idx, axis=-2), at, axes=(a.ndim - 2,)) for a in arrays]
+    # ``arr[..., a:b, :] = arr[..., idx, :]``
+    rows = [mx.take(a, idx, axis=-2) for a in arrays]
+    mx.eval(rows)
+    return [mx.slice_update(a, r, at, axes=(a.ndim - 2,)) for a, r in zip(arrays, rows)]
 
 
 def _move_cache_rows(cache: list[Any], start: int, rows: list[int]) -> None:
     """Move cache rows ``rows`` (absolute positions) to ``start, start+1, ...``
-    in every layer.
+    in every layer, without copying the rest of the cache (see :func:`_move_rows`).
 
     Raises:
         CacheNotTrimmableError: a layer cache cannot be rearranged (checked for
@@ -385,13 +395,22 @@ def _move_cache_rows(cache: list[Any], start: int, rows: list[int]) -> None:
             raise CacheNotTrimmableError(
                 f"cannot rearrange a {type(c).__name__} after verification"
             )
-    idx, at = mx.array(rows), mx.array([start])
+    # one list of every layer's arrays so that the gathered rows of all layers
+    # are evaluated together (one sync per keep, not one per layer)
+    arrays: list[mx.array] = []
     for c in cache:
         if isinstance(c, QuantizedKVCache):
-            c.keys = type(c.keys)(_move_rows(idx, at, *c.keys))
-            c.values = type(c.values)(_move_rows(idx, at, *c.values))
+            arrays += [*c.keys, *c.values]
         else:
-            c.keys, c.values = _move_rows(idx, at, c.keys, c.values)
+            arrays += [c.keys, c.values]
+    moved = iter(_move_rows(mx.array(rows), mx.array([start]), *arrays))
+    for c in cache:
+        if isinstance(c, QuantizedKVCache):
+            nk, nv = len(c.keys), len(c.values)
+            c.keys = type(c.keys)(next(moved) for _ in range(nk))
+            c.values = type(c.values)(next(moved) for _ in range(nv))
+        else:
+            c.keys, c.values = next(moved), next(moved)
 
 
 def ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
