@@ -13,6 +13,7 @@ from typing import Any
 
 from . import metrics
 from .config import BenchConfig
+from .peer import PEER_NAME
 
 SCHEMA = "mlx-mtp-bench/1"
 
@@ -65,6 +66,9 @@ def build_results(
         if r["method"] in by_method:
             by_method[r["method"]].append(r)
     ref = {metrics.record_key(r): r for r in by_method[ref_label]}
+    # the mlx_lm row (mlx-lm's own loop), when benchmarked: every speedup also against it
+    peer_label = next((s.label for s in config.methods if s.name == PEER_NAME), None)
+    peer = {metrics.record_key(r): r for r in by_method[peer_label]} if peer_label else None
     exact_check = config.temp == 0
 
     prompts_out = []
@@ -99,12 +103,21 @@ def build_results(
                             "first_mismatch": fm,
                         }
                     )
+            if peer is not None:
+                row["speedup_vs_mlx_lm"] = metrics.summarize([r], peer)["speedup"]
             prompts_out.append(row)
         tasks = {
             g: metrics.summarize([r for r in recs if r["task"] == g], ref)
             for g in groups
             if any(r["task"] == g for r in recs)
         }
+        overall = metrics.summarize(recs, ref)
+        if peer is not None:
+            overall["speedup_vs_mlx_lm"] = metrics.summarize(recs, peer)["speedup"]
+            for g, t in tasks.items():
+                t["speedup_vs_mlx_lm"] = metrics.summarize(
+                    [r for r in recs if r["task"] == g], peer
+                )["speedup"]
         exactness = None
         if m.lossless and exact_check and label != ref_label:
             exactness = {
@@ -120,7 +133,7 @@ def build_results(
                 "describe": m.describe(),
                 "lossless": bool(m.lossless),
                 "block_complexity": int(m.block_complexity),
-                "overall": metrics.summarize(recs, ref),
+                "overall": overall,
                 "tasks": tasks,
                 "exactness": exactness,
             }
@@ -139,6 +152,8 @@ def build_results(
             "of the reference over the same (prompt, turn, repeat) entries",
             "repetition_rate": f"share of {metrics.REPETITION_N}-grams of an output already "
             "seen earlier in the same output, counts pooled over prompts",
+            "speedup_vs_mlx_lm": "as speedup, against the mlx_lm row (mlx-lm's own "
+            "stream_generate on the same model and prompts); present when it was benchmarked",
             "exact": "lossless method's tokens equal the reference's (temp 0 only)",
             "accuracy": "GSM8K: last number of the output equals the number after ####",
         },
@@ -193,19 +208,29 @@ def render_markdown(results: dict[str, Any]) -> str:
         return "\n".join(lines) + "\n"
 
     head = " | ".join(tasks)
+    peer = any("speedup_vs_mlx_lm" in m["overall"] for m in results["methods"])
     lines += [
         "## Speedup per task (Spec-Bench style)",
         "",
-        f"| Method | BC | {head} | Overall | Mean accepted tokens (tau) |",
-        "|---|---:|" + "---:|" * len(tasks) + "---:|---:|",
+        f"| Method | BC | {head} | Overall |"
+        + (" Overall vs mlx_lm |" if peer else "")
+        + " Mean accepted tokens (tau) |",
+        "|---|---:|" + "---:|" * len(tasks) + "---:|" + ("---:|" if peer else "") + "---:|",
     ]
     for m in results["methods"]:
         cells = [_fmt(m["tasks"].get(t, {}).get("speedup"), ".2f", "x") for t in tasks]
         o = m["overall"]
+        vs_peer = f" {_fmt(o.get('speedup_vs_mlx_lm'), '.2f', 'x')} |" if peer else ""
         lines.append(
             f"| {m['label']} | {m['block_complexity']} | {' | '.join(cells)} "
-            f"| {_fmt(o['speedup'], '.2f', 'x')} | {_fmt(o['tau'])} |"
+            f"| {_fmt(o['speedup'], '.2f', 'x')} |{vs_peer} {_fmt(o['tau'])} |"
         )
+    if peer:
+        lines += [
+            "",
+            "Per-task speedups are vs `ntp`; `Overall vs mlx_lm` is vs mlx-lm's own "
+            "`stream_generate` loop (the `mlx_lm` row) on the same model and prompts.",
+        ]
     lines += [
         "",
         "## Mean accepted tokens per forward (tau) per task",
