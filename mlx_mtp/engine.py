@@ -29,6 +29,9 @@ from .errors import CacheNotTrimmableError, UnsupportedModelError
 #: Model families whose tree forward pass is tested (DESIGN §3).
 TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
+#: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
+PREFILL_STEP = 2048
+
 
 def model_parts(model: nn.Module) -> tuple[nn.Module, Any, nn.Module]:
     """Split an mlx-lm causal LM into (backbone, lm_head, embed_tokens).
@@ -173,8 +176,12 @@ class Engine:
                 raise CacheNotTrimmableError(f"{type(c).__name__} trimmed {got} of {drop} tokens")
         del self.cached[n:]
 
-    def sync(self, tokens: list[int], chunk: int = 512) -> int:
+    def sync(self, tokens: list[int], chunk: int = PREFILL_STEP) -> int:
         """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
+
+        The rest is processed ``chunk`` tokens per forward pass (mlx-lm's
+        prefill step, 2048), each chunk evaluated and MLX's buffer cache
+        cleared after it, as mlx-lm's ``generate_step`` does.
 
         Returns:
             The number of tokens that had to be processed (prefill length).
@@ -197,13 +204,22 @@ class Engine:
             (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.cached.extend(piece)
+            mx.clear_cache()
         return len(rest)
 
     # --------------------------------------------------------------- forward
     def forward_chain(
-        self, tokens: list[int], hidden: bool = False
+        self, tokens: list[int], hidden: bool = False, wait: bool = True
     ) -> tuple[mx.array, mx.array | None]:
         """Causal forward of ``tokens`` after the cache; they are appended to it.
+
+        Args:
+            tokens: L token ids.
+            hidden: also return the hidden states.
+            wait: False starts the pass (``mx.async_eval``) and returns at once,
+                as in :meth:`forward_tree`: the caller builds the graph that
+                reads the logits (argmax, sampling) and evaluates it with
+                :meth:`timed_eval`, one synchronisation per step instead of two.
 
         Returns:
             logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
@@ -212,16 +228,58 @@ class Engine:
         self._settle()
         t0 = time.perf_counter()
         self.cached.extend(tokens)
-        self.forward_passes += 1
-        self.forward_slots += len(tokens)
-        if self.backbone is None:
-            logits, h = self.model(mx.array(tokens)[None], cache=self.cache)[0], None
+        logits, h = self._chain(mx.array(tokens))
+        outs = [logits] if h is None else [logits, h]
+        if wait:
+            mx.eval(*outs)
+            self.forward_seconds += time.perf_counter() - t0
         else:
-            h = self.backbone(mx.array(tokens)[None], cache=self.cache)[0]
-            logits = self.lm_head(h)
-        mx.eval(logits) if h is None else mx.eval(logits, h)
-        self.forward_seconds += time.perf_counter() - t0
+            mx.async_eval(*outs)
+            self._pending = (t0, outs)
         return logits, (h if hidden else None)
+
+    def _chain(self, ids: mx.array, count: bool = True) -> tuple[mx.array, mx.array | None]:
+        # the lazy graph of a causal forward of ids (L,) after the cache
+        if count:
+            self.count_forward(ids.shape[0])
+        if self.backbone is None:
+            return self.model(ids[None], cache=self.cache)[0], None
+        h = self.backbone(ids[None], cache=self.cache)[0]
+        return self.lm_head(h), h
+
+    def queue_token(self, token: mx.array) -> mx.array:
+        """Build the one-token forward of ``token``, whose id may not be known yet.
+
+        For pipelined plain decoding (mlx-lm's ``generate_step``): the next
+        forward is queued on the device before the host reads the current
+        token. ``engine.cached`` gets a placeholder ``-1`` for it, which the
+        caller must replace with :meth:`resolve_last` once the id is read.
+
+        Args:
+            token: a (1,) integer array, usually still lazy (an argmax).
+
+        The pass is not counted in ``forward_passes``/``forward_slots`` until
+        the caller uses its result (:meth:`count_forward`): the last one
+        queued in a generation is discarded.
+
+        Returns:
+            The lazy logits (1, V); the caller evaluates them (``mx.async_eval``).
+        """
+        self._settle()
+        self.cached.append(-1)
+        return self._chain(token.reshape(1).astype(mx.int32), count=False)[0]
+
+    def count_forward(self, slots: int = 1) -> None:
+        """Count one forward pass of ``slots`` input slots (done by the callers of
+        the forward methods; by hand for a pass queued with :meth:`queue_token`)."""
+        self.forward_passes += 1
+        self.forward_slots += int(slots)
+
+    def resolve_last(self, token: int) -> None:
+        """Record the id of the token queued last by :meth:`queue_token`."""
+        if not self.cached or self.cached[-1] != -1:
+            raise ValueError("resolve_last: no queued token to resolve")
+        self.cached[-1] = int(token)
 
     def timed_eval(self, *arrays: mx.array) -> None:
         """Evaluate device work done outside the forward pass (the LM head on a
