@@ -230,7 +230,7 @@ def test_mlx_lm_peer_row(smollm, tmp_path):
     res = runner.run_bench(cfg, smollm, progress=False, plots=False)
     assert [m["label"] for m in res["methods"]] == ["ntp", "mlx_lm", "pld"]
     ntp, peer, pld = res["methods"]
-    assert peer["exactness"] == {"checked": 2, "exact": 2, "mismatches": []}
+    assert peer["exactness"] == {"checked": 2, "exact": 2, "agreement": 1.0, "mismatches": []}
     assert peer["overall"]["tau"] == 1.0
     assert peer["overall"]["generated_tokens"] == ntp["overall"]["generated_tokens"]
     assert peer["describe"].startswith("mlx_lm.stream_generate")

@@ -77,6 +77,7 @@ def build_results(
         label, m = spec.label, methods[spec.label]
         recs = by_method[label]
         mismatches, checked = [], 0
+        agreed = compared = 0  # reference tokens reproduced before the first mismatch
         for r in recs:
             row = {k: r[k] for k in PROMPT_FIELDS if k in r}
             a = ref.get(metrics.record_key(r))
@@ -92,6 +93,9 @@ def build_results(
                 checked += 1
                 fm = metrics.first_mismatch(a["tokens"], r["tokens"])
                 row["exact"] = fm is None
+                row["agreement"] = metrics.prefix_agreement(a["tokens"], r["tokens"])
+                agreed += len(a["tokens"]) if fm is None else min(fm, len(a["tokens"]))
+                compared += len(a["tokens"])
                 if fm is not None:
                     row["first_mismatch"] = fm
                     mismatches.append(
@@ -123,6 +127,7 @@ def build_results(
             exactness = {
                 "checked": checked,
                 "exact": checked - len(mismatches),
+                "agreement": agreed / compared if compared else None,
                 "mismatches": mismatches,
             }
         method_out.append(
@@ -155,6 +160,9 @@ def build_results(
             "speedup_vs_mlx_lm": "as speedup, against the mlx_lm row (mlx-lm's own "
             "stream_generate on the same model and prompts); present when it was benchmarked",
             "exact": "lossless method's tokens equal the reference's (temp 0 only)",
+            "agreement": "share of the reference's tokens a lossless method reproduces "
+            "before its first differing token, pooled over prompts (temp 0 only); 1.0 in "
+            "float32, below it where bf16/quantized kernels break near-ties differently",
             "accuracy": "GSM8K: last number of the output equals the number after ####",
         },
         "methods": method_out,
@@ -255,6 +263,8 @@ def render_markdown(results: dict[str, Any]) -> str:
             exact = "reference" if m["label"] == results["reference"] else "n/a"
         else:
             exact = f"{ex['exact']}/{ex['checked']}"
+            if ex.get("agreement") is not None:
+                exact += f", agreement {ex['agreement']:.1%}"
             if ex["mismatches"]:
                 first = ex["mismatches"][0]
                 exact += (
@@ -276,6 +286,15 @@ def render_markdown(results: dict[str, Any]) -> str:
     ]
     if mism:
         lines += ["", "## Exactness mismatches (lossless methods vs ntp, temp 0)", ""]
+        if (s.get("dtype") or "float32") != "float32":
+            lines += [
+                f"Computed in {s['dtype']}: greedy exactness is a float32 property. In bf16 "
+                "and with quantized weights, a batched verification pass and one-token "
+                "decoding run different kernels and round differently, so near-ties can "
+                "flip (mlx-lm issues #1423, #1470); `agreement` is the share of ntp's tokens "
+                "reproduced before the first difference.",
+                "",
+            ]
         for label, x in mism:
             lines.append(
                 f"- `{label}`: question {x['qid']} ({x['task']}) turn {x['turn']} repeat "
