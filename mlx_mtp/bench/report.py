@@ -286,9 +286,12 @@ def render_markdown(results: dict[str, Any]) -> str:
     ]
     if mism:
         lines += ["", "## Exactness mismatches (lossless methods vs ntp, temp 0)", ""]
-        if (s.get("dtype") or "float32") != "float32":
+        # no --dtype: the platform default (float32 on Linux, as stored elsewhere)
+        linux = "linux" in str(env.get("platform", "")).lower()
+        dtype = s.get("dtype") or ("float32" if linux else "auto (as stored)")
+        if dtype != "float32":
             lines += [
-                f"Computed in {s['dtype']}: greedy exactness is a float32 property. In bf16 "
+                f"Computed in {dtype}: greedy exactness is a float32 property. In bf16 "
                 "and with quantized weights, a batched verification pass and one-token "
                 "decoding run different kernels and round differently, so near-ties can "
                 "flip (mlx-lm issues #1423, #1470); `agreement` is the share of ntp's tokens "
