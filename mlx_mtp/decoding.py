@@ -4,7 +4,10 @@ Like mlx-lm's ``generate_step`` it is a plain generator: cache the prompt, then
 repeatedly ask the method for a step, cut the step's tokens at EOS and
 ``max_tokens``, yield them with running statistics. The loop owns the cache
 invariant: when it returns, the cache holds the prompt and every generated
-token but the last, so the next chat turn reuses it.
+token but the last, so the next chat turn reuses it. Like mlx-lm's loop it
+runs inside ``mlx_lm.generate.wired_limit`` (Metal: wires the model's memory),
+clears MLX's buffer cache every 256 tokens, and prefills in steps of 2048
+(:meth:`Engine.sync`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from .engine import Engine
 from .errors import InvalidArgumentError
 from .methods.base import Method
 from .verify import Sampler
+
+#: tokens between ``mx.clear_cache()`` calls in the decoding loop (mlx-lm: 256)
+CLEAR_CACHE_EVERY = 256
 
 
 @dataclass
@@ -168,9 +175,17 @@ def generate_steps(
     method.begin(engine, prompt, sampler)
     root, n, finish = prompt[-1], 0, None
     f0, s0 = engine.forward_seconds, engine.forward_slots
+    # mlx-lm's generation hygiene: wired memory for large models (Metal), buffer
+    # cache cleared every CLEAR_CACHE_EVERY tokens
+    wired = wired_limit(engine.model)
+    wired.__enter__()
+    cleared = 0
     t0 = time.perf_counter()
     try:
         while finish is None:
+            if n - cleared >= CLEAR_CACHE_EVERY:
+                mx.clear_cache()
+                cleared = n
             out = method.step(engine, root)
             tokens = out.tokens[: max_tokens - n]
             for i, t in enumerate(tokens):
@@ -195,5 +210,6 @@ def generate_steps(
     finally:
         # cache = prompt + generated tokens but the last one
         expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)
+        wired.__exit__(None, None, None)
         if engine.offset > expected:
             engine.trim_to(expected)

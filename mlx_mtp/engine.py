@@ -29,6 +29,9 @@ from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedMod
 #: Model families whose tree forward pass is tested (DESIGN §3).
 TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
+#: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
+PREFILL_STEP = 2048
+
 
 def model_parts(model: nn.Module) -> tuple[nn.Module, Any, nn.Module]:
     """Split an mlx-lm causal LM into (backbone, lm_head, embed_tokens).
@@ -227,8 +230,12 @@ class Engine:
                 raise CacheNotTrimmableError(f"{type(c).__name__} trimmed {got} of {drop} tokens")
         del self.cached[n:]
 
-    def sync(self, tokens: list[int], chunk: int = 512) -> int:
+    def sync(self, tokens: list[int], chunk: int = PREFILL_STEP) -> int:
         """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
+
+        The rest is processed ``chunk`` tokens per forward pass (mlx-lm's
+        prefill step, 2048), each chunk evaluated and MLX's buffer cache
+        cleared after it, as mlx-lm's ``generate_step`` does.
 
         Returns:
             The number of tokens that had to be processed (prefill length).
@@ -251,6 +258,7 @@ class Engine:
             (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.cached.extend(piece)
+            mx.clear_cache()
         return len(rest)
 
     # ------------------------------------------------------------- budgets
@@ -308,9 +316,17 @@ class Engine:
 
     # --------------------------------------------------------------- forward
     def forward_chain(
-        self, tokens: list[int], hidden: bool = False
+        self, tokens: list[int], hidden: bool = False, wait: bool = True
     ) -> tuple[mx.array, mx.array | None]:
         """Causal forward of ``tokens`` after the cache; they are appended to it.
+
+        Args:
+            tokens: L token ids.
+            hidden: also return the hidden states.
+            wait: False starts the pass (``mx.async_eval``) and returns at once,
+                as in :meth:`forward_tree`: the caller builds the graph that
+                reads the logits (argmax, sampling) and evaluates it with
+                :meth:`timed_eval`, one synchronisation per step instead of two.
 
         Returns:
             logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
@@ -322,16 +338,58 @@ class Engine:
         t0 = time.perf_counter()
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
-        self.forward_passes += 1
-        self.forward_slots += len(tokens)
-        if self.backbone is None:
-            logits, h = self.model(mx.array(tokens)[None], cache=self.cache)[0], None
+        logits, h = self._chain(mx.array(tokens))
+        outs = [logits] if h is None else [logits, h]
+        if wait:
+            mx.eval(*outs)
+            self.forward_seconds += time.perf_counter() - t0
         else:
-            h = self.backbone(mx.array(tokens)[None], cache=self.cache)[0]
-            logits = self.lm_head(h)
-        mx.eval(logits) if h is None else mx.eval(logits, h)
-        self.forward_seconds += time.perf_counter() - t0
+            mx.async_eval(*outs)
+            self._pending = (t0, outs)
         return logits, (h if hidden else None)
+
+    def _chain(self, ids: mx.array, count: bool = True) -> tuple[mx.array, mx.array | None]:
+        # the lazy graph of a causal forward of ids (L,) after the cache
+        if count:
+            self.count_forward(ids.shape[0])
+        if self.backbone is None:
+            return self.model(ids[None], cache=self.cache)[0], None
+        h = self.backbone(ids[None], cache=self.cache)[0]
+        return self.lm_head(h), h
+
+    def queue_token(self, token: mx.array) -> mx.array:
+        """Build the one-token forward of ``token``, whose id may not be known yet.
+
+        For pipelined plain decoding (mlx-lm's ``generate_step``): the next
+        forward is queued on the device before the host reads the current
+        token. ``engine.cached`` gets a placeholder ``-1`` for it, which the
+        caller must replace with :meth:`resolve_last` once the id is read.
+
+        Args:
+            token: a (1,) integer array, usually still lazy (an argmax).
+
+        The pass is not counted in ``forward_passes``/``forward_slots`` until
+        the caller uses its result (:meth:`count_forward`): the last one
+        queued in a generation is discarded.
+
+        Returns:
+            The lazy logits (1, V); the caller evaluates them (``mx.async_eval``).
+        """
+        self._settle()
+        self.cached.append(-1)
+        return self._chain(token.reshape(1).astype(mx.int32), count=False)[0]
+
+    def count_forward(self, slots: int = 1) -> None:
+        """Count one forward pass of ``slots`` input slots (done by the callers of
+        the forward methods; by hand for a pass queued with :meth:`queue_token`)."""
+        self.forward_passes += 1
+        self.forward_slots += int(slots)
+
+    def resolve_last(self, token: int) -> None:
+        """Record the id of the token queued last by :meth:`queue_token`."""
+        if not self.cached or self.cached[-1] != -1:
+            raise ValueError("resolve_last: no queued token to resolve")
+        self.cached[-1] = int(token)
 
     def timed_eval(self, *arrays: mx.array) -> None:
         """Evaluate device work done outside the forward pass (the LM head on a
@@ -477,16 +535,26 @@ class Engine:
 
 
 def _move_rows(idx: mx.array, at: mx.array, *arrays: mx.array) -> list[mx.array]:
-    """Copy rows ``idx`` (axis -2) of every array to ``at, at+1, ...``."""
+    """Copy rows ``idx`` (axis -2) of every array to ``at, at+1, ...``, in place.
+
+    The gathered rows are evaluated first, in one ``mx.eval`` for all arrays:
+    ``slice_update(a, take(a, idx))`` in one graph keeps ``a`` alive as the
+    ``take``'s input, so the update cannot reuse ``a``'s buffer and copies all
+    of it (the whole KV cache of a layer, every step: 23-52 ms per layer at 8K
+    tokens, hundreds at 32K on a CPU). With the rows already computed, the
+    update's only input is ``a``, whose buffer it takes over (DESIGN §7);
+    ``examples/keep_bench.py`` measures both ways.
+    """
     # mx.take + mx.slice_update build the graph ~4x faster on the host than
-    # ``arr[..., a:b, :] = arr[..., idx, :]`` (this runs for 2 arrays per layer;
-    # an mx.compile'd version over all layers measured no faster here)
-    return [mx.slice_update(a, mx.take(a, idx, axis=-2), at, axes=(a.ndim - 2,)) for a in arrays]
+    # ``arr[..., a:b, :] = arr[..., idx, :]``
+    rows = [mx.take(a, idx, axis=-2) for a in arrays]
+    mx.eval(rows)
+    return [mx.slice_update(a, r, at, axes=(a.ndim - 2,)) for a, r in zip(arrays, rows)]
 
 
 def _move_cache_rows(cache: list[Any], start: int, rows: list[int]) -> None:
     """Move cache rows ``rows`` (absolute positions) to ``start, start+1, ...``
-    in every layer.
+    in every layer, without copying the rest of the cache (see :func:`_move_rows`).
 
     Raises:
         CacheNotTrimmableError: a layer cache cannot be rearranged (checked for
@@ -497,13 +565,22 @@ def _move_cache_rows(cache: list[Any], start: int, rows: list[int]) -> None:
             raise CacheNotTrimmableError(
                 f"cannot rearrange a {type(c).__name__} after verification"
             )
-    idx, at = mx.array(rows), mx.array([start])
+    # one list of every layer's arrays so that the gathered rows of all layers
+    # are evaluated together (one sync per keep, not one per layer)
+    arrays: list[mx.array] = []
     for c in cache:
         if isinstance(c, QuantizedKVCache):
-            c.keys = type(c.keys)(_move_rows(idx, at, *c.keys))
-            c.values = type(c.values)(_move_rows(idx, at, *c.values))
+            arrays += [*c.keys, *c.values]
         else:
-            c.keys, c.values = _move_rows(idx, at, c.keys, c.values)
+            arrays += [c.keys, c.values]
+    moved = iter(_move_rows(mx.array(rows), mx.array([start]), *arrays))
+    for c in cache:
+        if isinstance(c, QuantizedKVCache):
+            nk, nv = len(c.keys), len(c.values)
+            c.keys = type(c.keys)(next(moved) for _ in range(nk))
+            c.values = type(c.values)(next(moved) for _ in range(nv))
+        else:
+            c.keys, c.values = next(moved), next(moved)
 
 
 def ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

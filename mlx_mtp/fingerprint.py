@@ -25,13 +25,9 @@ def model_fingerprint(model: nn.Module, rows: int = 64) -> str:
     Raises:
         AttributeError: the model has no ``model.embed_tokens``.
     """
-    emb = model.model.embed_tokens
-    if hasattr(emb, "scales"):  # QuantizedEmbedding
-        w = mx.dequantize(
-            emb.weight, emb.scales, emb.biases, group_size=emb.group_size, bits=emb.bits
-        )
-    else:
-        w = emb.weight
+    from .dims import dense_weight
+
+    w = dense_weight(model.model.embed_tokens)  # a QuantizedEmbedding dequantized
     vocab = w.shape[0]
     idx = mx.array(np.linspace(0, vocab - 1, rows).astype(np.int32))
     sample = w[idx].astype(mx.float32)

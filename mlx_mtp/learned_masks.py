@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .dims import model_dims
 from .errors import CheckpointMismatchError, MTPError
 from .fingerprint import model_fingerprint
 
@@ -86,7 +87,7 @@ def save_learned_masks(
     from .errors import InvalidArgumentError
 
     arr = np.asarray(mx.array(masks).astype(mx.float32))
-    hidden = model.model.embed_tokens.weight.shape[-1]
+    hidden = model_dims(model)[0]
     if arr.ndim != 2 or arr.shape[1] != hidden:
         raise InvalidArgumentError(
             f"mask vectors must have shape (slots, {hidden}) for this model, got {arr.shape}"
@@ -147,7 +148,7 @@ def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.a
         MTPError: the file is unreadable.
     """
     fp = model_fingerprint(model)
-    hidden = model.model.embed_tokens.weight.shape[-1]
+    hidden = model_dims(model)[0]
     tried = _candidates(fp, path)
     meta_path = next((p for p in tried if p.exists()), None)
     if meta_path is None:

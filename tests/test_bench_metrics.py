@@ -154,3 +154,53 @@ def test_config_validation():
     ):
         with pytest.raises(InvalidArgumentError):
             BenchConfig(**bad).validate()
+
+
+def test_prefix_agreement():
+    assert metrics.prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert metrics.prefix_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert metrics.prefix_agreement([1, 2, 3, 4], [1, 2]) == 0.5
+    assert metrics.prefix_agreement([1, 2], [1, 2, 3]) == 1.0  # all of the reference
+    assert metrics.prefix_agreement([], []) == 1.0
+
+
+def test_bf16_report_gives_agreement_and_the_reason():
+    """Outside float32 the exactness column reports token agreement with ntp
+    and the report says why lossless methods may differ there."""
+    from mlx_mtp.bench.report import build_results, render_markdown
+    from mlx_mtp.methods import make_method
+
+    cfg = BenchConfig(methods=parse_methods("ntp,pld"), dtype="bfloat16")
+    methods = {s.label: make_method(s.name) for s in cfg.methods}
+
+    def rec(qid, method, tokens):
+        return {
+            "qid": qid,
+            "task": "qa",
+            "category": "qa",
+            "turn": 1,
+            "repeat": 0,
+            "method": method,
+            "generated_tokens": len(tokens),
+            "forward_passes": len(tokens),
+            "decode_time": 1.0,
+            "peak_memory_gb": 0.1,
+            "rep_repeated": 0,
+            "rep_total": 1,
+            "tokens": tokens,
+        }
+
+    records = [
+        rec("a", "ntp", [1, 2, 3, 4]),
+        rec("a", "pld", [1, 2, 3, 4]),
+        rec("b", "ntp", [5, 6, 7, 8, 9, 10]),
+        rec("b", "pld", [5, 6, 0, 8, 9, 10]),
+    ]
+    res = build_results(cfg, methods, records, ["qa"], {})
+    ex = res["methods"][1]["exactness"]
+    assert ex["checked"] == 2 and ex["exact"] == 1
+    assert ex["agreement"] == pytest.approx((4 + 2) / (4 + 6))
+    assert [p.get("agreement") for p in res["prompts"] if p["method"] == "pld"] == [1.0, 2 / 6]
+    md = render_markdown(res)
+    assert "1/2, agreement 60.0%" in md
+    assert "Computed in bfloat16" in md and "#1423" in md

@@ -220,3 +220,53 @@ def test_cli_reports_bad_method_spec(tmp_path):
     assert r.exit_code != 0
     assert isinstance(r.exception, InvalidArgumentError)
     assert "key=value" in str(r.exception)
+
+
+def test_mlx_lm_peer_row(smollm, tmp_path):
+    """The ``mlx_lm`` row runs mlx-lm's own stream_generate on the same model and
+    prompts, interleaved; in float32 its greedy tokens equal ntp's; every method
+    gets a speedup against it too."""
+    cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"))
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    assert [m["label"] for m in res["methods"]] == ["ntp", "mlx_lm", "pld"]
+    ntp, peer, pld = res["methods"]
+    assert peer["exactness"] == {"checked": 2, "exact": 2, "agreement": 1.0, "mismatches": []}
+    assert peer["overall"]["tau"] == 1.0
+    assert peer["overall"]["generated_tokens"] == ntp["overall"]["generated_tokens"]
+    assert peer["describe"].startswith("mlx_lm.stream_generate")
+    for m in res["methods"]:
+        o = m["overall"]
+        assert o["speedup_vs_mlx_lm"] == pytest.approx(
+            o["decode_tps"] / peer["overall"]["decode_tps"]
+        )
+        assert all("speedup_vs_mlx_lm" in t for t in m["tasks"].values())
+    assert peer["overall"]["speedup_vs_mlx_lm"] == pytest.approx(1.0)
+    assert all("speedup_vs_mlx_lm" in p for p in res["prompts"])
+    recs = [json.loads(x) for x in (tmp_path / "out" / runner.RECORDS).read_text().splitlines()]
+    assert [r["method"] for r in recs] == ["ntp", "mlx_lm", "pld"] * 2  # interleaved
+    assert all(r["decode_time"] > 0 and r["prefill_time"] >= 0 for r in recs)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| Overall | Overall vs mlx_lm | Mean accepted tokens (tau) |" in report
+    assert "| mlx_lm | 1 |" in report
+    with pytest.raises(InvalidArgumentError, match="takes no settings"):
+        runner.run_bench(
+            _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm:bc=3"), out=str(tmp_path / "o2")),
+            smollm,
+            progress=False,
+        )
+
+
+def test_mlx_lm_peer_emits_the_stopping_eos_like_ntp(smollm):
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.bench.peer import MLXLMPeer
+    from mlx_mtp.methods.ntp import NTP
+
+    ids = runner.render_prompt(smollm.tokenizer, [{"role": "user", "content": "Say hi."}])
+    ref = MTPModel(smollm, NTP()).generate(ids, max_tokens=40)
+    got = MLXLMPeer().bind(smollm).generate(ids, max_tokens=40)
+    assert ref.finish_reason == "stop"  # the answer is short: EOS inside the limit
+    assert got.tokens == ref.tokens and got.finish_reason == "stop"
+    assert got.text == ref.text
+    assert got.stats.prefill_tokens == len(ids) - 1 and got.stats.decode_time > 0
+    short = MLXLMPeer().bind(smollm).generate(ids, max_tokens=3)
+    assert short.tokens == ref.tokens[:3] and short.finish_reason == "length"

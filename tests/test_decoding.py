@@ -123,3 +123,20 @@ def test_cli_chat_two_turns():
     assert res.exit_code == 0, res.output
     assert res.output.count("[probe(bc=10") == 2  # one stats line per answer
     assert "Paris" in res.output
+
+
+def test_ntp_pipeline_counts_cache_and_next_turn(smollm, short_spec_prompts):
+    """Pipelined greedy ntp (the next forward queued before a token is read):
+    one forward and one slot per token (the discarded last pass is not
+    counted), the cache left holding prompt + generated[:-1], and a next turn
+    on the same engine equal to mlx-lm's own greedy loop."""
+    engine = Engine(smollm.model)
+    p = list(short_spec_prompts[1])
+    steps = list(generate_steps(engine, NTP(), p, max_tokens=10))
+    toks = [t for st in steps for t in st.tokens]
+    s = steps[-1].stats
+    assert s.generated_tokens == s.forward_passes == s.slots == 10 and s.steps == 10
+    assert engine.cached == p + toks[:-1] and engine.offset == len(p) + 9
+    nxt = p + toks + smollm.tokenizer.encode(" Thanks. And then?")
+    out = [t for st in generate_steps(engine, NTP(), nxt, max_tokens=12) for t in st.tokens]
+    assert out == _mlx_lm_greedy(smollm.model, nxt, 12)

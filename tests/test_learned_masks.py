@@ -200,3 +200,48 @@ def test_train_masks_command_reuses_continuations(tmp_path, monkeypatch):
     monkeypatch.setattr(tm, "greedy_continuations", no_decoding)
     second = run_train_masks("smollm2-135m", [data], out=tmp_path / "b", continuations=cont, **kw)
     assert second["heldout_after"] == first["heldout_after"]
+
+
+@pytest.fixture(scope="module")
+def smollm_quantized():
+    """The embedded SmolLM2 with its GGUF weights kept (``dtype="auto"``: 4-bit
+    layers, an 8-bit embedding), the rest (norms, scales, biases) in float32 so
+    that every activation is float32."""
+    import mlx.nn as nn
+
+    from mlx_mtp.loading import load_model
+
+    loaded = load_model("smollm2-135m", dtype="auto")
+    assert isinstance(loaded.model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    loaded.model.set_dtype(mx.float32)  # quantized weights stay packed
+    return loaded
+
+
+def test_learned_masks_on_the_quantized_model_agree_with_greedy(smollm_quantized):
+    """``mask_init=learned`` runs on quantized weights for probe and hybrid (the
+    hidden size is the model's, not the QuantizedEmbedding's packed width) and,
+    with float32 activations, reproduces plain greedy decoding token for token.
+    (Quantized matmuls are slow on the CPU: a short prompt, 12 tokens.)"""
+    from conftest import run_method
+
+    from mlx_mtp.dims import model_dims
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+    from mlx_mtp.methods.ntp import NTP
+
+    model, tok = smollm_quantized.model, smollm_quantized.tokenizer
+    assert model_dims(model) == (576, 49152)
+    assert model.model.embed_tokens.weight.shape[-1] != 576  # packed
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Count from one to twenty in words."}],
+        add_generation_prompt=True,
+    )
+    engine = Engine(model)
+    ref = run_method(engine, NTP(), prompt, 12, eos=set())
+    for name in ("probe", "hybrid"):
+        method = make_method(name, mask_init="learned", bc="10")
+        engine.reset()
+        got = run_method(engine, method, prompt, 12, eos=set())
+        assert method.learned is not None and method.learned.shape[1] == 576
+        assert got == ref, name

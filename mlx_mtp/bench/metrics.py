@@ -16,6 +16,9 @@ Definitions (the README's "results.json" section repeats them):
   appeared earlier in the same output. Aggregated by pooling the counts.
 - **exactness**: a lossless method's tokens equal ``ntp``'s token for token;
   a mismatch is reported with the index of the first differing token.
+- **agreement**: the share of ``ntp``'s tokens a lossless method reproduces
+  before its first differing token, pooled over prompts (below 1.0 only
+  outside float32, where near-ties can break differently).
 - **accuracy** (GSM8K): the last number in the output equals the number after
   ``####`` in the reference answer.
 """
@@ -71,6 +74,17 @@ def first_mismatch(reference: Sequence[int], tokens: Sequence[int]) -> int | Non
     if len(reference) != len(tokens):
         return min(len(reference), len(tokens))
     return None
+
+
+def prefix_agreement(reference: Sequence[int], tokens: Sequence[int]) -> float:
+    """Share of ``reference``'s tokens that ``tokens`` reproduces before the
+    first difference (1.0 when identical or both empty). After a divergence
+    the two continuations are conditioned on different text, so only the
+    common prefix is compared."""
+    if not reference:
+        return 1.0 if not tokens else 0.0
+    fm = first_mismatch(reference, tokens)
+    return 1.0 if fm is None else min(fm, len(reference)) / len(reference)
 
 
 def aggregate_speedup(

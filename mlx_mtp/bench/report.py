@@ -13,6 +13,7 @@ from typing import Any
 
 from . import metrics
 from .config import BenchConfig
+from .peer import PEER_NAME
 
 SCHEMA = "mlx-mtp-bench/1"
 
@@ -65,6 +66,9 @@ def build_results(
         if r["method"] in by_method:
             by_method[r["method"]].append(r)
     ref = {metrics.record_key(r): r for r in by_method[ref_label]}
+    # the mlx_lm row (mlx-lm's own loop), when benchmarked: every speedup also against it
+    peer_label = next((s.label for s in config.methods if s.name == PEER_NAME), None)
+    peer = {metrics.record_key(r): r for r in by_method[peer_label]} if peer_label else None
     exact_check = config.temp == 0
 
     prompts_out = []
@@ -73,6 +77,7 @@ def build_results(
         label, m = spec.label, methods[spec.label]
         recs = by_method[label]
         mismatches, checked = [], 0
+        agreed = compared = 0  # reference tokens reproduced before the first mismatch
         for r in recs:
             row = {k: r[k] for k in PROMPT_FIELDS if k in r}
             a = ref.get(metrics.record_key(r))
@@ -88,6 +93,9 @@ def build_results(
                 checked += 1
                 fm = metrics.first_mismatch(a["tokens"], r["tokens"])
                 row["exact"] = fm is None
+                row["agreement"] = metrics.prefix_agreement(a["tokens"], r["tokens"])
+                agreed += len(a["tokens"]) if fm is None else min(fm, len(a["tokens"]))
+                compared += len(a["tokens"])
                 if fm is not None:
                     row["first_mismatch"] = fm
                     mismatches.append(
@@ -99,17 +107,27 @@ def build_results(
                             "first_mismatch": fm,
                         }
                     )
+            if peer is not None:
+                row["speedup_vs_mlx_lm"] = metrics.summarize([r], peer)["speedup"]
             prompts_out.append(row)
         tasks = {
             g: metrics.summarize([r for r in recs if r["task"] == g], ref)
             for g in groups
             if any(r["task"] == g for r in recs)
         }
+        overall = metrics.summarize(recs, ref)
+        if peer is not None:
+            overall["speedup_vs_mlx_lm"] = metrics.summarize(recs, peer)["speedup"]
+            for g, t in tasks.items():
+                t["speedup_vs_mlx_lm"] = metrics.summarize(
+                    [r for r in recs if r["task"] == g], peer
+                )["speedup"]
         exactness = None
         if m.lossless and exact_check and label != ref_label:
             exactness = {
                 "checked": checked,
                 "exact": checked - len(mismatches),
+                "agreement": agreed / compared if compared else None,
                 "mismatches": mismatches,
             }
         method_out.append(
@@ -120,7 +138,7 @@ def build_results(
                 "describe": m.describe(),
                 "lossless": bool(m.lossless),
                 "block_complexity": int(m.block_complexity),
-                "overall": metrics.summarize(recs, ref),
+                "overall": overall,
                 "tasks": tasks,
                 "exactness": exactness,
             }
@@ -139,7 +157,12 @@ def build_results(
             "of the reference over the same (prompt, turn, repeat) entries",
             "repetition_rate": f"share of {metrics.REPETITION_N}-grams of an output already "
             "seen earlier in the same output, counts pooled over prompts",
+            "speedup_vs_mlx_lm": "as speedup, against the mlx_lm row (mlx-lm's own "
+            "stream_generate on the same model and prompts); present when it was benchmarked",
             "exact": "lossless method's tokens equal the reference's (temp 0 only)",
+            "agreement": "share of the reference's tokens a lossless method reproduces "
+            "before its first differing token, pooled over prompts (temp 0 only); 1.0 in "
+            "float32, below it where bf16/quantized kernels break near-ties differently",
             "accuracy": "GSM8K: last number of the output equals the number after ####",
         },
         "methods": method_out,
@@ -193,19 +216,29 @@ def render_markdown(results: dict[str, Any]) -> str:
         return "\n".join(lines) + "\n"
 
     head = " | ".join(tasks)
+    peer = any("speedup_vs_mlx_lm" in m["overall"] for m in results["methods"])
     lines += [
         "## Speedup per task (Spec-Bench style)",
         "",
-        f"| Method | BC | {head} | Overall | Mean accepted tokens (tau) |",
-        "|---|---:|" + "---:|" * len(tasks) + "---:|---:|",
+        f"| Method | BC | {head} | Overall |"
+        + (" Overall vs mlx_lm |" if peer else "")
+        + " Mean accepted tokens (tau) |",
+        "|---|---:|" + "---:|" * len(tasks) + "---:|" + ("---:|" if peer else "") + "---:|",
     ]
     for m in results["methods"]:
         cells = [_fmt(m["tasks"].get(t, {}).get("speedup"), ".2f", "x") for t in tasks]
         o = m["overall"]
+        vs_peer = f" {_fmt(o.get('speedup_vs_mlx_lm'), '.2f', 'x')} |" if peer else ""
         lines.append(
             f"| {m['label']} | {m['block_complexity']} | {' | '.join(cells)} "
-            f"| {_fmt(o['speedup'], '.2f', 'x')} | {_fmt(o['tau'])} |"
+            f"| {_fmt(o['speedup'], '.2f', 'x')} |{vs_peer} {_fmt(o['tau'])} |"
         )
+    if peer:
+        lines += [
+            "",
+            "Per-task speedups are vs `ntp`; `Overall vs mlx_lm` is vs mlx-lm's own "
+            "`stream_generate` loop (the `mlx_lm` row) on the same model and prompts.",
+        ]
     lines += [
         "",
         "## Mean accepted tokens per forward (tau) per task",
@@ -230,6 +263,8 @@ def render_markdown(results: dict[str, Any]) -> str:
             exact = "reference" if m["label"] == results["reference"] else "n/a"
         else:
             exact = f"{ex['exact']}/{ex['checked']}"
+            if ex.get("agreement") is not None:
+                exact += f", agreement {ex['agreement']:.1%}"
             if ex["mismatches"]:
                 first = ex["mismatches"][0]
                 exact += (
@@ -251,6 +286,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     ]
     if mism:
         lines += ["", "## Exactness mismatches (lossless methods vs ntp, temp 0)", ""]
+        # no --dtype: the platform default (float32 on Linux, as stored elsewhere)
+        linux = "linux" in str(env.get("platform", "")).lower()
+        dtype = s.get("dtype") or ("float32" if linux else "auto (as stored)")
+        if dtype != "float32":
+            lines += [
+                f"Computed in {dtype}: greedy exactness is a float32 property. In bf16 "
+                "and with quantized weights, a batched verification pass and one-token "
+                "decoding run different kernels and round differently, so near-ties can "
+                "flip (mlx-lm issues #1423, #1470); `agreement` is the share of ntp's tokens "
+                "reproduced before the first difference.",
+                "",
+            ]
         for label, x in mism:
             lines.append(
                 f"- `{label}`: question {x['qid']} ({x['task']}) turn {x['turn']} repeat "

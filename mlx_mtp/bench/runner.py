@@ -24,6 +24,7 @@ from ..data import TASKS, load_questions
 from ..errors import InvalidArgumentError
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
+from .peer import PEER_NAME, MLXLMPeer
 from .plots import PLOT_FILES
 
 RECORDS = "records.jsonl"
@@ -269,7 +270,10 @@ def run_bench(
     from ..methods import make_method
 
     config.validate()
-    methods = {s.label: make_method(s.name, **s.options) for s in config.methods}
+    methods = {
+        s.label: MLXLMPeer(**s.options) if s.name == PEER_NAME else make_method(s.name, **s.options)
+        for s in config.methods
+    }
     prompts, groups = select_prompts(config)
     out = Path(config.out)
     if not generate and not (out / RECORDS).exists():
@@ -303,7 +307,10 @@ def run_bench(
             from ..loading import load_model
 
             loaded = load_model(config.model, config.dtype)
-        models = {label: MTPModel(loaded, m) for label, m in methods.items()}
+        models = {
+            label: m.bind(loaded) if isinstance(m, MLXLMPeer) else MTPModel(loaded, m)
+            for label, m in methods.items()
+        }
         _warm_up(models, loaded.tokenizer)
         bar = _progress(len(todo), progress)
         try:
@@ -337,8 +344,16 @@ def _warm_up(models: dict[str, Any], tokenizer: Any) -> None:
     """One short untimed generation per method (compiles kernels, fills caches)."""
     ids = render_prompt(tokenizer, [{"role": "user", "content": "Say hello in three words."}])
     for m in models.values():
-        m.engine.reset()
+        _reset(m)
         m.generate(ids, max_tokens=8)
+        _reset(m)
+
+
+def _reset(m: Any) -> None:
+    """Drop a benchmarked model's KV cache (an MTPModel's engine, or the peer's nothing)."""
+    if isinstance(m, MLXLMPeer):
+        m.reset()
+    else:
         m.engine.reset()
 
 
@@ -363,9 +378,9 @@ def _run_one(
         ]
     ids = render_prompt(tokenizer, messages)
     seed = (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
-    m.engine.reset()
+    _reset(m)
     res = m.generate(ids, max_tokens=config.max_tokens, temp=config.temp, seed=seed)
-    m.engine.reset()
+    _reset(m)
     s = res.stats
     rep_n, rep_total = metrics.repetition_counts(res.tokens)
     rec: dict[str, Any] = {

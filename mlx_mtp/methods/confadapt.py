@@ -50,6 +50,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tuner.lora import LoRALinear
 
+from ..dims import model_dims, packed_width_factor
 from ..engine import Engine, model_parts
 from ..errors import CheckpointMismatchError, InvalidArgumentError, UnsupportedModelError
 from ..sampling import draw
@@ -201,8 +202,7 @@ class GatedLoRALinear(LoRALinear):
         cls, linear: nn.Module, gate: MaskGate, r: int = 8, scale: float = 20.0
     ) -> GatedLoRALinear:
         out_dims, in_dims = linear.weight.shape
-        if isinstance(linear, nn.QuantizedLinear):
-            in_dims = in_dims * 32 // linear.bits
+        in_dims *= packed_width_factor(linear)
         m = cls(input_dims=in_dims, output_dims=out_dims, r=r, dropout=0.0, scale=scale)
         m.linear = linear
         m.gate = gate
@@ -357,7 +357,7 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
             clone.update_modules(tree_unflatten(fused))
         row = weights["mask_embedding"].astype(dtype)
         base_emb = clone.model.embed_tokens
-        if row.shape != (base_emb.weight.shape[-1] * _pack(base_emb),):
+        if row.shape != (model_dims(clone)[0],):
             raise ValueError(f"mask_embedding has shape {row.shape}")
         clone.model.embed_tokens = MaskedEmbedding(base_emb, meta["mask_token_id"], row, gate)
     except (KeyError, ValueError, AttributeError) as e:
@@ -367,11 +367,6 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
         ) from e
     mx.eval(clone.parameters())
     return clone
-
-
-def _pack(emb: nn.Module) -> int:
-    """Values per stored element of an embedding weight (quantized: 32 // bits)."""
-    return 32 // emb.bits if hasattr(emb, "scales") else 1
 
 
 def adapter_dirs() -> list[Path]:

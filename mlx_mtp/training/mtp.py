@@ -388,11 +388,9 @@ def add_mask_token(model: nn.Module, tokenizer: Any) -> tuple[int, mx.array]:
 
 
 def _dense_embedding(emb: nn.Module) -> mx.array:
-    if hasattr(emb, "scales"):
-        return mx.dequantize(
-            emb.weight, emb.scales, emb.biases, group_size=emb.group_size, bits=emb.bits
-        )
-    return emb.weight
+    from ..dims import dense_weight
+
+    return dense_weight(emb)
 
 
 def resize_for_mask(model: nn.Module, mask_id: int, row: mx.array) -> None:
