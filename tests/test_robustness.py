@@ -246,3 +246,13 @@ def test_decoding_after_an_abandoned_mlx_lm_generator(smollm, greedy_reference):
         held.append(gen)  # left suspended, its next step in flight
         m.engine.reset()
         assert m.generate(ids, max_tokens=12).tokens == ref
+
+
+def test_ntp_past_a_sliding_window(smollm):
+    """Plain decoding keeps working once a sliding-window cache wraps (the
+    pipelined step must not leave a token that the wrapped cache cannot drop)."""
+    m = MTPModel(smollm, make_method("ntp"), max_kv_size=40)
+    ids = m.encode("Count from one to forty in words, separated by commas.")
+    out = m.generate(ids, max_tokens=30)
+    assert len(out.tokens) == 30 or out.finish_reason == "stop"
+    assert m.engine.offset == len(ids) - 1 + len(out.tokens)  # the loop's invariant

@@ -45,7 +45,7 @@ class NTP(Method):
             engine.timed_eval(tok)
             return StepOutput([int(tok.item())])
         t0 = time.perf_counter()
-        nxt = getattr(self, "_next", None)
+        nxt, self._next = getattr(self, "_next", None), None
         if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
             y = nxt[0]  # root's forward was queued by the last step; y is its argmax
             engine.count_forward()  # that pass is used now
@@ -54,11 +54,16 @@ class NTP(Method):
             y = mx.argmax(logits[-1:], axis=-1)
             engine.timed_eval(y)
             t0 = time.perf_counter()
-        # queue the forward of y before reading it (the device works on while we wait)
-        following = mx.argmax(engine.queue_token(y), axis=-1)
-        mx.async_eval(following)
-        tok = int(y.item())
-        engine.resolve_last(tok)
-        self._next = (following, engine.offset)
+        if engine.trimmable(2):
+            # queue the forward of y before reading it (the device works on while we
+            # wait); the loop trims this one extra token when the generation ends, so
+            # only where the cache can drop it (no recurrent layers, no full window)
+            following = mx.argmax(engine.queue_token(y), axis=-1)
+            mx.async_eval(following)
+            tok = int(y.item())
+            engine.resolve_last(tok)
+            self._next = (following, engine.offset)
+        else:
+            tok = int(y.item())
         engine.forward_seconds += time.perf_counter() - t0
         return StepOutput([tok])
