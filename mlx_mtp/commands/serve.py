@@ -6,6 +6,8 @@ import ipaddress
 
 import typer
 
+from ..validation import typer_range
+
 #: hosts that only this machine can reach
 LOOPBACK = {"localhost", "127.0.0.1", "::1"}
 
@@ -44,7 +46,11 @@ def register(app: typer.Typer) -> None:
         method: str = METHOD,
         dtype: str | None = DTYPE,
         max_tokens: int = typer.Option(
-            512, "--max-tokens", "-n", help="New tokens when a request does not set max_tokens."
+            512,
+            "--max-tokens",
+            "-n",
+            **typer_range("max_tokens"),
+            help="New tokens when a request does not set max_tokens.",
         ),
         temp: float = TEMP,
         top_p: float = TOP_P,
