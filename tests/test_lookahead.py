@@ -123,15 +123,15 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_exact_vs_ntp_smollm_12_prompts(smollm, short_spec_prompts, greedy_reference):
-    """Greedy lookahead output equals ntp token for token (float32, 12 Spec-Bench
-    prompts, 2 per task, 32 new tokens each; the slow tests run 30 x 64) and
+def test_exact_vs_ntp_smollm_6_prompts(smollm, short_spec_prompts, greedy_reference):
+    """Greedy lookahead output equals ntp token for token (float32, 6 Spec-Bench
+    prompts, 1 per task, 32 new tokens each; the slow tests run 30 x 64) and
     accepts some drafts."""
 
     def ref(p, n):  # the session's shared 40-token ntp reference (probe tests reuse it)
         return greedy_reference(p, 40)[:n]
 
-    tau, accepted = _exact_on_smollm(smollm, short_spec_prompts[:12], 32, ref)
+    tau, accepted = _exact_on_smollm(smollm, short_spec_prompts[:6], 32, ref)
     assert accepted > 0 and tau > 1.0
 
 
