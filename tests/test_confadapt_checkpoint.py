@@ -45,8 +45,11 @@ def tokenizer_dirs(smollm, tmp_path_factory):
     return out
 
 
-def make_checkpoint(dest: Path, family: str, tokenizer_dirs, with_mask=True, seed=0) -> Path:
-    """A tiny HF-style checkpoint folder (see the module docstring)."""
+def make_checkpoint(
+    dest: Path, family: str, tokenizer_dirs, with_mask=True, seed=0, **sizes
+) -> Path:
+    """A tiny HF-style checkpoint folder (see the module docstring); ``sizes``
+    override config entries (hidden_size, num_hidden_layers, ...)."""
     from mlx_mtp.testing import make_tiny_model
 
     tok_dir, n_tok = tokenizer_dirs[with_mask]
@@ -64,6 +67,7 @@ def make_checkpoint(dest: Path, family: str, tokenizer_dirs, with_mask=True, see
         "max_position_embeddings": 4096,
         "torch_dtype": "bfloat16",
         **LAYOUTS[family],
+        **sizes,
     }
     model = make_tiny_model(
         family, seed=seed, **{k: v for k, v in config.items() if k != "architectures"}
@@ -125,6 +129,44 @@ def test_convert_quantized(tmp_path, tokenizer_dirs):
     assert json.loads((dst / "config.json").read_text())["quantization"]["bits"] == 4
     m = mlx_mtp.load(str(dst), method="confadapt", dtype="auto", k=3, tau=0.0)
     assert m.generate("Hi", max_tokens=6).stats.generated_tokens >= 1
+
+
+def test_convert_is_lazy_and_writes_shard_by_shard(tmp_path, tokenizer_dirs):
+    """Peak memory of a conversion is about one output shard, not the model:
+    nothing is evaluated before its shard is written (issue 18). 16 layers of
+    3.7 MB next to a 25 MB embedding, 8 MB shards: the whole model is ~84 MB,
+    the peak must stay under half of it (evaluating every parameter first, as
+    the converter did, peaks above the whole model)."""
+    src = make_checkpoint(
+        tmp_path / "src",
+        "qwen3",
+        tokenizer_dirs,
+        hidden_size=256,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    dst = _convert(src, tmp_path / "out", max_shard_bytes=8 << 20)
+    peak = mx.get_peak_memory() - base
+    shards = sorted(dst.glob("model-*.safetensors"))
+    assert len(shards) >= 8
+    assert peak < 0.5 * total, f"peak {peak / 1e6:.1f} MB for a {total / 1e6:.1f} MB model"
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    src_w = {}
+    for f in src.glob("*.safetensors"):
+        src_w.update(mx.load(str(f)))
+    out_w = {}
+    for f in shards:
+        out_w.update(mx.load(str(f)))
+    assert sorted(out_w) == sorted(src_w)
+    assert all(mx.array_equal(out_w[k], src_w[k]) for k in src_w)
 
 
 def test_convert_refuses_checkpoint_without_mask_token(tmp_path, tokenizer_dirs):

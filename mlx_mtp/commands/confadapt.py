@@ -102,6 +102,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             prompt_format=prompt_format,
             overwrite=overwrite,
+            progress=True,
         )
         typer.echo(f"Wrote {out}. Use: mlx-mtp generate --model {out} --method confadapt")
 
