@@ -48,7 +48,7 @@ def run_train_mtp(
     lr: float | None = None,
     seed: int = 0,
     resume: bool = True,
-    dtype: str = "float32",
+    dtype: str | None = None,
     prompt_format: str = "chat",
     stop_after: int | None = None,
     **config: int | float | str,
@@ -79,7 +79,7 @@ def run_train_mtp(
 
 
 def register(app: typer.Typer) -> None:
-    from . import group
+    from . import BASE_DTYPE_HELP, group
 
     @group("convert").command("mtp-checkpoint")
     def convert_mtp_checkpoint(
@@ -139,7 +139,12 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path | None = typer.Option(None, "--out", help="Output folder."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a checkpoint."),
-        dtype: str = typer.Option("float32", "--dtype", help="Training dtype."),
+        dtype: str | None = typer.Option(
+            None,
+            "--dtype",
+            help=BASE_DTYPE_HELP
+            + " A quantized model trains LoRA over its frozen weights (QLoRA).",
+        ),
         prompt_format: str = typer.Option("chat", "--prompt-format", help="chat or plain."),
     ) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""

@@ -403,14 +403,21 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
         ) from e
 
 
-def find_adapter(fingerprint: str) -> Path | None:
-    """The first adapter folder (see :func:`adapter_dirs`) made for this base model."""
+def find_adapter(model: nn.Module | str) -> Path | None:
+    """The first adapter folder (see :func:`adapter_dirs`) made for this base
+    model: ``model`` itself (fingerprint, else the signature of the same
+    weights at another precision, :func:`~mlx_mtp.fingerprint.same_model`) or
+    a fingerprint string (exact match only)."""
+    from ..fingerprint import same_model
+
     for d in adapter_dirs():
         try:
-            if read_adapter_config(d).get("base_fingerprint") == fingerprint:
-                return d
+            cfg = read_adapter_config(d)
         except CheckpointMismatchError:
             continue
+        fp, sig = cfg.get("base_fingerprint"), cfg.get("base_signature")
+        if (fp == model) if isinstance(model, str) else same_model(model, fp, sig):
+            return d
     return None
 
 
@@ -570,7 +577,7 @@ def find_mtp_source(
     Raises:
         MissingMaskTokenError, CheckpointMismatchError.
     """
-    from ..fingerprint import model_fingerprint
+    from ..fingerprint import model_fingerprint, same_model
 
     tokenizer = getattr(loaded, "tokenizer", None)
     eos = tokenizer_eos_ids(tokenizer) if tokenizer is not None else []
@@ -589,14 +596,14 @@ def find_mtp_source(
         if tok_id is not None:
             fmt = "plain" if getattr(model, "model_type", "") == "qwen3" else "chat"
             return MTPMetadata(tok_id, eos, fmt, source=str(loaded.path)), None
-    fp = model_fingerprint(model)
     if adapter is None:
-        adapter = find_adapter(fp)
+        adapter = find_adapter(model)
     if adapter is None:
         what = f"The model {loaded.name!r}" if loaded is not None else "This model"
         raise MissingMaskTokenError(no_mask_token_message(what))
     cfg = read_adapter_config(adapter)
-    if cfg.get("base_fingerprint") != fp:
+    if not same_model(model, cfg.get("base_fingerprint"), cfg.get("base_signature")):
+        fp = model_fingerprint(model)
         raise CheckpointMismatchError(
             f"The MTP adapter in {adapter} was trained for the base model "
             f"{cfg.get('base_model', '?')!r} (fingerprint {cfg.get('base_fingerprint')}), not "

@@ -52,6 +52,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache_view import install_positional_rope
 from ..errors import InvalidArgumentError
+from ..fingerprint import model_signature
 from ..methods.confadapt import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -416,8 +417,10 @@ class Trainer:
     """Self-distillation of one loaded model (see the module docstring).
 
     Args:
-        loaded: the base model (:class:`~mlx_mtp.loading.LoadedModel`), float32
-            or bfloat16; quantized weights must be dequantized (load with a dtype).
+        loaded: the base model (:class:`~mlx_mtp.loading.LoadedModel`): float32,
+            bfloat16, or quantized as stored for LoRA (QLoRA: mlx-lm's LoRA
+            layers over the frozen quantized linears, Dettmers et al., *QLoRA*,
+            arXiv 2305.14314, §3); full fine-tuning needs float weights.
         prompts: training prompts (text).
         out: output folder (adapter in LoRA mode, model folder otherwise).
         config: :class:`TrainConfig`.
@@ -442,9 +445,11 @@ class Trainer:
         self.prompt_format = prompt_format
         self.tokenizer = loaded.tokenizer
         self.teacher = loaded.model
-        if any(hasattr(m, "scales") for _, m in self.teacher.named_modules()):
+        self.quantized = any(hasattr(m, "scales") for _, m in self.teacher.named_modules())
+        if self.quantized and not config.lora:
             raise InvalidArgumentError(
-                "train mtp needs float weights; load the model with --dtype float32 or bfloat16."
+                "full fine-tuning (--full) needs float weights and this model is quantized; "
+                "use --lora (QLoRA on the quantized weights) or load it with --dtype float32."
             )
         self.fingerprint = model_fingerprint(self.teacher)
         self.gen_model = clone_modules(self.teacher)  # plain RoPE for batched generation
@@ -695,6 +700,7 @@ class Trainer:
             "version": 1,
             "base_model": self.loaded.name,
             "base_fingerprint": self.fingerprint,
+            "base_signature": model_signature(self.teacher),
             "mask_token": MASK_TOKEN,
             "mask_token_id": self.mask_id,
             "eos_token_ids": sorted(self.eos),
