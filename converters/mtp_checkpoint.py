@@ -13,7 +13,7 @@ output shard (:data:`MAX_SHARD_BYTES`), not the whole model (an 8B bf16
 checkpoint evaluated up front needed about 16 GB). The shards are written by
 :func:`save_sharded` (mlx-lm's ``save_model`` layout, plus a progress bar and a
 shard size that can be set). This module adds the checks, the MTP
-metadata file (:data:`~mlx_mtp.methods.confadapt.MTP_CONFIG`: mask token id
+metadata file (:data:`~mlx_mtp.mtp_checkpoint.MTP_CONFIG`: mask token id
 looked up in the tokenizer, EOS ids, prompt format, default k) and the prompt
 format: ``plain`` (BOS + input + "\\n\\n", the Qwen checkpoint's format, which
 becomes the folder's chat template; the original one is kept in the metadata)
@@ -34,13 +34,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mlx_mtp.engine import TREE_FAMILIES
 from mlx_mtp.errors import (
     CheckpointMismatchError,
     InvalidArgumentError,
     UnsupportedModelError,
 )
 from mlx_mtp.loading import one_line
-from mlx_mtp.methods.confadapt import (
+from mlx_mtp.mtp_checkpoint import (
     MASK_TOKEN,
     PROMPT_FORMATS,
     MissingMaskTokenError,
@@ -51,13 +52,14 @@ from mlx_mtp.methods.confadapt import (
     write_metadata,
 )
 
-#: model types whose checkpoints confadapt can decode (llama-style layout)
-SUPPORTED_MODEL_TYPES = {"llama", "qwen3", "qwen2", "mistral"}
+#: model types whose checkpoints confadapt can decode: the llama-style families
+#: of the tree forward pass (listed once, in :data:`mlx_mtp.engine.TREE_FAMILIES`)
+SUPPORTED_MODEL_TYPES = TREE_FAMILIES
 
-#: chat template of the ``plain`` prompt format: BOS + each message + "\n\n"
 #: largest output shard (bytes); mlx-lm's ``save_model`` uses 5 GB
 MAX_SHARD_BYTES = 5 << 30
 
+#: chat template of the ``plain`` prompt format: BOS + each message + "\n\n"
 PLAIN_TEMPLATE = (
     "{{ bos_token if bos_token else '' }}"
     "{% for message in messages %}{{ message['content'] }}\n\n{% endfor %}"

@@ -9,6 +9,7 @@ writing, roleplay, reasoning, math, coding, extraction, stem, humanities),
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,12 @@ from typing import Any
 from .errors import InvalidArgumentError
 
 DATA_DIR = Path(__file__).parent / "assets" / "spec_bench"
+#: named data sets that are not shipped (licence or size): name -> path under
+#: :func:`shared_data_dirs`
+DATA_SETS = {
+    "gsm8k-train": "gsm8k/train.jsonl",
+    "gsm8k-test": "gsm8k/test.jsonl",
+}
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 _MT_BENCH = {
@@ -28,6 +35,53 @@ _MT_BENCH = {
     "stem",
     "humanities",
 }
+
+
+def shared_data_dirs() -> list[Path]:
+    """Folders searched for the named data sets, in order: ``$MLX_MTP_DATA``,
+    then ``shared/data`` next to the repository (``../shared/data`` from a
+    source checkout)."""
+    roots = [Path(os.environ["MLX_MTP_DATA"])] if os.environ.get("MLX_MTP_DATA") else []
+    return [*roots, Path(__file__).resolve().parents[2] / "shared" / "data"]
+
+
+def data_set_path(name: str) -> Path:
+    """The file of a named data set (:data:`DATA_SETS`), the first found in
+    :func:`shared_data_dirs`; if none has it, where it is expected (the first
+    folder), so that a caller can name the missing path."""
+    rel = DATA_SETS[name]
+    dirs = shared_data_dirs()
+    return next((d / rel for d in dirs if (d / rel).is_file()), dirs[0] / rel)
+
+
+def resolve_data(data: str) -> Path:
+    """A prompts file given as a JSONL path or a data-set name (:data:`DATA_SETS`).
+
+    Raises:
+        InvalidArgumentError: neither an existing file nor a known name whose
+            file is found (the message says where it was looked for).
+    """
+    if data in DATA_SETS:
+        path = data_set_path(data)
+        if not path.is_file():
+            raise InvalidArgumentError(
+                f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
+                "the folder that holds it, or pass a JSONL file."
+            )
+        return path
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise InvalidArgumentError(f"--data {data}: no such file (expected prompts as JSONL).")
+    return p
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation for generation, with the tokenizer's chat
+    template when it has one (else the contents joined by blank lines): the
+    one prompt renderer of the benchmark and the trainers."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
 
 
 def task_of(category: str) -> str:

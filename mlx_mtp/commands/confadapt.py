@@ -6,37 +6,7 @@ from pathlib import Path
 
 import typer
 
-#: names that ``--data`` accepts besides a JSONL file
-DATA_SETS = {
-    "gsm8k-train": "gsm8k/train.jsonl",
-}
-
-
-def resolve_data(data: str) -> Path:
-    """A prompts file: a JSONL path, or ``gsm8k-train`` (the shared GSM8K train
-    questions, ``$MLX_MTP_DATA`` or ``../shared/data`` next to the repo).
-
-    Raises:
-        InvalidArgumentError: neither an existing file nor a known name.
-    """
-    import os
-
-    from ..errors import InvalidArgumentError
-
-    if data in DATA_SETS:
-        roots = [os.environ.get("MLX_MTP_DATA", ""), "/work/shared/data"]
-        roots.append(str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-        for root in roots:
-            if root and (Path(root) / DATA_SETS[data]).is_file():
-                return Path(root) / DATA_SETS[data]
-        raise InvalidArgumentError(
-            f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
-            "the folder that holds it, or pass a JSONL file."
-        )
-    p = Path(data).expanduser()
-    if not p.is_file():
-        raise InvalidArgumentError(f"--data {data}: no such file (expected prompts as JSONL).")
-    return p
+from ..data import resolve_data  # JSONL file or a named data set
 
 
 def run_train_mtp(
@@ -175,7 +145,7 @@ def register(app: typer.Typer) -> None:
             regions=regions,
             gen_tokens=gen_tokens,
         )
-        from ..methods.confadapt import adapter_dirs
+        from ..mtp_checkpoint import adapter_dirs
 
         if not lora:
             how = f" --model {path}"

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
-
 from ..engine import Engine
 from ..errors import InvalidArgumentError
-from ..verify import Sampler, verify
+from ..speculative import Draft, Verified, speculative_step
+from ..verify import Sampler
 
 
 @dataclass
@@ -36,7 +35,9 @@ class Method:
 
     Subclasses set ``name`` and ``lossless``, validate their options in
     ``__init__``, check the model in :meth:`prepare`, reset per-generation state
-    in :meth:`begin` and commit tokens in :meth:`step`.
+    in :meth:`begin` and commit tokens in :meth:`step`. Lossless methods
+    subclass :class:`SpeculativeMethod` instead and only propose and observe;
+    only lossy decoding (confadapt, clp ``mode=paper``) writes its own ``step``.
     """
 
     name: ClassVar[str] = ""
@@ -73,25 +74,49 @@ class Method:
         raise NotImplementedError
 
 
-class ChainDraftMethod(Method):
-    """A lossless method whose drafts are one chain, verified in one causal
-    forward pass (prompt lookup, lookahead candidates, CLP verified mode)."""
+class SpeculativeMethod(Method):
+    """A lossless method: it proposes, the shared stage verifies.
 
-    def draft(self, engine: Engine, root: int) -> list[int]:
+    Subclasses implement :meth:`propose` (build this step's draft tree or
+    chain from their own state) and, if they learn from the outcome,
+    :meth:`observe`. They never run the verification themselves:
+    :meth:`step` hands the draft to
+    :func:`~mlx_mtp.speculative.speculative_step` (forward pass, target
+    tokens, tree walk, keep the accepted path, bonus token; greedy or
+    sampling), which makes the output equal plain decoding's whatever the
+    draft. ``begin`` resets per-generation state as for every method.
+    """
+
+    def propose(self, engine: Engine, root: int) -> Draft:
+        """This step's draft after ``root`` (the last committed token, not yet
+        in the cache): slot 0 of the draft is ``root``. May read
+        ``engine.cached`` and embed tokens; must not run a forward pass or
+        change the cache."""
         raise NotImplementedError
 
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        """Update the method's own state (mask vectors, n-gram pools, acceptance
+        statistics) from a verified step. ``engine`` is passed for device work
+        on the pass's outputs (``engine.lm_head`` on hidden rows, top-k through
+        ``engine.timed_eval``); the cache already holds the accepted path."""
+
     def step(self, engine: Engine, root: int) -> StepOutput:
-        draft = self.draft(engine, root)
-        start = engine.offset
-        if draft:
-            engine._require_trimmable(len(draft) + 1)
-        logits, _ = engine.forward_chain([root, *draft])
-        n = len(draft) + 1
-        parents = np.arange(-1, n - 1)
-        slot_tokens = np.array([root, *draft])
-        path, bonus = verify(logits, parents, slot_tokens, self.sampler, engine)
-        engine.keep(start, [0, *path])
-        return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
+        draft = self.propose(engine, root)
+        verified = speculative_step(engine, draft, self.sampler)
+        self.observe(engine, draft, verified)
+        return StepOutput(verified.tokens, draft.drafted, len(verified.path))
+
+
+class ChainDraftMethod(SpeculativeMethod):
+    """A lossless method whose drafts are one chain of tokens (prompt lookup),
+    verified in one causal forward pass: implement :meth:`draft`."""
+
+    def draft(self, engine: Engine, root: int) -> list[int]:
+        """Draft tokens to follow ``root`` (may be empty)."""
+        raise NotImplementedError
+
+    def propose(self, engine: Engine, root: int) -> Draft:
+        return Draft.chain(root, self.draft(engine, root))
 
 
 def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:

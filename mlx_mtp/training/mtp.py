@@ -26,7 +26,7 @@ with the mask token added to the vocabulary (embedding and LM head resized,
 tied embeddings included). LoRA mode trains low-rank deltas plus the mask
 token's embedding row and writes a small adapter folder, keyed by the base
 model's fingerprint, that ``--method confadapt`` applies on load. By default
-the deltas are gated (:class:`~mlx_mtp.methods.confadapt.GatedLoRALinear`,
+the deltas are gated (:class:`~mlx_mtp.mtp_checkpoint.GatedLoRALinear`,
 after Samragh et al., arXiv 2507.11851 §3.3): they act only at mask tokens, so
 real tokens, and with them every block's first token, stay exactly the base
 model's. ``gated=False`` uses mlx-lm's plain LoRA, which the next-token loss
@@ -53,16 +53,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache_view import install_positional_rope
 from ..errors import InvalidArgumentError
 from ..fingerprint import model_signature
-from ..methods.confadapt import (
+from ..mtp_checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
     MaskedEmbedding,
     MaskGate,
     MTPMetadata,
-    _get_module,
     clone_modules,
     gated_lora_layers,
+    get_module,
     lora_modules,
     tokenizer_eos_ids,
     tokenizer_mask_id,
@@ -688,7 +688,7 @@ class Trainer:
     def _export_adapter(self, d: Path) -> None:
         weights: dict[str, mx.array] = {}
         for path in self.lora_paths:
-            m = _get_module(self.student, path)
+            m = get_module(self.student, path)
             weights[f"{path}.lora_a"] = m.lora_a.astype(mx.float16)
             weights[f"{path}.lora_b"] = m.lora_b.astype(mx.float16)
         weights["mask_embedding"] = self.student.model.embed_tokens.mask_embedding.astype(
