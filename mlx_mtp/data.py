@@ -75,12 +75,50 @@ def resolve_data(data: str) -> Path:
     return p
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation for generation, with the tokenizer's chat
-    template when it has one (else the contents joined by blank lines): the
-    one prompt renderer of the benchmark and the trainers."""
+#: prompt formats: ``chat`` (the tokenizer's chat template) or ``plain`` (BOS +
+#: each message + a blank line: the format of the released Qwen3 MTP checkpoint,
+#: Kirchenbauer et al., arXiv 2602.06019)
+PROMPT_FORMATS = ("plain", "chat")
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    prompt_format: str = "chat",
+    thinking: bool = False,
+) -> list[int]:
+    """Token ids of a conversation for generation: the one prompt renderer of
+    the API, the benchmark and the trainers.
+
+    Args:
+        tokenizer: an mlx-lm/HF tokenizer.
+        messages: ``{"role", "content"}`` dicts.
+        prompt_format: ``chat``: the tokenizer's chat template with the
+            generation prompt (without a template: the contents joined by
+            blank lines); ``plain``: BOS + each message's content + "\n\n".
+        thinking: ``enable_thinking`` of hybrid-thinking chat templates
+            (Qwen3): off by default (the template then opens and closes an
+            empty think block); templates without the switch ignore it.
+
+    Raises:
+        InvalidArgumentError: unknown ``prompt_format``.
+    """
+    if prompt_format not in PROMPT_FORMATS:
+        raise InvalidArgumentError(
+            f"prompt format must be one of {', '.join(PROMPT_FORMATS)}, not {prompt_format!r}."
+        )
+    if prompt_format == "plain":
+        text = "".join(m["content"] + "\n\n" for m in messages)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return ([bos] if bos is not None else []) + [int(t) for t in ids]
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, enable_thinking=bool(thinking)
+            )
+        )
     return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
 
 

@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tuner.lora import LoRALinear
 
+from .data import PROMPT_FORMATS
 from .dims import model_dims, packed_width_factor
 from .errors import CheckpointMismatchError, UnsupportedModelError
 
@@ -47,8 +48,6 @@ MTP_CONFIG = "mtp_config.json"
 #: metadata file of an on-device LoRA adapter folder
 ADAPTER_CONFIG = "mtp_adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
-#: prompt formats: "plain" = BOS + input + "\n\n" (the Qwen checkpoint), "chat" = chat template
-PROMPT_FORMATS = ("plain", "chat")
 #: adapters shipped with the package (one sub-folder each)
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "assets" / "confadapt"
 

@@ -369,7 +369,9 @@ def _run_one(
             {"role": "assistant", "content": first["text"]},
             {"role": "user", "content": p.turns[1]},
         ]
-    ids = render_prompt(tokenizer, messages)
+    # an MTPModel renders in its method's prompt format (a self-distilled MTP
+    # checkpoint's "plain"); the mlx_lm peer with the chat template
+    ids = render_prompt(tokenizer, messages) if isinstance(m, MLXLMPeer) else m.encode(messages)
     seed = (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
     _reset(m)
     res = m.generate(ids, max_tokens=config.max_tokens, temp=config.temp, seed=seed)

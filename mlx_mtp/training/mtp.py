@@ -51,6 +51,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache_view import install_positional_rope
+from ..data import render_prompt
 from ..errors import InvalidArgumentError
 from ..fingerprint import model_signature
 from ..mtp_checkpoint import (
@@ -142,17 +143,11 @@ class TrainConfig:
 
 # ----------------------------------------------------------------- data
 def encode_prompt(tokenizer: Any, text: str, prompt_format: str) -> list[int]:
-    """Token ids of a prompt: ``"chat"`` (chat template, generation prompt) or
-    ``"plain"`` (BOS + text + "\\n\\n", the Qwen MTP checkpoint's format)."""
-    if prompt_format == "chat" and getattr(tokenizer, "chat_template", None):
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        )
-    ids = list(tokenizer.encode(text + "\n\n", add_special_tokens=False))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([bos] if bos is not None else []) + ids
+    """Token ids of one user message in ``prompt_format`` (``chat`` or ``plain``;
+    :func:`mlx_mtp.data.render_prompt`)."""
+    return render_prompt(
+        tokenizer, [{"role": "user", "content": text}], prompt_format=prompt_format
+    )
 
 
 def greedy_continuation(model: nn.Module, prompt: list[int], n: int, eos: set[int]) -> list[int]:
