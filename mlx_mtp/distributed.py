@@ -26,12 +26,13 @@ its input, so callers need no ``if distributed`` of their own.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UnsupportedModelError
+from .errors import MTPError, UnsupportedModelError
 
 T = TypeVar("T")
 
@@ -96,6 +97,33 @@ def agree(value: T) -> T:
     n = int(_all_sum(mx.zeros((1,), dtype=mx.int32)).item())
     data = _all_sum(mx.zeros((n,), dtype=mx.uint8))
     return pickle.loads(bytes(memoryview(data)))
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and return its result on every rank (for work
+    with side effects that must happen once: reading a file that only rank 0
+    has, importing a model, planning a benchmark). An :class:`MTPError` or
+    ``OSError`` it raises is raised on every rank, with rank 0's message, so
+    that no rank is left waiting for the others. Alone: ``fn()``.
+    """
+    if group() is None:
+        return fn()
+    result, err = None, None
+    if is_main():
+        try:
+            result = fn()
+        except (MTPError, OSError) as e:
+            err = (isinstance(e, OSError), type(e).__name__, str(e))
+    result, err = agree((result, err))
+    if err is not None:
+        from . import errors
+
+        is_os, name, message = err
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, MTPError)):
+            cls = OSError if is_os else MTPError
+        raise cls(message)
+    return result
 
 
 def agree_flag(flag: bool) -> bool:

@@ -255,21 +255,8 @@ def _resolve_in_group(spec: str) -> Path:
     """:func:`resolve_model` on rank 0 first, then on the other ranks (which
     find rank 0's import on a shared machine, or make their own on another
     Mac); rank 0's error, if any, is raised on every rank."""
-    from .errors import MTPError
-
-    err: tuple[str, str] | None = None
-    path = None
-    if distributed.is_main():
-        try:
-            path = resolve_model(spec)
-        except MTPError as e:
-            err = (type(e).__name__, str(e))
-    err = distributed.agree(err)
-    if err is not None:
-        from . import errors
-
-        raise getattr(errors, err[0], ModelNotFoundError)(err[1])
-    return path if path is not None else resolve_model(spec)
+    path = distributed.on_main(lambda: str(resolve_model(spec)))
+    return Path(path) if distributed.is_main() else resolve_model(spec)
 
 
 def one_line(e: BaseException, limit: int = 400) -> str:
