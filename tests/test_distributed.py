@@ -187,3 +187,26 @@ def test_smollm_three_ranks_probe_equals_one_process(smollm, tmp_path):
             assert rep[method]["tokens"] == one.tokens
             assert rep[method]["text"] == one.text
     assert reps[0]["probe"]["forwards"] < reps[0]["ntp"]["forwards"]
+
+
+def test_confadapt_refuses_an_unsharded_adapter_on_a_sharded_model():
+    """An on-device adapter's LoRA weights are for the whole model: refused
+    clearly on a sharded one (here pipeline-sharded over a pretend 2-rank
+    group), before any adapter tensor is read."""
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS, ConfAdapt
+
+    class Group:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    model = make_tiny_model("qwen2")
+    distributed.shard_model(model, Group(), pipeline=True)
+    engine = Engine(model)
+    with pytest.raises(UnsupportedModelError, match="sharded .*pipeline.*not sharded"):
+        ConfAdapt(adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k").prepare(engine)
+    with pytest.raises(UnsupportedModelError, match="on-device adapter"):
+        ConfAdapt().prepare(engine)
