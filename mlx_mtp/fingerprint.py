@@ -33,6 +33,9 @@ def model_fingerprint(model: nn.Module, rows: int = 64) -> str:
     sample = w[idx].astype(mx.float32)
     arg = np.concatenate([np.array(mx.argmax(sample, axis=1)), np.array(mx.argmin(sample, axis=1))])
     h = hashlib.sha256()
-    h.update(f"{len(model.layers)}:{tuple(w.shape)}".encode())
+    layers = len(model.layers)
+    if getattr(model.model, "pipeline_size", 1) > 1:  # pipeline-sharded: this rank's layers
+        layers = int(getattr(model.args, "num_hidden_layers", layers))
+    h.update(f"{layers}:{tuple(w.shape)}".encode())
     h.update(arg.astype(np.int64).tobytes())
     return h.hexdigest()[:16]

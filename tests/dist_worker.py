@@ -92,7 +92,21 @@ def logits_diff(ref, sharded, prompt):
     return max(diffs)
 
 
-def tiny_cases(report):
+def tiny_heads(model, folder):
+    """CLP heads (2 ahead) for the unsharded ``model``, random but the same on
+    every rank (as tests/test_clp.py makes them)."""
+    from mlx_mtp.clp_heads import CLPHeads, base_config, save_heads
+
+    cfg = base_config(model, "tiny", 2, "resblock", bottleneck=16, gate_hidden=None)
+    mx.random.seed(5)
+    heads = CLPHeads(cfg)
+    for h in heads.heads:
+        h.w2.weight = mx.random.normal(h.w2.weight.shape) * 0.5
+    mx.eval(heads.parameters())
+    return str(save_heads(heads, folder))
+
+
+def tiny_cases(report, out):
     rank = distributed.rank()
     # agree: rank 0's value everywhere, bit for bit
     report["agree"] = distributed.agree({"rank": rank, "x": 0.1 + rank})
@@ -107,7 +121,12 @@ def tiny_cases(report):
         mx.eval(sharded.parameters())
         fam = report.setdefault(family, {"sharding": how})
         fam["logits_diff"] = logits_diff(ref, sharded, prompt)
-        for label, name, opts in METHODS:
+        heads = tiny_heads(ref, out / f"heads-{family}-rank{rank}")
+        clp = [
+            ("clp", "clp", {"heads": heads, "predictor": "all"}),
+            ("clp-paper", "clp", {"heads": heads, "predictor": "all", "mode": "paper"}),
+        ]
+        for label, name, opts in METHODS + clp:
             for temp in (0.0, 0.8):
                 key = f"{label}@{temp}"
                 sampler = PositionalSampler(temp, top_p=0.9, seed=seed) if temp else None
@@ -133,7 +152,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     which = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     report: dict = {"rank": distributed.rank(), "size": distributed.size()}
-    (tiny_cases if which == "tiny" else smollm_cases)(report)
+    if which == "tiny":
+        tiny_cases(report, out)
+    else:
+        smollm_cases(report)
     distributed.barrier()
     (out / f"rank{distributed.rank()}.json").write_text(json.dumps(report))
 

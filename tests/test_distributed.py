@@ -32,6 +32,8 @@ METHOD_CASES = [
     "hybrid",
     "hybrid-auto",
     "lookahead",
+    "clp",
+    "clp-paper",
 ]
 
 
