@@ -8,6 +8,7 @@ unsharded run). A failed check is recorded, not raised, so that the ranks stay
 in step; an unexpected exception exits non-zero.
 
 Usage: python tests/dist_worker.py OUT_DIR [tiny|smollm]
+(tiny: the tiny-model method cases, then the serve worker cases)
 """
 
 from __future__ import annotations
@@ -147,12 +148,119 @@ def smollm_cases(report):
     report["sharding"] = distributed.sharding(m.model)
 
 
+def tiny_folder(out: Path) -> str:
+    """A tiny llama saved as a model folder with SmolLM2's tokenizer (vocab
+    49152), so that ``mlx-mtp serve``'s worker can load it by path."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.loading import resolve_model
+
+    dest = out / "tiny-llama"
+    dest.mkdir()
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+        "rope_traditional": False,
+    }
+    model = make_tiny_model("llama", seed=0, vocab_size=49152)
+    emb = model.model.embed_tokens  # flatter logits: seeded samples vary
+    emb.weight = emb.weight * 0.25
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    tok = resolve_model("smollm2-135m")
+    for f in tok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy(f, dest / f.name)
+    return str(dest)
+
+
+def serve_cases(report, out):
+    """The ``serve`` worker on 2 ranks: rank 0 takes the jobs (no HTTP here),
+    the other rank follows; a job cancelled after its first step stops on
+    both ranks; stopping rank 0's worker ends the follower."""
+    from mlx_lm import load as mlx_load
+
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.loading import LoadedModel
+    from mlx_mtp.server.worker import Worker
+
+    folder = distributed.on_main(lambda: tiny_folder(out))
+    worker = Worker(folder, "probe", {"bc": "10"}, dtype="float32", max_tokens=16)
+    worker.start()
+    report["sharding"] = distributed.sharding(worker.loaded.model)
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    if not distributed.is_main():
+        worker.wait()
+        report["counts"] = worker.counts
+    else:
+        serve_jobs(report, worker, folder, msgs)
+    # the unsharded reference (mlx_lm.load: no sharding), same requests, on
+    # every rank (the seed is agreed on, a collective)
+    model, tok, cfg = mlx_load(folder, return_config=True)
+    loaded = LoadedModel(model, tok, Path(folder), cfg, folder, "float32")
+    ref = {}
+    for name, opts in (("probe", {"bc": "10"}), ("pld", {})):
+        r = MTPModel(loaded, make_method(name, **opts)).generate(msgs, max_tokens=16)
+        ref[name] = r.text
+    r = MTPModel(loaded, make_method("probe", bc="10")).generate(
+        msgs, max_tokens=16, temp=0.9, seed=7
+    )
+    ref["seeded"] = r.text
+    report["ref"] = ref
+
+
+def serve_jobs(report, worker, folder, msgs):
+    """Rank 0: submit jobs to the worker and record what the clients got."""
+    import threading
+
+    from mlx_mtp.server.protocol import GenRequest
+    from mlx_mtp.server.worker import Job
+
+    def submit(req, cancel_after_start=False):
+        events, done = [], threading.Event()
+
+        def emit(ev):
+            events.append(ev)
+            if ev[0] == "started" and cancel_after_start:
+                job.cancel.set()
+            if ev[0] in ("done", "error", "cancelled"):
+                done.set()
+
+        job = Job(req, emit=emit)
+        worker.submit(job)
+        done.wait(600)
+        text = "".join(ev[1] for ev in events if ev[0] == "delta")
+        return text, events[-1][0], events[-1][1] if len(events[-1]) > 1 else None
+
+    report["jobs"] = {
+        "probe": submit(GenRequest("chat", folder, msgs)),
+        "pld": submit(GenRequest("chat", folder, msgs, method="pld")),
+        "cancelled": submit(GenRequest("chat", folder, msgs, max_tokens=64), True),
+        "seeded": submit(GenRequest("chat", folder, msgs, temperature=0.9, seed=7)),
+    }
+    worker.stop()
+    report["counts"] = worker.counts
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     which = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     report: dict = {"rank": distributed.rank(), "size": distributed.size()}
-    if which == "tiny":
-        tiny_cases(report, out)
+    if which in ("tiny", "serve"):
+        if which == "tiny":
+            tiny_cases(report, out)
+        serve_cases(report, out)
     else:
         smollm_cases(report)
     distributed.barrier()

@@ -125,6 +125,24 @@ def test_sharded_methods_match(tiny_report, family, case, temp):
         assert r0["sharded"]["slot_costs"], "bc=auto measured no slot cost"
 
 
+def test_serve_worker_on_two_ranks(tiny_report):
+    """``mlx-mtp serve``'s worker on a tiny llama sharded over 2 ranks: rank 0
+    takes the jobs, rank 1 follows every one (also the one whose client left
+    after the first step) and ends when rank 0's worker stops; the answers
+    equal the unsharded model's."""
+    r0, r1 = tiny_report
+    assert r0["sharding"] == r1["sharding"] == "tensor"
+    jobs, ref = r0["jobs"], r0["ref"]
+    for name in ("probe", "pld", "seeded"):
+        text, event, finish = jobs[name]
+        assert (event, finish) == ("done", "length")
+        assert text == ref[name]
+    assert ref["seeded"] != ref["probe"]  # sampling really sampled
+    assert jobs["cancelled"][1:] == ["done", "cancelled"]
+    assert r0["counts"] == r1["counts"] == {"done": 3, "cancelled": 1, "failed": 0, "rejected": 0}
+    assert r1["ref"] == ref
+
+
 def test_tensor_parallel_refusal_names_sizes_that_work():
     """SmolLM2's shape (9 query / 3 KV heads) on llama, which has no pipeline:
     4 ranks are refused, naming 3; nothing is changed."""
