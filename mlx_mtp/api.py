@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from . import distributed
 from .data import render_prompt
 from .decoding import GenerationStats, generate_steps
 from .engine import Engine, check_cache_support
@@ -214,7 +215,8 @@ class MTPModel:
         tokens = self.encode(prompt, chat_template)
         sampler = None
         if args["temp"] > 0:
-            seed = args["seed"] if args["seed"] is not None else random_seed()
+            # rank 0's seed on every rank of a sharded model (DESIGN §6, class 14)
+            seed = distributed.agree(args["seed"] if args["seed"] is not None else random_seed())
             sampler = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, seed)
         max_tokens = args["max_tokens"]
         detok = self.tokenizer.detokenizer
@@ -291,6 +293,7 @@ def load(
     dtype: str | None = None,
     max_kv_size: int | None = None,
     thinking: bool = False,
+    pipeline: bool = False,
     **method_options: Any,
 ) -> MTPModel:
     """Load a model and a multi-token method.
@@ -302,6 +305,8 @@ def load(
             (Qwen3); off by default.
         dtype: compute dtype (float32 default on Linux CPU; as stored on Mac).
         max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
+        pipeline: under ``mlx.launch`` (a group of several ranks), shard the
+            model by layers instead of by heads (see :mod:`mlx_mtp.distributed`).
         **method_options: e.g. ``bc=30, masks=2, tree="dynamic"`` for probe.
 
     Raises:
@@ -321,7 +326,9 @@ def load(
         check_value("max_kv_size", max_kv_size)
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
-    return MTPModel(load_model(model, dtype), m, max_kv_size=max_kv_size, thinking=thinking)
+    return MTPModel(
+        load_model(model, dtype, pipeline=pipeline), m, max_kv_size=max_kv_size, thinking=thinking
+    )
 
 
 def plain_chat_text(messages: list[dict[str, str]]) -> str:

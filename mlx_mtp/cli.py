@@ -51,6 +51,12 @@ MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in toke
 THINKING = typer.Option(
     False, "--thinking/--no-thinking", help="Hybrid-thinking chat templates (Qwen3): think first."
 )
+PIPELINE = typer.Option(
+    False,
+    "--pipeline",
+    help="Under mlx.launch (several ranks): shard the model by layers (pipeline parallel) "
+    "instead of by heads (tensor parallel, the default).",
+)
 
 
 def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
@@ -71,11 +77,23 @@ def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
     return out
 
 
-def _load(model, method, dtype, max_kv, options, thinking=False):
-    from . import load
+def _load(model, method, dtype, max_kv, options, pipeline=False, thinking=False):
+    from . import distributed, load
 
-    typer.echo(f"loading {model} ({method}) ...", err=True)
-    return load(model, method, dtype=dtype, max_kv_size=max_kv, thinking=thinking, **options)
+    where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
+    typer.echo(f"loading {model} ({method}){where} ...", err=True)
+    m = load(
+        model,
+        method,
+        dtype=dtype,
+        max_kv_size=max_kv,
+        pipeline=pipeline,
+        thinking=thinking,
+        **options,
+    )
+    if where:
+        typer.echo(f"sharded: {distributed.sharding(m.model)} parallel{where}", err=True)
+    return m
 
 
 @app.command()
@@ -99,16 +117,21 @@ def generate(
     max_kv_size: int | None = MAX_KV,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     thinking: bool = THINKING,
+    pipeline: bool = PIPELINE,
 ):
     """Generate one answer and print statistics."""
+    from . import distributed
+
     if prompt == "-":
-        prompt = sys.stdin.read()
+        # read on rank 0 only (a launcher gives stdin to rank 0), shared with all
+        prompt = distributed.agree(sys.stdin.read() if distributed.is_main() else None)
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
     last = None
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_generation_args(**sampling, seed=seed)  # before the slow load
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau), thinking)
+    opts = _options(bc, masks, tree, opt, k, tau)
+    m = _load(model, method, dtype, max_kv_size, opts, pipeline, thinking)
     for chunk in m.stream_generate(prompt, **sampling, seed=seed, chat_template=not raw):
         typer.echo(chunk.text, nl=False)
         last = chunk
@@ -136,17 +159,21 @@ def chat(
     opt: list[str] | None = OPT,
     max_kv_size: int | None = MAX_KV,
     thinking: bool = THINKING,
+    pipeline: bool = PIPELINE,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
+    from . import distributed
+
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_generation_args(**sampling, seed=seed)  # before the slow load
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau), thinking)
+    opts = _options(bc, masks, tree, opt, k, tau)
+    m = _load(model, method, dtype, max_kv_size, opts, pipeline, thinking)
     session = m.chat()
     typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
     while True:
-        try:
-            line = input(">> ")
-        except (EOFError, KeyboardInterrupt):
+        # rank 0 reads the line; every rank of a sharded model gets it
+        line = distributed.agree(_read_line() if distributed.is_main() else None)
+        if line is None:
             typer.echo("")
             return
         if line.strip() in ("/quit", "/exit"):
@@ -166,6 +193,14 @@ def chat(
         typer.echo("")
         if last is not None:
             typer.echo(last.stats.summary(), err=True)
+
+
+def _read_line() -> str | None:
+    """One line from the user, None at end of input or Ctrl-C."""
+    try:
+        return input(">> ")
+    except (EOFError, KeyboardInterrupt):
+        return None
 
 
 @app.command()
@@ -226,6 +261,10 @@ def main() -> None:
     flag, missing or unparsable value, out-of-range value: click prints the
     usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
     Never a traceback for either."""
+    from . import distributed
+
+    if not distributed.is_main():
+        _quiet_rank()
     try:
         app(standalone_mode=False)
     except (MTPError, OSError) as e:  # OSError: an --out/--data path that cannot be used
@@ -238,6 +277,38 @@ def main() -> None:
             sys.exit(130)
         e.show()  # type: ignore[attr-defined]
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
+
+
+def _quiet_rank() -> None:
+    """On ranks other than 0 of an MLX group (``mlx.launch``): output and
+    progress bars go nowhere, so only rank 0 prints; error lines still reach
+    the real stderr, marked with the rank."""
+    import os
+
+    from . import distributed
+
+    real = sys.__stderr__
+
+    class _ErrorsOnly:
+        failing = False  # from the first error line on, everything passes
+
+        def write(self, text: str) -> int:
+            if not self.failing and text.startswith(("error:", "Error:", "Traceback")):
+                self.failing = True
+                text = f"[rank {distributed.rank()}] {text}"
+            if self.failing and real is not None:
+                real.write(text)
+            return len(text)
+
+        def flush(self) -> None:
+            if real is not None:
+                real.flush()
+
+        def isatty(self) -> bool:
+            return False
+
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    sys.stderr = _ErrorsOnly()
 
 
 if __name__ == "__main__":

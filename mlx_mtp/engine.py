@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import does_model_support_input_embeddings
 
+from . import distributed
 from .cache_view import TreeCacheView, install_positional_rope
 from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 
@@ -130,7 +131,16 @@ def memory_limit() -> tuple[int, str]:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         limits.append((int(soft), "address-space limit (ulimit -v)"))
-    return min(limits) if limits else (16 << 30, "assumed")
+    limit = min(limits) if limits else (16 << 30, "assumed")
+    if distributed.group() is not None:  # the smallest rank's, so all refuse alike
+        if not _GROUP_LIMIT:
+            least = distributed.all_min(limit[0])
+            _GROUP_LIMIT.append(limit if least == limit[0] else (least, "smallest rank's memory"))
+        return _GROUP_LIMIT[0]
+    return limit
+
+
+_GROUP_LIMIT: list[tuple[int, str]] = []
 
 
 #: share of :func:`memory_limit` one forward pass's scratch memory may take
@@ -473,6 +483,7 @@ class Engine:
         t1 = float(np.median([timed(1) for _ in range(repeats)]))
         tn = float(np.median([timed(n) for _ in range(repeats)]))
         cost = max(0.0, (tn - t1) / ((n - 1) * t1)) if t1 > 0 else 0.0
+        cost = distributed.agree(cost)  # a timing: rank 0 decides for all ranks
         self._slot_costs[n] = cost
         return cost
 

@@ -59,6 +59,15 @@ def _sample(model: nn.Module, rows: int = ROWS) -> tuple[mx.array, tuple[int, in
     return sample.astype(mx.float32), (vocab, int(sample.shape[1]))
 
 
+def _layers(model: nn.Module) -> int:
+    """The model's number of decoder layers (all of them on a pipeline-sharded
+    rank, which holds only its own)."""
+    layers = len(model.layers)
+    if getattr(model.model, "pipeline_size", 1) > 1:
+        layers = int(getattr(model.args, "num_hidden_layers", layers))
+    return layers
+
+
 def model_fingerprint(model: nn.Module, rows: int = ROWS) -> str:
     """Hex digest (16 chars) of a model's shape and its input embedding.
 
@@ -76,7 +85,7 @@ def model_fingerprint(model: nn.Module, rows: int = ROWS) -> str:
     sample, shape = _sample(model, rows)
     arg = np.concatenate([np.array(mx.argmax(sample, axis=1)), np.array(mx.argmin(sample, axis=1))])
     h = hashlib.sha256()
-    h.update(f"{len(model.layers)}:{shape}".encode())
+    h.update(f"{_layers(model)}:{shape}".encode())
     h.update(arg.astype(np.int64).tobytes())
     return h.hexdigest()[:16]
 
@@ -96,7 +105,7 @@ def model_signature(model: nn.Module) -> dict[str, Any]:
     proj = np.random.default_rng(0).choice([-1.0, 1.0], size=(shape[1], PROJECTIONS))
     values = np.array(sample, dtype=np.float64) @ proj
     return {
-        "layers": len(model.layers),
+        "layers": _layers(model),
         "shape": list(shape),
         "projections": [float(f"{v:.5g}") for v in values.ravel()],
     }

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import distributed
 from .errors import ModelLoadError, ModelNotFoundError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -194,14 +195,22 @@ class LoadedModel:
     dtype: str
 
 
-def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
+def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> LoadedModel:
     """Resolve and load a model with mlx-lm, then set its compute dtype.
+
+    In a process group of more than one rank (``mlx.launch``, see
+    :mod:`mlx_mtp.distributed`) the model is sharded over the group before
+    its weights are evaluated: tensor parallel, or pipeline parallel with
+    ``pipeline`` or where the head counts do not divide the group size.
+    Rank 0 resolves the spec first (a GGUF import or a download happens once
+    per machine, not once per rank at the same time).
 
     Args:
         spec: see :func:`resolve_model`.
         dtype: ``float32``/``bfloat16``/``float16`` (quantized weights are
             dequantized), ``auto`` (as stored), or None for
             :func:`default_dtype`.
+        pipeline: in a group, shard by layers instead of by heads.
 
     Raises:
         ModelNotFoundError: see :func:`resolve_model`.
@@ -219,9 +228,10 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
         raise InvalidArgumentError(
             f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto."
         )
-    path = resolve_model(spec)
+    grp = distributed.group()
+    path = _resolve_in_group(spec) if grp is not None else resolve_model(spec)
     try:
-        model, tokenizer, config = mlx_load(str(path), return_config=True)
+        model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=grp is not None)
     except Exception as e:
         raise ModelLoadError(
             f"Could not load the model in {path}: {type(e).__name__}: {one_line(e)} The folder "
@@ -233,8 +243,20 @@ def load_model(spec: str, dtype: str | None = None) -> LoadedModel:
             model.set_dtype(mx.float32)
             model = dequantize_model(model)
         model.set_dtype(DTYPES[dtype])
-        mx.eval(model.parameters())
+    if grp is not None:
+        # every rank checks the same config, so all refuse together or none does
+        distributed.shard_model(model, grp, pipeline=pipeline)
+    mx.eval(model.parameters())
+    distributed.barrier()
     return LoadedModel(model, tokenizer, path, config, spec, dtype)
+
+
+def _resolve_in_group(spec: str) -> Path:
+    """:func:`resolve_model` on rank 0 first, then on the other ranks (which
+    find rank 0's import on a shared machine, or make their own on another
+    Mac); rank 0's error, if any, is raised on every rank."""
+    path = distributed.on_main(lambda: str(resolve_model(spec)))
+    return Path(path) if distributed.is_main() else resolve_model(spec)
 
 
 def one_line(e: BaseException, limit: int = 400) -> str:

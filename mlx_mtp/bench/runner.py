@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import distributed
 from ..data import TASKS, load_questions, render_prompt
 from ..errors import InvalidArgumentError
 from . import metrics
@@ -238,6 +239,7 @@ def run_bench(
     progress: bool = True,
     plots: bool = True,
     generate: bool = True,
+    pipeline: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) a benchmark and write ``results.json``, ``report.md``
     and the plots into ``config.out``.
@@ -251,6 +253,9 @@ def run_bench(
         plots: write the PNG plots.
         generate: False only rebuilds the outputs from the records found in
             ``config.out`` (a partial run gives partial tables, marked so).
+        pipeline: on several ranks (``mlx.launch``), shard by layers. Rank 0
+            plans the run, keeps the records and writes the outputs; the other
+            ranks run the same generations and return ``{}``.
 
     Returns:
         The results dict written to ``results.json``.
@@ -279,27 +284,34 @@ def run_bench(
             raise InvalidArgumentError(
                 f"Unknown dtype {config.dtype!r}; use one of float32, bfloat16, float16, auto."
             )
-        resolve_model(config.model)
-    store = ResultStore(out, config.settings(), overwrite)
-    done = {
-        entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r
-        for r in store.load(repair=generate)
-    }
+        distributed.on_main(lambda: str(resolve_model(config.model)))  # imports once
+    stores: list[ResultStore] = []
 
-    todo, planned = [], 0
-    for p in prompts:
-        for turn in range(1, min(config.turns, len(p.turns)) + 1):
-            for rep in range(config.repeats):
-                for label in methods:
-                    planned += 1
-                    if entry_key(p.qid, turn, rep, label) not in done:
-                        todo.append((p, turn, rep, label))
+    def plan() -> tuple[dict, list, int]:
+        # rank 0 only (see distributed.on_main): it alone keeps the records
+        stores.append(ResultStore(out, config.settings(), overwrite))
+        done = {
+            entry_key(r["qid"], r["turn"], r["repeat"], r["method"]): r
+            for r in stores[0].load(repair=generate)
+        }
+        todo, planned = [], 0
+        for p in prompts:
+            for turn in range(1, min(config.turns, len(p.turns)) + 1):
+                for rep in range(config.repeats):
+                    for label in methods:
+                        planned += 1
+                        if entry_key(p.qid, turn, rep, label) not in done:
+                            todo.append((p, turn, rep, label))
+        return done, todo, planned
+
+    done, todo, planned = distributed.on_main(plan)
+    store = stores[0] if stores else None
 
     if todo and generate:
         if loaded is None:
             from ..loading import load_model
 
-            loaded = load_model(config.model, config.dtype)
+            loaded = load_model(config.model, config.dtype, pipeline=pipeline)
         models = {
             label: m.bind(loaded) if isinstance(m, MLXLMPeer) else MTPModel(loaded, m)
             for label, m in methods.items()
@@ -310,7 +322,8 @@ def run_bench(
             for p, turn, rep, label in todo:
                 bar.set_postfix_str(f"{p.task} {label}", refresh=False)
                 rec = _run_one(config, models[label], label, p, turn, rep, done, loaded.tokenizer)
-                store.append(rec)
+                if store is not None:
+                    store.append(rec)
                 done[entry_key(p.qid, turn, rep, label)] = rec
                 bar.update(1)
         finally:
@@ -318,6 +331,8 @@ def run_bench(
 
     from .report import build_results, write_outputs
 
+    if store is None:  # not rank 0
+        return {}
     records = store.load(repair=generate)
     if not records:
         raise InvalidArgumentError(f"{out} holds no finished generations to report on yet.")
@@ -431,5 +446,6 @@ def _environment() -> dict[str, Any]:
         "mlx_lm": lm_ver,
         "device": str(mx.default_device()),
         "blas": _blas.blas_status(),
+        "ranks": distributed.size(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -53,6 +53,9 @@ def register(app: typer.Typer) -> None:
             help="Generate nothing: rebuild results.json, report.md and plots from the "
             "records already in --out (same settings).",
         ),
+        pipeline: bool = typer.Option(
+            False, "--pipeline", help="Under mlx.launch: shard by layers instead of by heads."
+        ),
     ):
         """Run methods side by side (interleaved, one process) and write results.json,
         report.md and plots into --out. An interrupted run resumes where it stopped."""
@@ -79,7 +82,17 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             out=out,
         )
-        run_bench(cfg, overwrite=overwrite, plots=not no_plots, generate=not report_only)
+        run_bench(
+            cfg,
+            overwrite=overwrite,
+            plots=not no_plots,
+            generate=not report_only,
+            pipeline=pipeline,
+        )
+        from .. import distributed
+
+        if not distributed.is_main():  # rank 0 wrote the outputs
+            return
         report = Path(out) / "report.md"
         typer.echo(report.read_text())
         typer.echo(f"wrote {Path(out) / 'results.json'}, {report} and plots", err=True)

@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         METHOD,
         MODEL,
         OPT,
+        PIPELINE,
         TAU,
         TEMP,
         TOP_P,
@@ -80,6 +81,7 @@ def register(app: typer.Typer) -> None:
             help="(method, options) pairs kept loaded at once, each with its KV cache.",
         ),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+        pipeline: bool = PIPELINE,
     ):
         """Serve the model over the OpenAI HTTP API (/v1/chat/completions,
         /v1/completions, /v1/models, /health). A request picks its method with
@@ -111,8 +113,14 @@ def register(app: typer.Typer) -> None:
             top_p=top_p,
             queue_size=queue_size,
             max_methods=max_methods,
+            pipeline=pipeline,
         )
         worker.start()
+        from .. import distributed
+
+        if not distributed.is_main():  # only rank 0 serves HTTP; the others follow it
+            worker.wait()
+            return
         shown = f"[{host}]" if ":" in host else host
         typer.echo(
             f"serving {model} ({method}) at http://{shown}:{port}/v1 "

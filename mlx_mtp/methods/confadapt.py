@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..engine import Engine
@@ -138,6 +139,7 @@ class ConfAdapt(Method):
                 "--method confadapt needs the llama-style model layout (model.embed_tokens)."
             )
         loaded = getattr(engine, "loaded", None)
+        refuse_sharded_adapter(engine.model, loaded, self.adapter)
         meta, adapter = find_mtp_source(engine.model, loaded, self.adapter)
         if adapter is not None:
             cfg = read_adapter_config(adapter)
@@ -194,3 +196,33 @@ def confadapt_length(confidence: np.ndarray, tau: float) -> int:
     below = np.flatnonzero(np.asarray(confidence) < tau)
     n = int(below[0]) if below.size else len(confidence)
     return max(n, 1)
+
+
+def refuse_sharded_adapter(model: nn.Module, loaded: Any, adapter: Path | None) -> None:
+    """Refuse an on-device adapter on a model sharded over several ranks
+    (:mod:`mlx_mtp.distributed`): the adapter's LoRA tensors are made for the
+    whole model and are not sharded. A checkpoint with the mask token built in
+    (``mtp_config.json`` or the tokenizer's token) needs no adapter and runs
+    sharded.
+
+    Raises:
+        UnsupportedModelError: naming the sharding and what to use instead.
+    """
+    from .. import distributed
+
+    how = distributed.sharding(model)
+    if how is None:
+        return
+    built_in = loaded is not None and (
+        read_metadata(loaded.path) is not None
+        or tokenizer_mask_id(getattr(loaded, "tokenizer", None)) is not None
+    )
+    if adapter is None and built_in:
+        return
+    raise UnsupportedModelError(
+        f"--method confadapt: this model is sharded ({how} parallel) and its mask "
+        "token would come from an on-device "
+        "adapter, whose LoRA weights are made for the unsharded model and are not "
+        "sharded. Use a released MTP checkpoint with the mask token built in (e.g. "
+        "qwen3-4b-mtp), or run confadapt in one process."
+    )

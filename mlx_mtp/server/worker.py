@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import distributed
 from ..errors import MTPError
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
 
@@ -36,6 +37,10 @@ log = logging.getLogger("mlx_mtp.server")
 #:   ("error", OpenAIError)                  the request failed (before or during generation)
 #:   ("cancelled",)                          the client left while the job was queued
 Event = tuple
+
+#: seconds rank 0 of a sharded model waits for a request before telling the
+#: other ranks it is idle (each tells costs two small ``all_sum``)
+IDLE_POLL = 1.0
 
 
 @dataclass
@@ -101,6 +106,7 @@ class Worker:
         top_p: float = 0.0,
         queue_size: int = 8,
         max_methods: int = 4,
+        pipeline: bool = False,
     ):
         if queue_size < 1 or max_methods < 1:
             from ..errors import InvalidArgumentError
@@ -116,6 +122,7 @@ class Worker:
         self.top_p = top_p
         self.queue_size = queue_size
         self.max_methods = max_methods
+        self.pipeline = pipeline
         self.default_key = method_key(method, self.options)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._models: OrderedDict[tuple, Any] = OrderedDict()
@@ -163,6 +170,12 @@ class Worker:
         self._queue.put(None)
         self._thread.join(timeout)
         self._thread = None
+
+    def wait(self) -> None:
+        """Block until the worker thread ends (the other ranks of a sharded
+        model: until rank 0's worker stops)."""
+        if self._thread is not None:
+            self._thread.join()
 
     @property
     def alive(self) -> bool:
@@ -215,7 +228,7 @@ class Worker:
             from ..loading import load_model
 
             self._build(self.method, self.options, loaded=None)  # validate options first
-            self.loaded = load_model(self.model_id, self.dtype)
+            self.loaded = load_model(self.model_id, self.dtype, pipeline=self.pipeline)
             self._models[self.default_key] = self._build(self.method, self.options, self.loaded)
             self._snapshot()
             cfg = self.loaded.config
@@ -230,7 +243,7 @@ class Worker:
         self._ready.set()
         try:
             while True:
-                job = self._queue.get()
+                job = self._next_job()
                 if job is None:
                     break
                 self._serve(job)
@@ -239,6 +252,29 @@ class Worker:
             self._models.clear()
             self.loaded = None
             gc.collect()
+
+    def _next_job(self) -> Job | None:
+        """The next job, None to stop. On a sharded model (several ranks),
+        rank 0 takes it from its queue and every other rank gets a copy of
+        the request (answering to nobody), so that all ranks run the same
+        generations in the same order; while idle, rank 0 tells the others
+        so every ``IDLE_POLL`` seconds."""
+        if distributed.group() is None:
+            return self._queue.get()
+        while True:
+            shared: Any = "idle"
+            if distributed.is_main():
+                try:
+                    job = self._queue.get(timeout=IDLE_POLL)
+                except queue.Empty:
+                    job = "idle"
+                shared = job if job is None or job == "idle" else job.request
+            shared = distributed.agree(shared)
+            if shared is None:
+                return None
+            if isinstance(shared, str):
+                continue
+            return job if distributed.is_main() else Job(shared, emit=lambda event: None)
 
     @staticmethod
     def _emit(job: Job, event: Event) -> None:
@@ -285,7 +321,7 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         job.started = time.perf_counter()
-        if job.cancel.is_set():  # the client left while queued
+        if distributed.agree_flag(job.cancel.is_set()):  # the client left while queued
             job.status = "cancelled"
             self._emit(job, ("cancelled",))  # ends the request's handler
             self._finish(job)
@@ -369,7 +405,7 @@ class Worker:
                     finish = "stop"
                 elif chunk.finish_reason is not None:
                     finish = chunk.finish_reason
-                elif job.cancel.is_set():
+                elif distributed.agree_flag(job.cancel.is_set()):  # rank 0's client
                     finish = "cancelled"
                 if finish is not None:
                     break
