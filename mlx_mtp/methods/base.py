@@ -44,6 +44,10 @@ class Method:
     #: whether the method drops tokens from the KV cache (rejected drafts, mask
     #: slots); such methods cannot run on recurrent or hybrid-cache models
     needs_trimmable_cache: ClassVar[bool] = True
+    #: whether every forward pass is one causal chain (root + drafts) of which a
+    #: prefix is kept: such methods also run on hybrid recurrent models, whose
+    #: recurrent state is rolled back by :mod:`mlx_mtp.recurrent`
+    chain_shaped: ClassVar[bool] = False
 
     def __init__(self, **options: Any):
         if options:
@@ -77,6 +81,8 @@ class ChainDraftMethod(Method):
     """A lossless method whose drafts are one chain, verified in one causal
     forward pass (prompt lookup, lookahead candidates, CLP verified mode)."""
 
+    chain_shaped = True
+
     def draft(self, engine: Engine, root: int) -> list[int]:
         raise NotImplementedError
 
@@ -84,7 +90,7 @@ class ChainDraftMethod(Method):
         draft = self.draft(engine, root)
         start = engine.offset
         if draft:
-            engine._require_trimmable(len(draft) + 1)
+            engine._require_trimmable(len(draft) + 1, chain=True)
         logits, _ = engine.forward_chain([root, *draft])
         n = len(draft) + 1
         parents = np.arange(-1, n - 1)
