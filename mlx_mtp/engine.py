@@ -593,6 +593,12 @@ class Engine:
                 "them. Use a chain-drafting method (--method mtp or pld), or --method ntp."
             )
         self._require_trimmable(n, chain=True)
+        if not does_model_support_input_embeddings(self.model):
+            mtype = getattr(self.model, "model_type", type(self.model).__name__)
+            raise UnsupportedModelError(
+                f"model type {mtype!r} does not accept input embeddings; use a token-drafting "
+                "method (--method mtp or pld)."
+            )
         t0 = time.perf_counter()
         self.rollback.arm(self.cache, self.offset, n)
         self.slot_positions = np.arange(self.offset, self.offset + n)
