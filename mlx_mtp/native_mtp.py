@@ -259,18 +259,32 @@ def load_native_mtp(
             f"--method mtp needs a checkpoint with a native MTP layer ({', '.join(NATIVE_FAMILIES)}"
             f"); model type {mtype!r} has none. Use --method probe, pld or clp."
         )
+    from .clp_heads import FORMAT, NATIVE_LAYER, check_compatible, read_heads
+
     folder = Path(folder)
-    if config is None:
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            config = {}
-    args = text_args(model)
-    w = read_mtp_weights(folder, int(getattr(args, "num_experts", 0) or 0))
-    n_layers = len({k.split(".")[1] for k in w if k.startswith("layers.")})
-    if n_layers == 0:
-        raise ModelLoadError(f"{folder}: the mtp.* tensors have no decoder block (mtp.layers.0)")
-    moe = any(".mlp.switch_mlp." in k or k.endswith(".mlp.gate.weight") for k in w)
+    try:
+        on_disk = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        on_disk = {}
+    if on_disk.get("format") == FORMAT:  # a heads folder (convert clp-heads)
+        config, w = read_heads(folder)
+        if config["architecture"] != NATIVE_LAYER:
+            raise ModelLoadError(
+                f"{folder} holds CLP heads ({config['architecture']}), not a native MTP layer; "
+                "use them with --method clp."
+            )
+        check_compatible(config, model, str(folder))
+        moe, n_layers = bool(config["moe"]), int(config["mtp_layers"])
+    else:
+        config = on_disk if config is None else config
+        args = text_args(model)
+        w = read_mtp_weights(folder, int(getattr(args, "num_experts", 0) or 0))
+        n_layers = len({k.split(".")[1] for k in w if k.startswith("layers.")})
+        if n_layers == 0:
+            raise ModelLoadError(
+                f"{folder}: the mtp.* tensors have no decoder block (mtp.layers.0)"
+            )
+        moe = any(".mlp.switch_mlp." in k or k.endswith(".mlp.gate.weight") for k in w)
     layer = NativeMTPLayer(model, moe, n_layers)
     quantized = any(k.endswith(".scales") for k in w)
     if quantized:
@@ -348,3 +362,27 @@ def install_hidden_tap(model: nn.Module) -> _TapRecord:
     rec = _TapRecord()
     norm.__dict__["_mtp_tap"] = rec
     return rec
+
+
+def save_native_heads(
+    layer: NativeMTPLayer, model: nn.Module, name: str, folder: str | Path, source: dict
+) -> Path:
+    """Write ``layer`` as a heads folder of architecture ``native-mtp-layer``
+    (see :mod:`mlx_mtp.clp_heads`; atomic, float32 or the layer's float dtype).
+
+    Returns:
+        The folder.
+    """
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+
+    from .clp_heads import NATIVE_LAYER, base_config, save_heads
+
+    moe = any(".switch_mlp." in k for k, _ in tree_flatten(layer.parameters()))
+    config = base_config(
+        model, name, 1, NATIVE_LAYER, moe=moe, mtp_layers=len(layer.layers), source=source
+    )
+    dtype = layer.fc.weight.dtype
+    dtype = dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
+    return save_heads(SimpleNamespace(parameters=layer.parameters, config=config), folder, dtype)

@@ -47,7 +47,11 @@ from mlx_lm.models.cache import ArraysCache
 from .errors import CacheNotTrimmableError, UnsupportedModelError
 
 #: attribute names under which mlx-lm decoder layers keep their recurrent mixer
-MIXER_NAMES = ("linear_attn", "mamba", "mixer", "conv")
+#: (called as ``mixer(x, mask, cache)``)
+MIXER_NAMES = ("linear_attn",)
+#: model types whose rollback is tested (gated delta-net + conv state next to
+#: attention); other recurrent families (mamba, lfm2, ...) stay refused
+ROLLBACK_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 _RECORDING_CLASSES: dict[type, type] = {}
 
@@ -88,11 +92,18 @@ class RecurrentRollback:
         cache: its cache list (one entry per layer), to find the recurrent ones.
 
     Raises:
-        UnsupportedModelError: a recurrent layer whose mixer this module does not
-            know (attribute not in :data:`MIXER_NAMES`).
+        UnsupportedModelError: a model type outside :data:`ROLLBACK_FAMILIES`, or
+            a recurrent layer whose mixer this module does not know (attribute
+            not in :data:`MIXER_NAMES`).
     """
 
     def __init__(self, model: nn.Module, cache: list[Any]):
+        mtype = getattr(model, "model_type", type(model).__name__)
+        if mtype not in ROLLBACK_FAMILIES:
+            raise UnsupportedModelError(
+                f"recurrent-state rollback is implemented and tested for "
+                f"{', '.join(ROLLBACK_FAMILIES)}, not model type {mtype!r}. Use --method ntp."
+            )
         self.index: list[int] = [i for i, c in enumerate(cache) if is_recurrent(c)]
         layers = list(model.layers)
         self.mixers: list[nn.Module] = []

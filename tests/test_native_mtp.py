@@ -141,6 +141,35 @@ def test_mtp_weights_survive_loading_and_match_a_reference(hybrid):
     np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=1e-5)
 
 
+def test_convert_clp_heads_writes_the_layer_and_mtp_loads_it(hybrid, tmp_path):
+    from mlx_mtp.converters.clp_heads import convert
+
+    from mlx_mtp.clp_heads import find_heads, load_heads
+
+    family, model, loaded = hybrid
+    src = types.SimpleNamespace(model=model, name=f"tiny-{family}")
+    summary = convert(loaded.path, tmp_path / "heads", src)
+    assert "native-mtp-layer" in summary
+    direct = load_native_mtp(loaded.path, model, loaded.config)
+    folder = load_native_mtp(tmp_path / "heads", model)
+    engine = Engine(model)
+    h = mx.random.normal((1, 3, direct.fc.weight.shape[0]))
+    e = engine.embed_tokens([1, 2, 3])[None]
+    a = direct(h, e, direct.make_cache())
+    b = folder(h, e, folder.make_cache())
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    # the CLP method neither picks it up nor loads it as CLP heads
+    assert find_heads(model, [tmp_path]) is None
+    with pytest.raises(ModelLoadError, match="--method mtp"):
+        load_heads(tmp_path / "heads", model)
+    # --method mtp with heads=FOLDER decodes exactly
+    eng = _engine(hybrid)
+    m = _method(eng, "mtp", depth=2, heads=str(tmp_path / "heads"))
+    ntp = _method(eng, "ntp")
+    p = [9, 8, 7, 6]
+    assert _generate(eng, m, p, 16)[0] == _generate(eng, ntp, p, 16)[0]
+
+
 def test_checkpoint_without_mtp_tensors_is_refused(hybrid, tmp_path):
     _, model, loaded = hybrid
     raw = mx.load(str(loaded.path / "model.safetensors"))
