@@ -301,3 +301,55 @@ def test_branching_tree_on_a_hybrid_model_is_refused(hybrid):
     logits, _ = engine.forward_tree(emb, np.array([-1, 0, 1]), [3, 4, 5])
     engine.keep(3, [0])
     assert engine.offset == 4 and logits.shape[0] == 3
+
+
+def test_quantized_mtp_tensors_load_quantized_or_dequantized(tmp_path):
+    """An MLX-quantized qwen3_5 checkpoint that kept its mtp.* tensors: the
+    layer is quantized like the backbone, or dequantized when the backbone is."""
+    import json
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load_model
+
+    src = tmp_path / "hf"
+    config = write_tiny_hybrid(src, "qwen3_5", seed=2)
+    model, _ = load_model(src)
+    layer = load_native_mtp(src, model, config)
+    q = {"group_size": 32, "bits": 4}
+    nn.quantize(model, **q)
+    nn.quantize(layer, **q)
+    weights = dict(tree_flatten(model.parameters()))
+    weights.update({f"mtp.{k}": v for k, v in tree_flatten(layer.parameters())})
+    out = tmp_path / "q4"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps({**config, "quantization": q}))
+
+    qmodel, qconfig = load_model(out)  # mlx-lm quantizes the backbone, drops mtp.*
+    qlayer = load_native_mtp(out, qmodel, qconfig)
+    assert isinstance(qlayer.fc, nn.QuantizedLinear)
+    dmodel = dequantize_model(load_model(out)[0])
+    dlayer = load_native_mtp(out, dmodel, qconfig)
+    assert type(dlayer.fc) is nn.Linear
+    h = mx.random.normal((1, 2, 64))
+    e = Engine(dmodel).embed_tokens([4, 5])[None]
+    a = qlayer(h, e, qlayer.make_cache())
+    b = dlayer(h, e, dlayer.make_cache())
+    c = layer(h, e, layer.make_cache())  # the in-memory quantized original
+    np.testing.assert_allclose(np.array(a), np.array(c), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(b), np.array(c), rtol=1e-3, atol=1e-3)
+
+
+def test_public_api_finds_the_mtp_layer_in_the_model_folder(hybrid, smollm):
+    """``MTPModel`` (what ``--model FOLDER --method mtp`` builds) reads mtp.* from
+    the loaded model's own folder."""
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.loading import LoadedModel
+
+    family, model, loaded = hybrid
+    lm = LoadedModel(model, smollm.tokenizer, loaded.path, loaded.config, family, "float32")
+    prompt = [11, 22, 33, 44, 55]
+    got = MTPModel(lm, make_method("mtp", depth=2)).generate(prompt, max_tokens=12)
+    ref = MTPModel(lm, make_method("ntp")).generate(prompt, max_tokens=12)
+    assert got.tokens == ref.tokens and got.stats.drafted > 0
