@@ -209,6 +209,8 @@ def _exact_sweep(hybrid, prompts, pre_norm=False):
     engine = _engine(hybrid)
     ntp = _method(engine, "ntp")
     methods = {"mtp": _method(engine, "mtp", depth=3), "pld": _method(engine, "pld")}
+    if hybrid[0] == "qwen3_5":  # mlx-lm's qwen3_next takes no input embeddings (mask slots)
+        methods["chain-probe"] = _method(engine, "probe", shape="chain", masks=2)
     if pre_norm:
         methods["mtp1"] = _method(engine, "mtp", depth=1, hidden_state="pre-norm")
     rewinds = partial = 0
@@ -353,3 +355,14 @@ def test_public_api_finds_the_mtp_layer_in_the_model_folder(hybrid, smollm):
     got = MTPModel(lm, make_method("mtp", depth=2)).generate(prompt, max_tokens=12)
     ref = MTPModel(lm, make_method("ntp")).generate(prompt, max_tokens=12)
     assert got.tokens == ref.tokens and got.stats.drafted > 0
+
+
+def test_chain_probe_on_an_attention_model_equals_ntp():
+    from mlx_mtp.testing import make_tiny_model
+
+    engine = Engine(make_tiny_model("llama", seed=4))
+    probe = _method(engine, "probe", shape="chain", masks=2)
+    ntp = _method(engine, "ntp")
+    assert probe.block_complexity == 5 and "chain" in probe.describe()
+    for prompt in _prompts(2, seed=8):
+        assert _generate(engine, probe, prompt, 24)[0] == _generate(engine, ntp, prompt, 24)[0]

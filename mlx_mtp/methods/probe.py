@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import Engine, check_tree_support
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..tree import block_complexity, build_tree, cost_aware_prefix
 from ..verify import Sampler, target_graph, walk_tree
 from .base import Method, StepOutput, parse_bc, parse_int
@@ -123,6 +123,13 @@ class Probe(Method):
             trained by ``mlx-mtp train masks`` for this model; see
             :mod:`mlx_mtp.learned_masks`).
         max_bc: the cap of ``bc="auto"`` (default 64).
+        shape: ``"tree"`` (the paper) or ``"chain"``: one forward pass is the
+            chain ``[root, d1..dk, m1..mk]`` (d_i the top-1 token of mask i of
+            the last pass, the k masks after the last draft only), so it can
+            run through the recurrent layers of hybrid models (Qwen3.5); the
+            masks draft the next chain only when every draft was accepted
+            (otherwise the next pass is ``[root, m1..mk]``). Not in the ESP
+            paper. Block complexity ``2k + 1``.
 
     Raises:
         InvalidArgumentError: a BC too small for one node, bad masks or tree.
@@ -139,7 +146,13 @@ class Probe(Method):
         lam: Any = 0.1,
         mask_init: str = "mean",
         max_bc: Any = 64,
+        shape: str = "tree",
     ):
+        if shape not in ("tree", "chain"):
+            raise InvalidArgumentError(f"option shape must be 'tree' or 'chain', got {shape!r}")
+        self.shape = shape
+        #: a chain-shaped probe also runs on hybrid recurrent models
+        self.chain_shaped = shape == "chain"
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
@@ -169,16 +182,29 @@ class Probe(Method):
 
     @property
     def block_complexity(self) -> int:
+        if self.shape == "chain":
+            return 2 * self.masks + 1
         return block_complexity(self.masks, self.nodes)
 
     def describe(self) -> str:
+        if self.shape == "chain":
+            return f"probe(shape=chain, masks={self.masks})"
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
         init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
         return f"probe(bc={bc}, masks={self.masks}, tree={tree}{init})"
 
     def prepare(self, engine: Engine) -> None:
-        check_tree_support(engine.model, self.name)
+        if self.shape == "chain" and engine.rollback is not None:
+            from mlx_lm.utils import does_model_support_input_embeddings
+
+            if not does_model_support_input_embeddings(engine.model):
+                raise UnsupportedModelError(
+                    f"--method probe: model type {engine.model.model_type!r} does not accept "
+                    "input embeddings (mask slots are vectors). Use --method mtp or pld."
+                )
+        else:
+            check_tree_support(engine.model, self.name)
         if self.mask_init == "learned":
             from ..learned_masks import load_learned_masks
 
@@ -215,7 +241,39 @@ class Probe(Method):
             w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
             self.mask_embedding = (1 - lam) ** n * m + (w @ e)
 
+    def _chain_step(self, engine: Engine, root: int) -> StepOutput:
+        # [root, d1..dk, m1..mk]: a chain, so a prefix can be kept on any cache
+        k = self.masks
+        drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
+        n_tok = 1 + len(drafts)
+        parents = np.arange(-1, n_tok + k - 1)
+        slot_tokens = np.array([root, *drafts] + [-1] * k, dtype=np.int64)
+        emb = engine.embed_tokens(slot_tokens[:n_tok])
+        start = engine.offset
+        logits, _ = engine.forward_tree(
+            mx.concatenate([emb, self.mask_embedding.astype(emb.dtype)]),
+            parents,
+            slot_tokens.tolist(),
+            wait=False,
+        )
+        targets = target_graph(
+            logits[:n_tok], np.arange(n_tok), self.sampler, engine.slot_positions[:n_tok] + 1
+        )
+        top = top_candidates(logits[n_tok:], 1)
+        engine.timed_eval(targets, *top)
+        targets = np.array(targets, dtype=np.int64)
+        path, bonus = walk_tree(parents, slot_tokens, dict(enumerate(targets.tolist())))
+        # the masks follow the last draft: they predict after the bonus only if all
+        # drafts were accepted
+        self.dists = candidate_lists(*top) if len(path) == len(drafts) else []
+        engine.keep(start, [0, *path])
+        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
+        self._update_mask(engine, committed)
+        return StepOutput(committed, drafted=len(drafts), accepted=len(path))
+
     def step(self, engine: Engine, root: int) -> StepOutput:
+        if self.shape == "chain":
+            return self._chain_step(engine, root)
         k = self.masks
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
         if self.auto:
