@@ -4,7 +4,8 @@ For each family (tiny random ``qwen3_next`` with MoE MLPs, tiny random dense
 ``qwen3_5``; :func:`mlx_mtp.testing.write_tiny_hybrid`, float32), on random
 token prompts, side by side in one process:
 
-* ``ntp`` and ``--method mtp`` at depth 1..K and ``pld``: tau (tokens per
+* ``ntp``, ``--method mtp`` at depth 1..K, ``pld`` and (qwen3_5)
+  ``probe --opt shape=chain --opt masks=2``: tau (tokens per
   target forward), acceptance per draft depth, and a check that every output
   equals ``ntp``'s token for token.
 * The cost of the recurrent-state restore: wall time of
@@ -86,13 +87,16 @@ def main() -> None:
         engine = Engine(model)
         engine.loaded = types.SimpleNamespace(path=folder, config=config)
         names = ["ntp", *[f"mtp{d}" for d in range(1, a.depth + 1)], "pld"]
+        if family == "qwen3_5":  # mlx-lm's qwen3_next takes no input embeddings
+            names.append("chainprobe")
         methods = {}
         for name in names:
-            m = (
-                make_method("mtp", depth=int(name[3:]))
-                if name.startswith("mtp")
-                else make_method(name)
-            )
+            if name.startswith("mtp"):
+                m = make_method("mtp", depth=int(name[3:]))
+            elif name == "chainprobe":
+                m = make_method("probe", shape="chain", masks=2)
+            else:
+                m = make_method(name)
             check_cache_support(engine, m)
             m.prepare(engine)
             methods[name] = m
@@ -115,7 +119,7 @@ def main() -> None:
                     fwd_ms.append(st.forward_time / st.forward_passes * 1e3)
         t1 = statistics.median(fwd_ms)
         print(f"\n{family}: one-token forward {t1:.2f} ms (median over prompts, ntp)")
-        print("method  tau    exact  acceptance per depth        restore ms/rejected step")
+        print("method     tau    exact  acceptance per depth        restore ms/rejected step")
         for name in names:
             s = acc[name]
             tau = s["tokens"] / max(s["forwards"], 1)
@@ -123,7 +127,7 @@ def main() -> None:
             if name.startswith("mtp"):
                 per = " ".join(f"{x:.3f}" for x in methods[name].acceptance_per_depth())
             rest = f"{s['rewind_s'] / s['rewinds'] * 1e3:.2f}" if s["rewinds"] else "-"
-            print(f"{name:7s} {tau:.3f}  {exact[name]!s:5s}  {per:27s} {rest} ({s['rewinds']})")
+            print(f"{name:10s} {tau:.3f}  {exact[name]!s:5s}  {per:27s} {rest} ({s['rewinds']})")
         kept = 1  # most rejected steps keep just the root (chance-level drafts)
         print(
             f"alternative restore (whole backbone over the kept token): "
