@@ -386,8 +386,11 @@ class Engine:
         if len(tokens) > 1:
             self.check_slots(len(tokens))
         t0 = time.perf_counter()
-        if self.rollback is not None:  # hybrid model: the pass may be rolled back
-            self.rollback.arm(self.cache, self.offset, len(tokens))
+        if self.rollback is not None:  # hybrid model: a multi-token pass may be rolled back
+            if len(tokens) > 1:
+                self.rollback.arm(self.cache, self.offset, len(tokens))
+            else:
+                self.rollback.disarm()
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
         logits, h = self._chain(mx.array(tokens))
