@@ -117,7 +117,11 @@ def check_cache_support(engine: Engine, method: Any) -> None:
                 if engine.rollback is not None
                 else ""
             )
-            + ". Use --method ntp, mtp or pld for this model."
+            + (
+                ". Use --method ntp, mtp or pld for this model."
+                if engine.rollback is not None
+                else ". Use --method ntp for this model."
+            )
         )
 
 
