@@ -42,8 +42,16 @@ What is mapped, exactly:
     Refused: checkpoints without ``model.mtp_layers.0``, FP8/quantized MTP
     tensors (``*_scale*``), an embedding that does not match M's. Dropped and
     reported: MTP layers beyond the first (they chain on layer 0's output).
-    DeepSeek-V3 / Qwen3-Next MTP layers (MoE or gated-delta blocks) are not
-    mapped.
+    DeepSeek-V3 MTP layers are not mapped; Qwen3-Next / Qwen3.5 ones are (next).
+
+``qwen3-mtp`` (a Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint folder with ``mtp.*``
+tensors, which mlx-lm drops)
+    The whole MTP layer, exactly (:mod:`mlx_mtp.native_mtp`: fc, the two
+    pre-fc norms, one full-attention decoder block with its dense or MoE MLP,
+    the final norm; norms shifted and experts stacked as mlx-lm does for the
+    backbone), written as a heads folder of architecture ``native-mtp-layer``
+    for ``--method mtp --opt heads=DST``. M must be that checkpoint's model
+    (same model type, hidden size and vocabulary; the fingerprint is M's).
 """
 
 from __future__ import annotations
@@ -70,8 +78,9 @@ from mlx_mtp.clp_heads import (
     save_heads,
 )
 from mlx_mtp.errors import CheckpointMismatchError, MTPError
+from mlx_mtp.native_mtp import find_mtp_tensors
 
-SOURCES = ("auto", "clp", "medusa", "mimo-mtp")
+SOURCES = ("auto", "clp", "medusa", "mimo-mtp", "qwen3-mtp")
 MEDUSA_FILE = "medusa_lm_head.safetensors"
 
 
@@ -102,9 +111,12 @@ def detect(folder: Path) -> str:
         )
     if cfg.is_file() and any(k.startswith("model.mtp_layers.") for k in _tensor_names(folder)):
         return "mimo-mtp"
+    if cfg.is_file() and find_mtp_tensors(folder):
+        return "qwen3-mtp"
     raise HeadConversionError(
         f"{folder}: not CLP heads ({CONFIG_FILE} + {WEIGHTS_FILE}), not Medusa heads "
-        f"({MEDUSA_FILE}) and not a MiMo checkpoint with model.mtp_layers.* tensors."
+        f"({MEDUSA_FILE}), not a MiMo checkpoint with model.mtp_layers.* tensors and not a "
+        "Qwen3.5 / Qwen3-Next checkpoint with mtp.* tensors."
     )
 
 
@@ -144,6 +156,8 @@ def convert(
         check_compatible(config, loaded.model, str(folder))
         _copy_atomic(folder, dst)
         return f"copied CLP heads ({config['architecture']}, k={config['k']}) to {dst}"
+    if kind == "qwen3-mtp":
+        return _from_qwen3_mtp(folder, dst, loaded)
     if kind == "medusa":
         heads, note = _from_medusa(folder, loaded)
     else:
@@ -177,7 +191,9 @@ def _keep_all_predictor(heads: CLPHeads) -> None:
 
 
 def _check_sizes(what: str, d: int, v: int | None, model: Any) -> None:
-    args = model.args
+    from mlx_mtp.native_mtp import text_args
+
+    args = text_args(model)
     if d != args.hidden_size or (v is not None and v != args.vocab_size):
         raise CheckpointMismatchError(
             f"{what} have hidden size {d}"
@@ -389,3 +405,36 @@ def _from_mimo(folder: Path, loaded: Any) -> tuple[CLPHeads, str]:
         + (f"; dropped {', '.join(dropped)}" if dropped else "")
     )
     return heads, note
+
+
+# ---------------------------------------------------------------- qwen3 mtp
+def _from_qwen3_mtp(folder: Path, dst: Path, loaded: Any) -> str:
+    from mlx_mtp.native_mtp import load_native_mtp, save_native_heads, text_args
+
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    text = cfg.get("text_config", cfg)
+    _check_sizes(
+        "This checkpoint's MTP layer and model",
+        int(text["hidden_size"]),
+        int(text["vocab_size"]),
+        loaded.model,
+    )
+    if cfg.get("model_type") != getattr(loaded.model, "model_type", None):
+        raise CheckpointMismatchError(
+            f"{folder} is a {cfg.get('model_type')} checkpoint but --model is a "
+            f"{getattr(loaded.model, 'model_type', '?')} model: pass the checkpoint's own model."
+        )
+    layer = load_native_mtp(folder, loaded.model, cfg)
+    n = len(layer.layers)
+    save_native_heads(
+        layer,
+        loaded.model,
+        loaded.name,
+        dst,
+        {"kind": "qwen3-mtp", "model_type": cfg.get("model_type"), "layers": n},
+    )
+    moe = "MoE" if getattr(text_args(loaded.model), "num_experts", 0) else "dense"
+    return (
+        f"{cfg.get('model_type')} native MTP layer ({n} block, {moe}; its own KV cache) written "
+        f"to {dst} as a native-mtp-layer heads folder; use it with --method mtp --opt heads={dst}"
+    )

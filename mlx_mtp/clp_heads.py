@@ -20,6 +20,13 @@ Head architectures (``architecture`` in the config):
     projection (Medusa-1 layout); ``e_{n+1}`` is not used. Medusa head i
     (0-based) predicts n+2+i, i.e. it is our head j = i+1.
 
+``native-mtp-layer`` (imported from a Qwen3.5 / Qwen3-Next checkpoint's ``mtp.*``)
+    The checkpoint's whole MTP layer (:class:`mlx_mtp.native_mtp.NativeMTPLayer`,
+    its own KV cache over the MTP positions), weights under its own names
+    (norms already shifted, experts stacked), config keys ``moe`` and
+    ``mtp_layers``. Run by ``--method mtp --opt heads=FOLDER``; the CLP method
+    refuses it.
+
 ``native-mtp`` (imported from a MiMo checkpoint's ``model.mtp_layers.0``)
     ``x = input_proj([hidden_norm(h_n); token_norm(e_{n+1})])``, one dense
     decoder block whose self-attention sees only the current position (so it
@@ -60,7 +67,11 @@ FORMAT = "mlx-mtp-clp-heads"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
-ARCHITECTURES = ("resblock", "medusa", "native-mtp")
+ARCHITECTURES = ("resblock", "medusa", "native-mtp", "native-mtp-layer")
+#: a checkpoint's full MTP layer with its own KV cache (Qwen3.5 / Qwen3-Next
+#: ``mtp.*``, :mod:`mlx_mtp.native_mtp`): stored in this folder format, run by
+#: ``--method mtp`` only (it is not a position-local CLP head)
+NATIVE_LAYER = "native-mtp-layer"
 #: folder of the heads shipped with the package (one sub-folder per base model)
 ASSETS = Path(__file__).parent / "assets" / "clp"
 
@@ -179,6 +190,12 @@ class CLPHeads(nn.Module):
                 )
                 for _ in range(k)
             ]
+        elif arch == NATIVE_LAYER:
+            raise ModelLoadError(
+                "this heads folder holds a checkpoint's native MTP layer (architecture "
+                f"{NATIVE_LAYER}, with its own KV cache), not CLP heads: use it with "
+                "--method mtp --opt heads=FOLDER."
+            )
         else:
             raise ModelLoadError(
                 f"unknown CLP head architecture {arch!r}; known: {', '.join(ARCHITECTURES)}"
@@ -282,8 +299,9 @@ def base_config(model: nn.Module, name: str, k: int, architecture: str, **sizes:
     """Config of heads made for ``model`` (fingerprint, signature, hidden size,
     vocab size)."""
     from .fingerprint import model_fingerprint, model_signature
+    from .native_mtp import text_args
 
-    args = model.args
+    args = text_args(model)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -361,6 +379,8 @@ def read_heads(folder: str | Path) -> tuple[dict[str, Any], dict[str, mx.array]]
         weights = mx.load(str(w_path))
     except Exception as e:
         raise ModelLoadError(f"{w_path} cannot be read ({type(e).__name__}: {e})") from e
+    if config["architecture"] == NATIVE_LAYER:  # checked against the model when loaded
+        return config, weights
     # check names and shapes against a freshly built module
     try:
         ref = dict(tree_flatten(CLPHeads(config).parameters()))
@@ -389,8 +409,9 @@ def check_compatible(config: dict[str, Any], model: nn.Module, where: str = "") 
             signature) differ from ``model``'s.
     """
     from .fingerprint import model_fingerprint, same_model
+    from .native_mtp import text_args
 
-    args = model.args
+    args = text_args(model)
     what = f"CLP heads{f' in {where}' if where else ''} were made for {config.get('base_model')!r}"
     if int(config["hidden_size"]) != int(args.hidden_size):
         raise CheckpointMismatchError(
@@ -459,7 +480,11 @@ def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | Non
                 c = json.loads(cfg.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if isinstance(c, dict) and same_model(model, c.get("fingerprint"), c.get("signature")):
+            if (
+                isinstance(c, dict)
+                and c.get("architecture") != NATIVE_LAYER
+                and same_model(model, c.get("fingerprint"), c.get("signature"))
+            ):
                 return sub
     return None
 

@@ -28,6 +28,7 @@ from mlx_lm.utils import does_model_support_input_embeddings
 from . import distributed
 from .cache_view import TreeCacheView, install_positional_rope
 from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
+from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
 
 #: Model families whose tree forward pass is tested (DESIGN §3): the one list of
 #: the families multi-token methods and MTP checkpoints support
@@ -54,11 +55,14 @@ def model_parts(model: nn.Module) -> tuple[nn.Module, Any, nn.Module]:
             f"model type {getattr(model, 'model_type', type(model).__name__)!r} does not have "
             "the llama-style layout (model.embed_tokens) that multi-token methods need."
         )
-    args = getattr(model, "args", None)
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+    # a vision-language wrapper (qwen3_5) keeps the text model and its LM head
+    # under language_model
+    owner = model["language_model"] if "language_model" in model else model
+    args = getattr(owner, "args", None)
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(owner, "lm_head"):
         head = embed.as_linear
     else:
-        head = model.lm_head
+        head = owner.lm_head
     return inner, head, embed
 
 
@@ -98,14 +102,30 @@ def check_cache_support(engine: Engine, method: Any) -> None:
     """
     if not getattr(method, "needs_trimmable_cache", True):
         return
-    fixed = [c for c in engine.cache if not (hasattr(c, "is_trimmable") and c.is_trimmable())]
+    chain = getattr(method, "chain_shaped", False) and engine.rollback is not None
+    fixed = [
+        c
+        for c in engine.cache
+        if not (hasattr(c, "is_trimmable") and c.is_trimmable()) and not (chain and is_recurrent(c))
+    ]
     if fixed:
         mtype = getattr(engine.model, "model_type", type(engine.model).__name__)
         kinds = ", ".join(sorted({type(c).__name__ for c in fixed}))
         raise UnsupportedModelError(
             f"--method {method.name} cannot run model type {mtype!r}: {len(fixed)} of its "
             f"{len(engine.cache)} layers keep recurrent state ({kinds}) that cannot drop "
-            "rejected draft tokens. Use --method ntp for this model."
+            "rejected draft tokens"
+            + (
+                "; only chain-drafting methods (mtp, pld) can roll it back, a draft tree cannot "
+                "run through a recurrent layer"
+                if engine.rollback is not None
+                else ""
+            )
+            + (
+                ". Use --method ntp, mtp or pld for this model."
+                if engine.rollback is not None
+                else ". Use --method ntp for this model."
+            )
         )
 
 
@@ -188,6 +208,14 @@ class Engine:
             self.backbone = self.lm_head = self.embed = None
         self.cache = self._new_cache()
         self.cached: list[int] = []
+        #: snapshot/replay of recurrent layers (hybrid models), None for pure
+        #: attention models or recurrent layers of an unknown kind
+        self.rollback: RecurrentRollback | None = None
+        if has_recurrent(self.cache):
+            try:
+                self.rollback = RecurrentRollback(model, self.cache)
+            except UnsupportedModelError:
+                self.rollback = None
 
     # ----------------------------------------------------------------- cache
     @property
@@ -199,6 +227,8 @@ class Engine:
         """Drop the whole cache."""
         self.cache = self._new_cache()
         self.cached = []
+        if self.rollback is not None:
+            self.rollback.disarm()
 
     def _new_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model)
@@ -210,9 +240,13 @@ class Engine:
             ]
         return cache
 
-    def trimmable(self, n_extra: int = 0) -> bool:
-        """Whether every layer cache can later drop up to ``n_extra`` new tokens."""
+    def trimmable(self, n_extra: int = 0, chain: bool = False) -> bool:
+        """Whether every layer cache can later drop up to ``n_extra`` new tokens
+        (``chain``: of one causal chain pass, which recurrent layers can drop
+        through :class:`~mlx_mtp.recurrent.RecurrentRollback`)."""
         for c in self.cache:
+            if is_recurrent(c) and chain and self.rollback is not None:
+                continue
             if isinstance(c, RotatingKVCache):
                 if c.offset + n_extra >= c.max_size:
                     return False
@@ -220,8 +254,8 @@ class Engine:
                 return False
         return True
 
-    def _require_trimmable(self, n_extra: int) -> None:
-        if not self.trimmable(n_extra):
+    def _require_trimmable(self, n_extra: int, chain: bool = False) -> None:
+        if not self.trimmable(n_extra, chain):
             kinds = sorted({type(c).__name__ for c in self.cache})
             raise CacheNotTrimmableError(
                 f"The KV cache ({', '.join(kinds)}) cannot drop rejected draft tokens: a "
@@ -243,15 +277,30 @@ class Engine:
             raise ValueError(f"cannot trim {self.offset} cached tokens to {n}")
         if drop == 0:
             return
+        rb = self.rollback
+        rewind = (
+            rb is not None
+            and rb.armed
+            and rb.start <= n
+            and self.offset <= rb.start + rb.length
+            and any(is_recurrent(c) for c in self.cache)
+        )
         for c in self.cache:
+            if rewind and is_recurrent(c):
+                continue
             if not (hasattr(c, "trim") and c.is_trimmable()):
                 raise CacheNotTrimmableError(
                     f"{type(c).__name__} cannot be trimmed (sliding window wrapped or "
                     "recurrent state)."
                 )
+        for c in self.cache:
+            if rewind and is_recurrent(c):
+                continue
             got = c.trim(drop)
             if got != drop:
                 raise CacheNotTrimmableError(f"{type(c).__name__} trimmed {got} of {drop} tokens")
+        if rewind:
+            rb.rewind(self.cache, n - rb.start)
         del self.cached[n:]
 
     def sync(self, tokens: list[int], chunk: int = PREFILL_STEP) -> int:
@@ -277,6 +326,11 @@ class Engine:
                 self.reset()
                 common = 0
         rest = tokens[common:]
+        #: tokens the last sync processed (its hidden states are the model's last
+        #: forward outputs: the native MTP layer reads them)
+        self.last_prefill = len(rest)
+        if self.rollback is not None:
+            self.rollback.disarm()  # raw prefill passes below are not verify passes
         for i in range(0, len(rest), chunk):
             piece = rest[i : i + chunk]
             (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
@@ -369,10 +423,15 @@ class Engine:
         """
         self._settle()
         if droppable:
-            self._require_trimmable(len(tokens))
+            self._require_trimmable(len(tokens), chain=True)
         if len(tokens) > 1:
             self.check_slots(len(tokens))
         t0 = time.perf_counter()
+        if self.rollback is not None:  # hybrid model: a multi-token pass may be rolled back
+            if len(tokens) > 1:
+                self.rollback.arm(self.cache, self.offset, len(tokens))
+            else:
+                self.rollback.disarm()
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
         logits, h = self._chain(mx.array(tokens))
@@ -532,6 +591,10 @@ class Engine:
         self._settle()
         n = len(parents)
         self.check_slots(n)
+        if self.rollback is not None:
+            return self._forward_chain_tree(
+                embeddings, parents, slot_tokens, hidden, logit_rows, wait
+            )
         self._require_trimmable(n)
         anc, depth = ancestors(parents)  # tree mask and positions: host work
         L = self.offset
@@ -554,6 +617,48 @@ class Engine:
             self._pending = (t0, [logits, h])
         return logits, (h if hidden else None)
 
+    def _forward_chain_tree(
+        self,
+        embeddings: mx.array,
+        parents: np.ndarray,
+        slot_tokens: list[int],
+        hidden: bool,
+        logit_rows: int | None,
+        wait: bool,
+    ) -> tuple[mx.array, mx.array | None]:
+        # forward_tree on a hybrid (recurrent) model: only a chain-shaped tree can
+        # run through recurrent layers; it is a plain causal pass (positions
+        # offset + depth = offset + i), rolled back by the RecurrentRollback
+        n = len(parents)
+        if not np.array_equal(np.asarray(parents), np.arange(-1, n - 1)):
+            mtype = getattr(self.model, "model_type", type(self.model).__name__)
+            raise UnsupportedModelError(
+                f"model type {mtype!r} has recurrent layers (gated delta-net / conv state), "
+                "which read tokens in sequence: a branching draft tree cannot run through "
+                "them. Use a chain-drafting method (--method mtp or pld), or --method ntp."
+            )
+        self._require_trimmable(n, chain=True)
+        if not does_model_support_input_embeddings(self.model):
+            mtype = getattr(self.model, "model_type", type(self.model).__name__)
+            raise UnsupportedModelError(
+                f"model type {mtype!r} does not accept input embeddings; use a token-drafting "
+                "method (--method mtp or pld)."
+            )
+        t0 = time.perf_counter()
+        self.rollback.arm(self.cache, self.offset, n)
+        self.slot_positions = np.arange(self.offset, self.offset + n)
+        h = self.backbone(None, cache=self.cache, input_embeddings=embeddings[None])[0]
+        self.cached.extend(slot_tokens)
+        self.count_forward(n)
+        logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
+        if wait:
+            mx.eval(logits, h)
+            self.forward_seconds += time.perf_counter() - t0
+        else:
+            mx.async_eval(logits, h)
+            self._pending = (t0, [logits, h])
+        return logits, (h if hidden else None)
+
     def keep(self, start: int, slots: list[int]) -> None:
         """After a tree forward that began at cache offset ``start``, keep only the
         given slots (in order) at contiguous positions ``start, start+1, ...``.
@@ -565,6 +670,11 @@ class Engine:
         n_new = self.offset - start
         slots = list(slots)
         if slots != list(range(len(slots))):
+            if self.rollback is not None:
+                raise UnsupportedModelError(
+                    "recurrent layers can keep only a prefix of a chain pass, not slots "
+                    f"{slots[:8]}; use a chain-drafting method (mtp, pld) on this model."
+                )
             _move_cache_rows(self.cache, start, [start + s for s in slots])
             kept = [self.cached[start + s] for s in slots]
             self.cached[start : start + len(slots)] = kept

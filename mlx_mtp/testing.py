@@ -46,3 +46,127 @@ def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> n
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+#: tiny hybrid (gated delta-net + attention) configs, as in the public checkpoints'
+#: config.json (Qwen3-Next: flat; Qwen3.5: nested text_config)
+_HYBRID_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 256,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+_NEXT_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 48,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+
+
+def hybrid_config(family: str) -> dict[str, Any]:
+    """config.json of a tiny hybrid model of ``family`` (``qwen3_next``: MoE MLPs,
+    flat; ``qwen3_5``: dense, text settings under ``text_config``)."""
+    if family == "qwen3_next":
+        return {"model_type": "qwen3_next", **_HYBRID_TEXT, **_NEXT_MOE}
+    if family == "qwen3_5":
+        text = {
+            "model_type": "qwen3_5_text",
+            **_HYBRID_TEXT,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        }
+        return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+    raise ValueError(f"no tiny hybrid config for {family!r}")
+
+
+_HF_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+_MTP_NORMS = (*_HF_NORMS, "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
+
+
+def _to_hf(name: str, w: mx.array, norms: tuple[str, ...], experts: int) -> dict[str, mx.array]:
+    # inverse of mlx-lm's sanitize: zero-centred norms, conv1d (C, 1, K), one
+    # tensor per expert
+    if name.endswith(norms) or name == "norm.weight":
+        return {name: w - 1.0}
+    if "conv1d.weight" in name:
+        return {name: w.moveaxis(2, 1)}
+    if ".switch_mlp." in name and experts:
+        pre, post = name.split(".switch_mlp.")
+        return {f"{pre}.experts.{e}.{post}": w[e] for e in range(experts)}
+    return {name: w}
+
+
+def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) -> dict[str, Any]:
+    """Write a tiny random hybrid checkpoint, in the Hugging Face layout of the
+    public Qwen3-Next / Qwen3.5 checkpoints, with a native MTP layer under
+    ``mtp.*`` (zero-centred norms, per-expert tensors, conv1d as (C, 1, K)).
+
+    Load it with ``mlx_lm.utils.load_model(folder)`` (mlx-lm's own sanitize
+    runs, and drops ``mtp.*``); norms are randomised (1 + 0.2 N(0, 1)) so that
+    a missing or doubled ``+1`` shows, embeddings are scaled x8 so greedy
+    decoding is not a flat tie.
+
+    Returns:
+        The config written to ``config.json``.
+    """
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from .native_mtp import NativeMTPLayer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hybrid_config(family)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    moe = family == "qwen3_next"
+    layer = NativeMTPLayer(model, moe)
+    experts = _NEXT_MOE["num_experts"] if moe else 0
+    weights: dict[str, mx.array] = {}
+    for part, prefix in ((model, ""), (layer, "mtp.")):
+        for name, w in tree_flatten(part.parameters()):
+            if name.endswith("norm.weight") and w.ndim == 1:
+                w = 1.0 + 0.2 * mx.random.normal(w.shape)
+            if name.endswith("embed_tokens.weight"):
+                w = w * 8
+            if prefix == "" and family == "qwen3_5":
+                name = name.replace("language_model.model.", "model.language_model.")
+                name = name.replace("language_model.lm_head.", "lm_head.")
+            norms = _MTP_NORMS if prefix else _HF_NORMS
+            for n, v in _to_hf(name, w, norms, experts).items():
+                weights[prefix + n] = v.astype(mx.float32)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return config

@@ -91,14 +91,15 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Argument(
             ...,
             help="Heads folder/repo (this package's format), a Medusa repo/folder, or a "
-            "MiMo checkpoint folder with model.mtp_layers.*",
+            "MiMo checkpoint folder with model.mtp_layers.*, or a Qwen3.5/Qwen3-Next "
+            "checkpoint folder with mtp.*",
         ),
         dst: Path = typer.Argument(..., help="Output heads folder."),
         model: str = typer.Option(
             "smollm2-135m", "--model", "-m", help="Base model the heads belong to."
         ),
         source: str = typer.Option(
-            "auto", "--from", help="auto, clp, medusa or mimo-mtp (how to read SRC)."
+            "auto", "--from", help="auto, clp, medusa, mimo-mtp or qwen3-mtp (how to read SRC)."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
         dtype: str | None = typer.Option(

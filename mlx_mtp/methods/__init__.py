@@ -22,6 +22,7 @@ METHODS: dict[str, str] = {
     "confadapt": "mlx_mtp.methods.confadapt:ConfAdapt",
     "lookahead": "mlx_mtp.methods.lookahead:Lookahead",
     "hybrid": "mlx_mtp.methods.hybrid:Hybrid",
+    "mtp": "mlx_mtp.methods.mtp:MTP",
 }
 
 #: what each method is, for messages about methods not built into this install
@@ -33,6 +34,7 @@ DESCRIPTIONS: dict[str, str] = {
     "confadapt": "ConfAdapt decoding of self-distilled MTP checkpoints",
     "lookahead": "lookahead (Jacobi) decoding",
     "hybrid": "hybrid probe + n-gram draft tree",
+    "mtp": "the checkpoint's native MTP layer (Qwen3.5/3.6, Qwen3-Next) drafting a chain",
 }
 
 

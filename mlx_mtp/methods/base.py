@@ -45,6 +45,10 @@ class Method:
     #: whether the method drops tokens from the KV cache (rejected drafts, mask
     #: slots); such methods cannot run on recurrent or hybrid-cache models
     needs_trimmable_cache: ClassVar[bool] = True
+    #: whether every forward pass is one causal chain (root + drafts) of which a
+    #: prefix is kept: such methods also run on hybrid recurrent models, whose
+    #: recurrent state is rolled back by :mod:`mlx_mtp.recurrent`
+    chain_shaped: ClassVar[bool] = False
 
     def __init__(self, **options: Any):
         if options:
@@ -109,7 +113,10 @@ class SpeculativeMethod(Method):
 
 class ChainDraftMethod(SpeculativeMethod):
     """A lossless method whose drafts are one chain of tokens (prompt lookup),
-    verified in one causal forward pass: implement :meth:`draft`."""
+    verified in one causal forward pass: implement :meth:`draft`. Chains run
+    on hybrid recurrent models too (:mod:`mlx_mtp.recurrent`)."""
+
+    chain_shaped = True
 
     def draft(self, engine: Engine, root: int) -> list[int]:
         """Draft tokens to follow ``root`` (may be empty)."""

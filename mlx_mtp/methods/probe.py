@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import Engine, check_tree_support
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..speculative import Draft, Verified
 from ..tree import block_complexity, build_tree, cost_aware_prefix
 from ..verify import Sampler
@@ -207,6 +207,13 @@ class Probe(SpeculativeMethod):
             trained by ``mlx-mtp train masks`` for this model; see
             :mod:`mlx_mtp.learned_masks`).
         max_bc: the cap of ``bc="auto"`` (default 64).
+        shape: ``"tree"`` (the paper) or ``"chain"``: one forward pass is the
+            chain ``[root, d1..dk, m1..mk]`` (d_i the top-1 token of mask i of
+            the last pass, the k masks after the last draft only), so it can
+            run through the recurrent layers of hybrid models (Qwen3.5); the
+            masks draft the next chain only when every draft was accepted
+            (otherwise the next pass is ``[root, m1..mk]``). Not in the ESP
+            paper. Block complexity ``2k + 1``.
 
     Raises:
         InvalidArgumentError: a BC too small for one node, bad masks or tree.
@@ -223,7 +230,13 @@ class Probe(SpeculativeMethod):
         lam: Any = 0.1,
         mask_init: str = "mean",
         max_bc: Any = 64,
+        shape: str = "tree",
     ):
+        if shape not in ("tree", "chain"):
+            raise InvalidArgumentError(f"option shape must be 'tree' or 'chain', got {shape!r}")
+        self.shape = shape
+        #: a chain-shaped probe also runs on hybrid recurrent models
+        self.chain_shaped = shape == "chain"
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
@@ -245,16 +258,29 @@ class Probe(SpeculativeMethod):
 
     @property
     def block_complexity(self) -> int:
+        if self.shape == "chain":
+            return 2 * self.masks + 1
         return block_complexity(self.masks, self.nodes)
 
     def describe(self) -> str:
+        if self.shape == "chain":
+            return f"probe(shape=chain, masks={self.masks})"
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
         init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
         return f"probe(bc={bc}, masks={self.masks}, tree={tree}{init})"
 
     def prepare(self, engine: Engine) -> None:
-        check_tree_support(engine.model, self.name)
+        if self.shape == "chain" and engine.rollback is not None:
+            from mlx_lm.utils import does_model_support_input_embeddings
+
+            if not does_model_support_input_embeddings(engine.model):
+                raise UnsupportedModelError(
+                    f"--method probe: model type {engine.model.model_type!r} does not accept "
+                    "input embeddings (mask slots are vectors). Use --method mtp or pld."
+                )
+        else:
+            check_tree_support(engine.model, self.name)
         self.vectors.prepare(engine)
 
     @property
@@ -278,7 +304,31 @@ class Probe(SpeculativeMethod):
         self.slot_cost = engine.slot_cost() if self.auto else 0.0
         self.expected, self.hits = 0.0, 0
 
+    def _propose_chain(self, root: int, engine: Engine) -> Draft:
+        # [root, d1..dk, m1..mk]: one chain (the top candidate of each mask
+        # slot, then k masks after the last one), so a prefix can be kept on
+        # any cache, recurrent layers included
+        k = self.masks
+        drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
+        n_tok = 1 + len(drafts)
+        slot_tokens = np.array([root, *drafts] + [-1] * k, dtype=np.int64)
+        emb = engine.embed_tokens(slot_tokens[:n_tok])
+
+        def masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
+            return top_candidates(logits[n_tok:], 1)
+
+        return Draft(
+            slot_tokens,
+            np.arange(-1, n_tok + k - 1),
+            mx.concatenate([emb, self.vectors.embedding.astype(emb.dtype)]),
+            verify=n_tok,
+            extras=masks_top,
+            info="chain",
+        )
+
     def propose(self, engine: Engine, root: int) -> Draft:
+        if self.shape == "chain":
+            return self._propose_chain(root, engine)
         k = self.masks
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
         if self.auto:
@@ -314,6 +364,13 @@ class Probe(SpeculativeMethod):
         )
 
     def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        if draft.info == "chain":
+            # the masks follow the last draft: they predict after the bonus
+            # token only if every draft was accepted
+            full = len(verified.path) == draft.drafted
+            self.dists = candidate_lists(*verified.extras) if full else []
+            self.vectors.update(engine, verified.tokens)
+            return
         # the k masks after the deepest accepted node draft the next tree
         k, n_tok, vstar = self.masks, draft.n_verify, verified.deepest
         if vstar == 0:

@@ -1,0 +1,368 @@
+"""Native MTP layers (mtp.* of Qwen3.5 / Qwen3-Next checkpoints) and chain
+speculation on hybrid recurrent models (issue 23).
+
+The models are tiny random qwen3_next (MoE) and qwen3_5 (dense, VL layout)
+checkpoints written in the public checkpoints' Hugging Face layout with an
+``mtp.*`` layer (:func:`mlx_mtp.testing.write_tiny_hybrid`), loaded through
+mlx-lm's own ``load_model`` (whose sanitize drops ``mtp.*``) and this package's
+loader. Float32 throughout.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine, check_cache_support
+from mlx_mtp.errors import ModelLoadError, UnsupportedModelError
+from mlx_mtp.methods import make_method
+from mlx_mtp.methods.base import ChainDraftMethod
+from mlx_mtp.native_mtp import find_mtp_tensors, load_native_mtp
+from mlx_mtp.testing import HYBRID_FAMILIES, write_tiny_hybrid
+
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def hybrid(request, tmp_path_factory):
+    """(family, model, loaded-like namespace with path and config)."""
+    from mlx_lm.utils import load_model
+
+    folder = tmp_path_factory.mktemp(request.param)
+    write_tiny_hybrid(folder, request.param, seed=1)
+    model, config = load_model(Path(folder))
+    return request.param, model, types.SimpleNamespace(path=Path(folder), config=config)
+
+
+def _engine(hybrid):
+    _, model, loaded = hybrid
+    e = Engine(model)
+    e.loaded = loaded
+    return e
+
+
+def _generate(engine, method, prompt, n=N_TOKENS, sampler=None):
+    out, stats = [], None
+    for s in generate_steps(engine, method, prompt, max_tokens=n, sampler=sampler):
+        out += s.tokens
+        stats = s.stats
+    return out, stats
+
+
+def _method(engine, name, **opts):
+    m = make_method(name, **opts) if isinstance(name, str) else name
+    check_cache_support(engine, m)
+    m.prepare(engine)
+    return m
+
+
+def _prompts(n, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(4, 24))).tolist() for _ in range(n)]
+
+
+# ------------------------------------------------------------ the layer
+def _rms(x, w, eps):  # Qwen3-Next / 3.5 checkpoints store zero-centred norm weights
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _reference_logits(raw, model, h, tok, args):
+    """The MTP layer at one position with an empty cache, from the raw
+    checkpoint tensors (attention over one key: softmax = 1)."""
+    eps, nh, hd = args.rms_norm_eps, args.num_attention_heads, args.head_dim
+    nkv = args.num_key_value_heads
+    w = {k[4:]: v for k, v in raw.items() if k.startswith("mtp.")}
+    e = model.model.embed_tokens(mx.array([tok]))
+    x = mx.concatenate(
+        [
+            _rms(e, w["pre_fc_norm_embedding.weight"], eps),
+            _rms(h, w["pre_fc_norm_hidden.weight"], eps),
+        ],
+        axis=-1,
+    )
+    x = x @ w["fc.weight"].T
+    p = "layers.0."
+    y = _rms(x, w[p + "input_layernorm.weight"], eps)
+    gate = (y @ w[p + "self_attn.q_proj.weight"].T).reshape(1, nh, 2 * hd)[..., hd:].reshape(1, -1)
+    v = (y @ w[p + "self_attn.v_proj.weight"].T).reshape(1, nkv, hd)
+    v = mx.repeat(v, nh // nkv, axis=1).reshape(1, -1)
+    x = x + (v * mx.sigmoid(gate)) @ w[p + "self_attn.o_proj.weight"].T
+    z = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+
+    def mlp(q, z):
+        g, u = z @ w[q + "gate_proj.weight"].T, z @ w[q + "up_proj.weight"].T
+        return (g * mx.sigmoid(g) * u) @ w[q + "down_proj.weight"].T
+
+    if p + "mlp.gate.weight" in w:  # MoE: softmax router, top-k renormalised, shared expert
+        probs = mx.softmax(z @ w[p + "mlp.gate.weight"].T, axis=-1)[0]
+        top = np.argsort(-np.array(probs))[: args.num_experts_per_tok]
+        wt = np.array(probs)[top] / np.array(probs)[top].sum()
+        out = sum(float(c) * mlp(f"{p}mlp.experts.{int(e)}.", z) for e, c in zip(top, wt))
+        shared = mlp(p + "mlp.shared_expert.", z)
+        out = out + mx.sigmoid(z @ w[p + "mlp.shared_expert_gate.weight"].T) * shared
+    else:
+        out = mlp(p + "mlp.", z)
+    x = x + out
+    return _rms(x, w["norm.weight"], eps) @ raw["lm_head.weight"].T
+
+
+def test_mtp_weights_survive_loading_and_match_a_reference(hybrid):
+    from mlx.utils import tree_flatten
+
+    family, model, loaded = hybrid
+    assert not any("mtp" in k for k, _ in tree_flatten(model.parameters()))  # mlx-lm drops them
+    found = find_mtp_tensors(loaded.path)
+    assert "fc.weight" in found and "layers.0.self_attn.q_proj.weight" in found
+    layer = load_native_mtp(loaded.path, model, loaded.config)
+    raw = mx.load(str(loaded.path / "model.safetensors"))
+    from mlx_mtp.native_mtp import text_args
+
+    args = text_args(model)
+    engine = Engine(model)
+    mx.random.seed(3)
+    for tok in (0, 17, 255):
+        h = mx.random.normal((1, args.hidden_size))
+        got = engine.lm_head(layer(h[None], engine.embed_tokens([tok])[None], layer.make_cache()))[
+            0
+        ]
+        ref = _reference_logits(raw, model, h, tok, args)
+        np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
+    # several positions in one pass == one at a time through the layer's KV cache
+    hs = mx.random.normal((1, 5, args.hidden_size))
+    es = engine.embed_tokens([3, 9, 27, 81, 243])[None]
+    whole = layer(hs, es, layer.make_cache())
+    cache = layer.make_cache()
+    steps = mx.concatenate([layer(hs[:, i : i + 1], es[:, i : i + 1], cache) for i in range(5)], 1)
+    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=1e-5)
+
+
+def test_convert_clp_heads_writes_the_layer_and_mtp_loads_it(hybrid, tmp_path):
+    from mlx_mtp.converters.clp_heads import convert
+
+    from mlx_mtp.clp_heads import find_heads, load_heads
+
+    family, model, loaded = hybrid
+    src = types.SimpleNamespace(model=model, name=f"tiny-{family}")
+    summary = convert(loaded.path, tmp_path / "heads", src)
+    assert "native-mtp-layer" in summary
+    direct = load_native_mtp(loaded.path, model, loaded.config)
+    folder = load_native_mtp(tmp_path / "heads", model)
+    engine = Engine(model)
+    h = mx.random.normal((1, 3, direct.fc.weight.shape[0]))
+    e = engine.embed_tokens([1, 2, 3])[None]
+    a = direct(h, e, direct.make_cache())
+    b = folder(h, e, folder.make_cache())
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    # the CLP method neither picks it up nor loads it as CLP heads
+    assert find_heads(model, [tmp_path]) is None
+    with pytest.raises(ModelLoadError, match="--method mtp"):
+        load_heads(tmp_path / "heads", model)
+    # --method mtp with heads=FOLDER decodes exactly
+    eng = _engine(hybrid)
+    m = _method(eng, "mtp", depth=2, heads=str(tmp_path / "heads"))
+    ntp = _method(eng, "ntp")
+    p = [9, 8, 7, 6]
+    assert _generate(eng, m, p, 16)[0] == _generate(eng, ntp, p, 16)[0]
+
+
+def test_checkpoint_without_mtp_tensors_is_refused(hybrid, tmp_path):
+    _, model, loaded = hybrid
+    raw = mx.load(str(loaded.path / "model.safetensors"))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), {k: v for k, v in raw.items() if "mtp." not in k}
+    )
+    with pytest.raises(ModelLoadError, match="no mtp"):
+        load_native_mtp(tmp_path, model, {})
+    engine = Engine(model)
+    engine.loaded = types.SimpleNamespace(path=tmp_path, config={})
+    with pytest.raises(ModelLoadError, match="no mtp"):
+        _method(engine, "mtp")
+
+
+# ------------------------------------------------------ chain speculation
+class OracleChain(ChainDraftMethod):
+    """Drafts the true greedy continuation with one corrupted token at a random
+    depth on most steps: accepted lengths 0..k, so partial accepts (and the
+    recurrent-state restore) happen at every depth."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], k: int = 4, seed: int = 0):
+        self.reference, self.k = reference, k
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, engine, root):
+        p = engine.offset  # root sits at position p
+        d = list(self.reference[p + 1 : p + 1 + self.k])
+        if d and self.rng.random() < 0.75:
+            j = int(self.rng.integers(0, len(d)))
+            d[j] = (d[j] + 1) % 256
+        return d
+
+
+def _exact_sweep(hybrid, prompts, pre_norm=False):
+    engine = _engine(hybrid)
+    ntp = _method(engine, "ntp")
+    methods = {"mtp": _method(engine, "mtp", depth=3), "pld": _method(engine, "pld")}
+    if hybrid[0] == "qwen3_5":  # mlx-lm's qwen3_next takes no input embeddings (mask slots)
+        methods["chain-probe"] = _method(engine, "probe", shape="chain", masks=2)
+    if pre_norm:
+        methods["mtp1"] = _method(engine, "mtp", depth=1, hidden_state="pre-norm")
+    rewinds = partial = 0
+    for i, prompt in enumerate(prompts):
+        ref, _ = _generate(engine, ntp, prompt)
+        for name, m in methods.items():
+            out, _ = _generate(engine, m, prompt)
+            assert out == ref, (name, i)
+        oracle = _method(engine, OracleChain(prompt + ref, seed=i))
+        before = engine.rollback.rewinds
+        out, stats = _generate(engine, oracle, prompt)
+        assert out == ref, ("oracle", i)
+        rewinds += engine.rollback.rewinds - before
+        partial += sum(1 for n in stats.accept_lengths if 1 < n < oracle.k + 1)
+    return rewinds, partial
+
+
+def test_chain_methods_equal_ntp_on_hybrid_models(hybrid):
+    rewinds, partial = _exact_sweep(hybrid, _prompts(2, seed=11))
+    assert rewinds > 10 and partial > 5  # the restore ran, after partial accepts
+
+
+@pytest.mark.slow
+def test_chain_methods_equal_ntp_on_hybrid_models_full_sweep(hybrid):
+    _exact_sweep(hybrid, _prompts(30, seed=12), pre_norm=True)
+
+
+def test_multi_turn_reuses_the_cache_on_hybrid_models(hybrid):
+    engine = _engine(hybrid)
+    mtp = _method(engine, "mtp", depth=2, hidden_state="pre-norm")
+    first = _prompts(1, seed=5)[0]
+    out1, _ = _generate(engine, mtp, first, 12)
+    out2, _ = _generate(engine, mtp, first + out1 + [7, 8], 12)
+    ref_engine = _engine(hybrid)
+    ntp = _method(ref_engine, "ntp")
+    assert out2 == _generate(ref_engine, ntp, first + out1 + [7, 8], 12)[0]
+
+
+def _chi_square(hybrid, n, temp=0.25):
+    """Chi-square: the 2nd generated token at T=temp (drawn after the MTP layer's
+    draft was verified) against its exact marginal under the backbone."""
+    from mlx_mtp.sampling import PositionalSampler
+
+    _, model, _ = hybrid
+    engine = _engine(hybrid)
+    mtp = _method(engine, "mtp", depth=2)
+    prompt = [5, 77, 140, 3, 9]
+    # exact: p(t2) = sum_t1 p(t1) p(t2 | t1), t1 over the whole vocabulary
+    p1 = mx.softmax(model(mx.array([prompt]))[0, -1] / temp, axis=-1)
+    batch = mx.array([prompt + [t] for t in range(256)])
+    p2 = mx.softmax(model(batch)[:, -1] / temp, axis=-1)
+    exact = np.array(p1 @ p2, dtype=np.float64)
+    counts = np.zeros(256)
+    for seed in range(n):
+        out, _ = _generate(engine, mtp, prompt, 2, sampler=PositionalSampler(temp, seed=seed))
+        counts[out[1]] += 1
+    assert mtp.depth_drafted[0] > 0
+    big = exact * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exact[big], exact[~big].sum()) * n
+    assert big.sum() >= 2
+    chi2, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    assert chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7  # ~ p > 0.001 (normal approximation)
+
+
+def test_mtp_sampling_keeps_the_target_distribution(hybrid):
+    if hybrid[0] != "qwen3_5":
+        pytest.skip("CI time: one family here; the slow variant runs both")
+    _chi_square(hybrid, 120)
+
+
+@pytest.mark.slow
+def test_mtp_sampling_keeps_the_target_distribution_slow(hybrid):
+    _chi_square(hybrid, 600)
+
+
+def test_branching_tree_on_a_hybrid_model_is_refused(hybrid):
+    engine = _engine(hybrid)
+    with pytest.raises(UnsupportedModelError, match="recurrent"):
+        check_cache_support(engine, make_method("probe"))
+    engine.sync([1, 2, 3])
+    emb = engine.embed_tokens([3, 4, 5])
+    with pytest.raises(UnsupportedModelError, match="branching draft tree"):
+        engine.forward_tree(emb, np.array([-1, 0, 0]), [3, 4, 5])
+    if hybrid[0] == "qwen3_next":  # mlx-lm's qwen3_next takes no input embeddings
+        with pytest.raises(UnsupportedModelError, match="input embeddings"):
+            engine.forward_tree(emb, np.array([-1, 0, 1]), [3, 4, 5])
+        return
+    # a chain-shaped tree runs, and a prefix of it can be kept
+    logits, _ = engine.forward_tree(emb, np.array([-1, 0, 1]), [3, 4, 5])
+    engine.keep(3, [0])
+    assert engine.offset == 4 and logits.shape[0] == 3
+
+
+def test_quantized_mtp_tensors_load_quantized_or_dequantized(tmp_path):
+    """An MLX-quantized qwen3_5 checkpoint that kept its mtp.* tensors: the
+    layer is quantized like the backbone, or dequantized when the backbone is."""
+    import json
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load_model
+
+    src = tmp_path / "hf"
+    config = write_tiny_hybrid(src, "qwen3_5", seed=2)
+    model, _ = load_model(src)
+    layer = load_native_mtp(src, model, config)
+    q = {"group_size": 32, "bits": 4}
+    nn.quantize(model, **q)
+    nn.quantize(layer, **q)
+    weights = dict(tree_flatten(model.parameters()))
+    weights.update({f"mtp.{k}": v for k, v in tree_flatten(layer.parameters())})
+    out = tmp_path / "q4"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps({**config, "quantization": q}))
+
+    qmodel, qconfig = load_model(out)  # mlx-lm quantizes the backbone, drops mtp.*
+    qlayer = load_native_mtp(out, qmodel, qconfig)
+    assert isinstance(qlayer.fc, nn.QuantizedLinear)
+    dmodel = dequantize_model(load_model(out)[0])
+    dlayer = load_native_mtp(out, dmodel, qconfig)
+    assert type(dlayer.fc) is nn.Linear
+    h = mx.random.normal((1, 2, 64))
+    e = Engine(dmodel).embed_tokens([4, 5])[None]
+    a = qlayer(h, e, qlayer.make_cache())
+    b = dlayer(h, e, dlayer.make_cache())
+    c = layer(h, e, layer.make_cache())  # the in-memory quantized original
+    np.testing.assert_allclose(np.array(a), np.array(c), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(b), np.array(c), rtol=1e-3, atol=1e-3)
+
+
+def test_public_api_finds_the_mtp_layer_in_the_model_folder(hybrid, smollm):
+    """``MTPModel`` (what ``--model FOLDER --method mtp`` builds) reads mtp.* from
+    the loaded model's own folder."""
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.loading import LoadedModel
+
+    family, model, loaded = hybrid
+    lm = LoadedModel(model, smollm.tokenizer, loaded.path, loaded.config, family, "float32")
+    prompt = [11, 22, 33, 44, 55]
+    got = MTPModel(lm, make_method("mtp", depth=2)).generate(prompt, max_tokens=12)
+    ref = MTPModel(lm, make_method("ntp")).generate(prompt, max_tokens=12)
+    assert got.tokens == ref.tokens and got.stats.drafted > 0
+
+
+def test_chain_probe_on_an_attention_model_equals_ntp():
+    from mlx_mtp.testing import make_tiny_model
+
+    engine = Engine(make_tiny_model("llama", seed=4))
+    probe = _method(engine, "probe", shape="chain", masks=2)
+    ntp = _method(engine, "ntp")
+    assert probe.block_complexity == 5 and "chain" in probe.describe()
+    for prompt in _prompts(2, seed=8):
+        assert _generate(engine, probe, prompt, 24)[0] == _generate(engine, ntp, prompt, 24)[0]
