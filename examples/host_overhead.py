@@ -3,8 +3,9 @@ source trees of mlx-mtp side by side (before / after a refactor).
 
 Each tree runs in its own subprocess (``PYTHONPATH=TREE``), in rounds that
 alternate the trees (A B A B ...), so that both see the same load on a shared
-machine. Every round decodes the same prompts (Spec-Bench, one per task, chat
-formatted) with each method and reports ``GenerationStats.host_ms_per_step``
+machine. Every round decodes the same prompts (Spec-Bench, one per task under
+``--max-prompt`` tokens, chat formatted) with each method and reports
+``GenerationStats.host_ms_per_step``
 (decode wall time minus device time: forward passes and the vocabulary-wide
 argmax / top-k / sampling, see :mod:`mlx_mtp.decoding`), tau, and whether the
 output equals plain greedy decoding token for token.
@@ -41,10 +42,10 @@ lm = load_model(args["model"], dtype="float32")
 tok = lm.tokenizer
 qs = load_questions()
 prompts = []
-for t in TASKS:
-    q = [q for q in qs if q["task"] == t][args["index"]]
-    prompts.append(tok.apply_chat_template(
-        [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
+for t in TASKS:  # the first questions of each task under max_prompt tokens
+    ids = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                   add_generation_prompt=True) for q in qs if q["task"] == t]
+    prompts.append([p for p in ids if len(p) < args["max_prompt"]][args["index"]])
 eos = set(tok.eos_token_ids)
 
 def run(name, opts, ids):
@@ -86,12 +87,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--index", type=int, default=0, help="which question of each task")
+    ap.add_argument("--max-prompt", type=int, default=400, help="prompt tokens, at most")
     args = ap.parse_args()
     job = {
         "model": args.model,
         "methods": [m for m in args.methods.split(";") if m],
         "max_tokens": args.max_tokens,
         "index": args.index,
+        "max_prompt": args.max_prompt,
     }
     got: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in range(args.rounds):
@@ -109,7 +112,10 @@ def main() -> None:
             for spec, v in json.loads(line[7:]).items():
                 got[(tree, spec)].append(v)
             print(f"round {r + 1}/{args.rounds} {tree} done", file=sys.stderr, flush=True)
-    print(f"model {args.model} float32, 6 Spec-Bench prompts, {args.max_tokens} tokens, CPU")
+    print(
+        f"model {args.model} float32, 6 Spec-Bench prompts (one per task, < {args.max_prompt} "
+        f"tokens), {args.max_tokens} new tokens, CPU"
+    )
     for (tree, spec), vs in got.items():
         ms = [v["host_ms"] for v in vs]
         print(
