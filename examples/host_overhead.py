@@ -82,12 +82,15 @@ print("RESULT " + json.dumps(res))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, help="mlx-mtp source trees")
-    ap.add_argument("--methods", default="probe:bc=30;hybrid:bc=30")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--index", type=int, default=0, help="which question of each task")
-    ap.add_argument("--max-prompt", type=int, default=400, help="prompt tokens, at most")
+    for flag, default, what in (
+        ("--methods", "probe:bc=30;hybrid:bc=30", "';'-separated method specs"),
+        ("--model", "smollm2-135m", "model spec"),
+        ("--rounds", 3, "rounds over the trees"),
+        ("--max-tokens", 64, "new tokens per prompt"),
+        ("--index", 0, "which question of each task"),
+        ("--max-prompt", 400, "prompt tokens, at most"),
+    ):
+        ap.add_argument(flag, type=type(default), default=default, help=what)
     args = ap.parse_args()
     job = {
         "model": args.model,
