@@ -45,7 +45,8 @@ prompts = []
 for t in TASKS:  # the first questions of each task under max_prompt tokens
     ids = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
                                    add_generation_prompt=True) for q in qs if q["task"] == t]
-    prompts.append([p for p in ids if len(p) < args["max_prompt"]][args["index"]])
+    short = [p for p in ids if len(p) < args["max_prompt"]] or sorted(ids, key=len)
+    prompts.append(short[min(args["index"], len(short) - 1)])
 eos = set(tok.eos_token_ids)
 
 def run(name, opts, ids):
@@ -109,8 +110,9 @@ def main() -> None:
                 cwd=str(Path(tree).resolve()),  # python -c puts the cwd first on sys.path
                 capture_output=True,
                 text=True,
-                check=True,
             )
+            if p.returncode:
+                sys.exit(f"{tree}: the worker failed:\n{p.stderr[-3000:]}")
             line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
             for spec, v in json.loads(line[7:]).items():
                 got[(tree, spec)].append(v)
