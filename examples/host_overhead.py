@@ -116,7 +116,7 @@ def main() -> None:
             line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
             for spec, v in json.loads(line[7:]).items():
                 got[(tree, spec)].append(v)
-            print(f"round {r + 1}/{args.rounds} {tree} done", file=sys.stderr, flush=True)
+                print(f"round {r + 1}/{args.rounds} {tree} {spec} {v}", file=sys.stderr, flush=True)
     print(
         f"model {args.model} float32, 6 Spec-Bench prompts (one per task, < {args.max_prompt} "
         f"tokens), {args.max_tokens} new tokens, CPU"
