@@ -3,8 +3,9 @@ source trees of mlx-mtp side by side (before / after a refactor).
 
 Each tree runs in its own subprocess (``PYTHONPATH=TREE``), in rounds that
 alternate the trees (A B A B ...), so that both see the same load on a shared
-machine. Every round decodes the same prompts (Spec-Bench, one per task, chat
-formatted) with each method and reports ``GenerationStats.host_ms_per_step``
+machine. Every round decodes the same prompts (Spec-Bench, one per task under
+``--max-prompt`` tokens, chat formatted) with each method and reports
+``GenerationStats.host_ms_per_step``
 (decode wall time minus device time: forward passes and the vocabulary-wide
 argmax / top-k / sampling, see :mod:`mlx_mtp.decoding`), tau, and whether the
 output equals plain greedy decoding token for token.
@@ -41,10 +42,11 @@ lm = load_model(args["model"], dtype="float32")
 tok = lm.tokenizer
 qs = load_questions()
 prompts = []
-for t in TASKS:
-    q = [q for q in qs if q["task"] == t][args["index"]]
-    prompts.append(tok.apply_chat_template(
-        [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
+for t in TASKS:  # the first questions of each task under max_prompt tokens
+    ids = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                   add_generation_prompt=True) for q in qs if q["task"] == t]
+    short = [p for p in ids if len(p) < args["max_prompt"]] or sorted(ids, key=len)
+    prompts.append(short[min(args["index"], len(short) - 1)])
 eos = set(tok.eos_token_ids)
 
 def run(name, opts, ids):
@@ -81,17 +83,22 @@ print("RESULT " + json.dumps(res))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, help="mlx-mtp source trees")
-    ap.add_argument("--methods", default="probe:bc=30;hybrid:bc=30")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--index", type=int, default=0, help="which question of each task")
+    for flag, default, what in (
+        ("--methods", "probe:bc=30;hybrid:bc=30", "';'-separated method specs"),
+        ("--model", "smollm2-135m", "model spec"),
+        ("--rounds", 3, "rounds over the trees"),
+        ("--max-tokens", 64, "new tokens per prompt"),
+        ("--index", 0, "which question of each task"),
+        ("--max-prompt", 400, "prompt tokens, at most"),
+    ):
+        ap.add_argument(flag, type=type(default), default=default, help=what)
     args = ap.parse_args()
     job = {
         "model": args.model,
         "methods": [m for m in args.methods.split(";") if m],
         "max_tokens": args.max_tokens,
         "index": args.index,
+        "max_prompt": args.max_prompt,
     }
     got: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in range(args.rounds):
@@ -103,13 +110,17 @@ def main() -> None:
                 cwd=str(Path(tree).resolve()),  # python -c puts the cwd first on sys.path
                 capture_output=True,
                 text=True,
-                check=True,
             )
+            if p.returncode:
+                sys.exit(f"{tree}: the worker failed:\n{p.stderr[-3000:]}")
             line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
             for spec, v in json.loads(line[7:]).items():
                 got[(tree, spec)].append(v)
-            print(f"round {r + 1}/{args.rounds} {tree} done", file=sys.stderr, flush=True)
-    print(f"model {args.model} float32, 6 Spec-Bench prompts, {args.max_tokens} tokens, CPU")
+                print(f"round {r + 1}/{args.rounds} {tree} {spec} {v}", file=sys.stderr, flush=True)
+    print(
+        f"model {args.model} float32, 6 Spec-Bench prompts (one per task, < {args.max_prompt} "
+        f"tokens), {args.max_tokens} new tokens, CPU"
+    )
     for (tree, spec), vs in got.items():
         ms = [v["host_ms"] for v in vs]
         print(

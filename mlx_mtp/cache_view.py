@@ -49,6 +49,37 @@ class TreeCacheView:
         return getattr(self._cache, name)
 
 
+class FixedCache:
+    """A stand-in for one layer's KV cache in a training forward pass (no real
+    cache behind it): answers ``make_mask`` with a fixed attention mask and
+    ``offset`` with per-token RoPE positions, like :class:`TreeCacheView`.
+    Keys and values pass through, after the ``prefix`` ones if given
+    (evaluated keys/values of earlier tokens, no gradient through them);
+    nothing is stored. The one cache stand-in of the trainers.
+
+    Args:
+        mask: bool (N, P + N): query i may attend key j (P prefix keys first).
+        positions: int32 (N,): RoPE position of each input token.
+        prefix: optional (keys, values), each (1, KV heads, P, head dim).
+    """
+
+    def __init__(
+        self, mask: mx.array, positions: mx.array, prefix: tuple[mx.array, mx.array] | None = None
+    ):
+        self._mask = mask
+        self.offset = positions
+        self.prefix = prefix
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self._mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.prefix is None:
+            return keys, values
+        pk, pv = self.prefix
+        return mx.concatenate([pk, keys], axis=2), mx.concatenate([pv, values], axis=2)
+
+
 class PositionalRoPE(nn.Module):
     """Wraps an mlx-lm RoPE module so that an (L,) array offset means one RoPE
     position per token (shape (B=1, H, L, D) in and out). Integer offsets go to

@@ -254,6 +254,17 @@ class Engine:
                 return False
         return True
 
+    def check_droppable(self, n: int) -> None:
+        """Refuse, before a forward pass of ``n`` tokens of which some are
+        dropped again afterwards (a lossy method's mask tokens), a cache that
+        could not drop them. Lossless methods never call this: the shared
+        :func:`~mlx_mtp.speculative.speculative_step` does the same check.
+
+        Raises:
+            CacheNotTrimmableError: a full sliding window or recurrent layers.
+        """
+        self._require_trimmable(n)
+
     def _require_trimmable(self, n_extra: int, chain: bool = False) -> None:
         if not self.trimmable(n_extra, chain):
             kinds = sorted({type(c).__name__ for c in self.cache})

@@ -1,5 +1,10 @@
 """Method registry: ``--method`` name -> class.
 
+A lossless method subclasses :class:`SpeculativeMethod` (``propose`` a
+:class:`~mlx_mtp.speculative.Draft`, ``observe`` the verified outcome; see the
+README's "Adding a method"); lossy decoding subclasses :class:`Method` and
+writes its own ``step``.
+
 A method whose module is not in this install is refused with a clear message;
 nothing ever falls back to plain decoding silently.
 """
@@ -11,7 +16,7 @@ import inspect
 from typing import Any
 
 from ..errors import InvalidArgumentError, UnknownMethodError
-from .base import Method, StepOutput
+from .base import Method, SpeculativeMethod, StepOutput
 
 #: name -> "module:Class" of every built method
 METHODS: dict[str, str] = {
@@ -97,6 +102,7 @@ __all__ = [
     "METHODS",
     "available_methods",
     "Method",
+    "SpeculativeMethod",
     "StepOutput",
     "make_method",
     "method_class",

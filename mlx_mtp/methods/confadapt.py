@@ -156,9 +156,9 @@ class ConfAdapt(Method):
     def step(self, engine: Engine, root: int) -> StepOutput:
         k = self.k
         real = [*self.pending, root]
+        engine.check_droppable(len(real) + k - 1)  # the masks are dropped after the pass
         start = engine.offset
-        # the masks are dropped again after the pass: refused up front if they cannot be
-        logits, _ = engine.forward_chain(real + [self.mask_id] * (k - 1), droppable=True)
+        logits, _ = engine.forward_chain(real + [self.mask_id] * (k - 1))
         # the root and the k-1 masks give k next-token distributions
         dist = logits[len(real) - 1 :].astype(mx.float32)
         if self.mask_id < dist.shape[-1]:  # the mask token is input-only

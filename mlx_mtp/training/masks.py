@@ -32,7 +32,7 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
-from ..cache_view import install_positional_rope
+from ..cache_view import FixedCache, install_positional_rope
 from ..data import render_prompt
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
@@ -157,27 +157,6 @@ def load_continuations(path: str | Path, meta: dict) -> list[TrainSequence] | No
 
 
 # ------------------------------------------------------------ tree forward
-class _PrefixView:
-    """Cache stand-in for one layer: fixed prefix keys/values (no gradient) plus
-    the mask slots' own, with a tree mask and per-token RoPE positions."""
-
-    def __init__(self, keys: mx.array, values: mx.array, mask: mx.array, positions: mx.array):
-        self.keys, self.values = keys, values
-        self._mask, self._positions = mask, positions
-
-    @property
-    def offset(self) -> mx.array:
-        return self._positions
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return self._mask
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        return mx.concatenate([self.keys, keys], axis=2), mx.concatenate(
-            [self.values, values], axis=2
-        )
-
-
 def prefix_kv(model: nn.Module, tokens: list[int]) -> list[tuple[mx.array, mx.array]]:
     """Per-layer (keys, values) of a causal forward over ``tokens`` (evaluated)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -233,7 +212,7 @@ def mask_logits(
     prefix_len = kv[0][0].shape[2]
     mask, pos = mask_set_layout(anchors, k, prefix_len)
     mask_mx, pos_mx = mx.array(mask), mx.array(pos)
-    views = [_PrefixView(kk, vv, mask_mx, pos_mx) for kk, vv in kv]
+    views = [FixedCache(mask_mx, pos_mx, prefix) for prefix in kv]
     emb = mx.tile(vectors, (len(anchors), 1)).astype(kv[0][0].dtype)
     h = backbone(None, cache=views, input_embeddings=emb[None])[0]
     return head(h)

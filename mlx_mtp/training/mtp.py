@@ -50,7 +50,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache_view import install_positional_rope
+from ..cache_view import FixedCache, install_positional_rope
 from ..data import render_prompt
 from ..errors import InvalidArgumentError
 from ..fingerprint import model_signature
@@ -190,22 +190,6 @@ def batch_continuations(
 
 
 # ------------------------------------------------------- mask-region layout
-class _BlockCache:
-    """Stands in for a layer's KV cache in a training forward pass: answers
-    ``make_mask`` with a block attention mask and ``offset`` with per-token
-    RoPE positions; keys and values pass through (nothing is stored)."""
-
-    def __init__(self, mask: mx.array, positions: mx.array):
-        self._mask = mask
-        self.offset = positions
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return self._mask
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        return keys, values
-
-
 @dataclass
 class RegionLayout:
     """Real tokens followed by mask regions, as one forward pass.
@@ -259,7 +243,7 @@ def forward_layout(model: nn.Module, tokens: mx.array, layout: RegionLayout) -> 
     be installed, see :func:`mlx_mtp.cache_view.install_positional_rope`)."""
     m = mx.array(layout.mask)
     p = mx.array(layout.positions)
-    caches = [_BlockCache(m, p) for _ in model.layers]
+    caches = [FixedCache(m, p) for _ in model.layers]
     return model(tokens[None], cache=caches)[0]
 
 
