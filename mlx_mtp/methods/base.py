@@ -75,13 +75,55 @@ class Method:
 
 class ChainDraftMethod(Method):
     """A lossless method whose drafts are one chain, verified in one causal
-    forward pass (prompt lookup, lookahead candidates, CLP verified mode)."""
+    forward pass (prompt lookup, lookahead candidates, CLP verified mode).
+
+    With ``self.auto`` set (the default of ``pld``), :meth:`begin_budget`
+    gives it a :class:`~mlx_mtp.budget.Budget`: each step's chain is cut at
+    the length that maximises expected tokens per unit of forward time under
+    the device's cost curve, from per-depth acceptance rates learned online;
+    when no length pays, the method runs pipelined one-token steps with a
+    periodic re-probe (:mod:`mlx_mtp.budget`).
+    """
+
+    auto: bool = False
+    #: drafts a re-probe verifies even when the policy says none pay
+    REPROBE_DRAFT: ClassVar[int] = 2
 
     def draft(self, engine: Engine, root: int) -> list[int]:
         raise NotImplementedError
 
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(engine, prompt, sampler)
+        self.begin_budget(engine, sampler)
+
+    def begin_budget(self, engine: Engine, sampler: Sampler | None) -> None:
+        """Set up the draft budget of an ``auto`` method (no-op otherwise)."""
+        from ..budget import Budget, DepthAcceptance, PlainSteps, cost_curve
+
+        self.budget = Budget(cost_curve(engine)) if self.auto else None
+        self.acceptance = DepthAcceptance()
+        self.plain_steps = PlainSteps(sampler)
+        self._reprobe = False
+
     def step(self, engine: Engine, root: int) -> StepOutput:
+        b = getattr(self, "budget", None)
+        if b is not None and b.plain:
+            self._reprobe = b.tick()
+            return self.plain_steps.step(engine, root, queue_next=not self._reprobe)
+        if b is not None:
+            self.plain_steps.unqueue(engine, root)
         draft = self.draft(engine, root)
+        if b is not None and draft:
+            from ..budget import best_prefix, chain_values
+
+            n, rate = best_prefix(b.curve, chain_values(self.acceptance.qs(len(draft))), 1)
+            if self._reprobe:
+                n = max(n, min(len(draft), self.REPROBE_DRAFT))
+            elif not b.pays(rate):
+                b.go_plain(1 + self.REPROBE_DRAFT)
+                return self.plain_steps.step(engine, root, queue_next=True)
+            draft = draft[:n]
+        self._reprobe = False
         start = engine.offset
         if draft:
             engine._require_trimmable(len(draft) + 1)
@@ -91,6 +133,8 @@ class ChainDraftMethod(Method):
         slot_tokens = np.array([root, *draft])
         path, bonus = verify(logits, parents, slot_tokens, self.sampler, engine)
         engine.keep(start, [0, *path])
+        if b is not None and draft:
+            self.acceptance.record(len(draft), len(path))
         return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
 
 

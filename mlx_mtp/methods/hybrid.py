@@ -86,6 +86,23 @@ class Allocation:
     probs: list[float] = field(default_factory=list)
     sources: list[list[Source]] = field(default_factory=list)
     mask_anchors: list[int] = field(default_factory=list)
+    #: every item in selection order: (is a mask set, value, slots)
+    order: list[tuple[bool, float, int]] = field(default_factory=list)
+
+    def prefix(self, n: int) -> Allocation:
+        """The allocation of the first ``n`` selected items (a valid tree:
+        parents and anchors are always selected before what hangs off them)."""
+        items = self.order[:n]
+        nodes = sum(1 for m, _, _ in items if not m)
+        masks = sum(1 for m, _, _ in items if m)
+        return Allocation(
+            self.tokens[:nodes],
+            self.parents[:nodes],
+            self.probs[:nodes],
+            self.sources[:nodes],
+            self.mask_anchors[:masks],
+            items,
+        )
 
     def slots(self, masks: int) -> int:
         """Slots of the forward pass: root + nodes + mask slots."""
@@ -229,6 +246,7 @@ def allocate(
             if masks <= left:
                 total += -neg * masks
                 out.mask_anchors.append(item[1])
+                out.order.append((True, -neg * masks, masks))
                 left -= masks
             continue
         _, parent_slot, c, prob = item
@@ -238,6 +256,7 @@ def allocate(
         out.parents.append(parent_slot - 1)
         out.probs.append(prob)
         out.sources.append(c.sources)
+        out.order.append((False, prob, 1))
         paths.append(paths[parent_slot] + (c.token,))
         total += prob
         left -= 1
@@ -298,10 +317,11 @@ class Hybrid(Probe):
 
     Args:
         bc: block complexity = slots per forward pass (root + nodes + masks),
-            or ``"auto"``: up to ``max_bc`` slots, each item kept only if it
-            raises the expected tokens per second given the device's measured
-            cost of a slot (:meth:`Engine.slot_cost`, see
-            :func:`mlx_mtp.tree.worth_adding`).
+            or ``"auto"`` (default): up to ``max_bc`` slots, cut per step at
+            the best-first prefix that maximises expected tokens per unit of
+            time under the device's forward cost curve, and one-token steps
+            (with a periodic re-probe) while nothing pays
+            (:mod:`mlx_mtp.budget`). 10 and 30 are fixed edge settings.
         masks: mask slots per mask set, k = 1..3 (0 disables probing).
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
@@ -317,10 +337,12 @@ class Hybrid(Probe):
 
     name = "hybrid"
     lossless = True
+    #: items (nodes, mask sets) a re-probe step keeps even when none pays
+    REPROBE_ITEMS = 2
 
     def __init__(
         self,
-        bc: Any = 30,
+        bc: Any = "auto",
         masks: Any = 1,
         tree: str = "dynamic",
         lam: Any = 0.1,
@@ -367,7 +389,7 @@ class Hybrid(Probe):
         if self.masks == 0:
             self.sampler = sampler
             self.mask_embedding = None
-            self.slot_cost = engine.slot_cost() if self.auto else 0.0
+            self._begin_budget(engine, sampler)
         else:
             super().begin(engine, prompt, sampler)
         self.dists = []
@@ -407,7 +429,25 @@ class Hybrid(Probe):
         def children(path: tuple[int, ...], tok: int) -> list[Child]:
             return merged_children(path, tok, trie, levels, scale)
 
-        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0, self.slot_cost)
+        b = self.budget
+        if b is not None and b.plain:
+            self._reprobe = b.tick()
+            return self._plain_step(engine, root, queue_next=not self._reprobe)
+        if b is not None:
+            self.plain_steps.unqueue(engine, root)
+        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
+        if b is not None:  # bc=auto: the best prefix under the device's cost curve
+            from ..budget import best_prefix
+
+            vals = [v for _, v, _ in alloc.order]
+            n, rate = best_prefix(b.curve, vals, [s for _, _, s in alloc.order])
+            if self._reprobe:  # a re-probe drafts a little even when nothing pays
+                n = max(n, min(len(vals), self.REPROBE_ITEMS))
+            elif not b.pays(rate):
+                b.go_plain(1 + self.REPROBE_ITEMS * max(k, 1))
+                return self._plain_step(engine, root, queue_next=True)
+            self._reprobe = False
+            alloc = alloc.prefix(n)
         prev = engine.cached[-1] if engine.cached else -1  # token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
-from ..tree import block_complexity, build_tree, cost_aware_prefix
+from ..tree import block_complexity, build_tree
 from ..verify import Sampler, target_graph, walk_tree
 from .base import Method, StepOutput, parse_bc, parse_int
 
@@ -107,14 +107,16 @@ class Probe(Method):
 
     Args:
         bc: block complexity, tokens per forward pass (10 and 30 are the edge
-            settings, 60 the paper's large one; None: 30). A template sets its
+            settings, 60 the paper's large one; None: "auto"). A template sets its
             own BC, ``(masks + 1) * (1 + sum(template))``; a different ``bc``
-            with it is refused. ``"auto"``: up to
-            ``max_bc`` slots, but each step keeps only the nodes that raise the
-            expected tokens per second, given this device's measured cost of a
-            slot (:meth:`Engine.slot_cost`) and the mask probabilities
-            calibrated online against this generation's accepted tokens (not
-            in the ESP paper; see :func:`mlx_mtp.tree.cost_aware_prefix`).
+            with it is refused. ``"auto"`` (default): up to ``max_bc`` slots,
+            each step keeps the prefix of the best-first tree that maximises
+            expected tokens per unit of time under this device's forward cost
+            curve (:mod:`mlx_mtp.budget`), with the mask probabilities
+            calibrated online against this generation's accepted tokens, and
+            runs one-token steps (no masks) while no tree pays, re-probing
+            periodically (not in the ESP paper). ``30`` is the paper's edge
+            setting.
         masks: mask slots after every node, k = 1 or 2 (3 allowed).
         tree: ``"dynamic"`` or a template of nodes per depth (``"14"``, ``"6,3"``).
         lam: step size of the mask-vector update (0.1 in the paper).
@@ -143,7 +145,7 @@ class Probe(Method):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
-            self.auto, bc = parse_bc(30 if bc is None else bc, max_bc, 2 * (self.masks + 1))
+            self.auto, bc = parse_bc("auto" if bc is None else bc, max_bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
             if str(bc) == "auto":
@@ -198,9 +200,26 @@ class Probe(Method):
             mean = mx.mean(engine.embed_tokens(prompt), axis=0)
             self.mask_embedding = mx.broadcast_to(mean, (self.masks, mean.shape[0]))
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
-        # bc=auto: slot cost of this device, and accepted / expected drafted nodes
-        self.slot_cost = engine.slot_cost() if self.auto else 0.0
-        self.expected, self.hits = 0.0, 0
+        self._begin_budget(engine, sampler)
+
+    def _begin_budget(self, engine: Engine, sampler: Sampler | None) -> None:
+        # bc=auto: the device's cost curve, the plain-mode state, and accepted /
+        # expected drafted nodes (decayed: the calibration follows the text)
+        from ..budget import Budget, PlainSteps, cost_curve
+
+        self.budget = Budget(cost_curve(engine)) if self.auto else None
+        self.plain_steps = PlainSteps(sampler)
+        self._reprobe = False
+        self.expected, self.hits = 0.0, 0.0
+
+    def _plain_step(self, engine: Engine, root: int, queue_next: bool) -> StepOutput:
+        # a one-token step (bc=auto found nothing worth drafting): no masks, so
+        # the next draft step starts from a re-probe of the root's masks
+        out = self.plain_steps.step(engine, root, queue_next)
+        if getattr(self, "mask_embedding", None) is not None:
+            self._update_mask(engine, out.tokens)
+        self.dists = []
+        return out
 
     def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
         # m <- m + lam (e - m), once per committed token, in order (mean init only;
@@ -217,12 +236,28 @@ class Probe(Method):
 
     def step(self, engine: Engine, root: int) -> StepOutput:
         k = self.masks
+        b = self.budget
+        if b is not None and b.plain:
+            self._reprobe = b.tick()
+            return self._plain_step(engine, root, queue_next=not self._reprobe)
+        if b is not None:
+            self.plain_steps.unqueue(engine, root)
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
-        if self.auto:
+        if b is not None:
+            from ..budget import best_prefix
+
             scale = (self.hits + 1.0) / (self.expected + 1.0)
-            n = cost_aware_prefix(node_p, k + 1, k, self.slot_cost, scale)
+            values = [p * scale for p in node_p]
+            n, rate = best_prefix(b.curve, values, k + 1, base_slots=k + 1)
+            # no draft pays: one-token steps, unless this is the re-probe (or the
+            # first step), whose root masks give the next step's candidates
+            if self.dists and not self._reprobe and not b.pays(rate):
+                b.go_plain(k + 1)
+                return self._plain_step(engine, root, queue_next=True)
+            self._reprobe = False
             node_toks, node_par = node_toks[:n], node_par[:n]
-            self.expected += float(sum(node_p[:n]))
+            if n:
+                self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
         n_tok = 1 + len(node_toks)
         # slots: [root, nodes...] then k chained masks after every token slot
         parents = [-1] + [p + 1 for p in node_par]
@@ -264,7 +299,8 @@ class Probe(Method):
             h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
             self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)
         engine.keep(start, [0, *path])
-        self.hits += len(path)
+        if len(node_toks):
+            self.hits = 0.95 * self.hits + len(path)
         committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
         self._update_mask(engine, committed)
         return StepOutput(committed, drafted=len(node_toks), accepted=len(path))
