@@ -28,8 +28,9 @@ can therefore be a win on one device and a loss on another (DESIGN §6, class
    (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
    (a cheap draft step that refreshes the acceptance estimates) costs at most
    ``REPROBE_OVERHEAD`` of the time (e.g. every 33 steps for a 3-slot
-   re-probe at ``c(3) = 1.33``). A re-probe whose drafts are accepted ends
-   plain mode at once, so a repetitive stretch is still caught.
+   re-probe at ``c(3) = 1.33``). A re-probe whose whole draft is accepted
+   resets the acceptance estimates to their prior, so a repetitive stretch
+   is still caught.
 5. :class:`DepthAcceptance`: per-depth conditional acceptance rates of a chain
    source, Beta-smoothed and decayed so that recent steps dominate.
 """
@@ -356,6 +357,21 @@ def best_prefix(
     return best_n, best
 
 
+def tree_size(
+    curve: CostCurve, node_probs: Sequence[float], masks: int, scale: float = 1.0
+) -> tuple[int, float]:
+    """How many nodes of a best-first ESP draft tree to keep (``probe``'s
+    ``bc=auto``): each node adds ``scale * P(node)`` expected accepted tokens
+    (its path probability, calibrated by accepted / expected) and ``masks + 1``
+    slots; the root and its masks take ``masks + 1`` slots anyway.
+
+    Returns:
+        ``(nodes, rate)`` as :func:`best_prefix`.
+    """
+    values = [p * scale for p in node_probs]
+    return best_prefix(curve, values, masks + 1, base_slots=masks + 1)
+
+
 def chain_values(q: Sequence[float]) -> list[float]:
     """Expected-accept value of each chain position: ``prod(q[:d+1])``, the
     chance that the first d+1 drafts are all accepted."""
@@ -383,7 +399,7 @@ class DepthAcceptance:
     """
 
     def __init__(
-        self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.9, max_depth: int = 16
+        self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8, max_depth: int = 16
     ):
         self.prior, self.weight, self.decay, self.max_depth = prior, weight, decay, max_depth
         self.acc = np.zeros(max_depth + 1)
@@ -396,6 +412,12 @@ class DepthAcceptance:
     def qs(self, n: int) -> list[float]:
         """``[q(1), ..., q(n)]``."""
         return [self.q(d) for d in range(1, n + 1)]
+
+    def reset(self) -> None:
+        """Forget every observation (a re-probe whose whole draft was accepted:
+        the text has changed, the old rates no longer apply)."""
+        self.acc[:] = 0.0
+        self.tried[:] = 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verified chain: depths 1..accepted accepted, depth accepted+1
@@ -433,7 +455,7 @@ class Budget:
         """Plain steps between re-probes of ``reprobe_slots`` slots: their extra
         cost ``c(s) - 1`` spread over the interval is ``REPROBE_OVERHEAD``."""
         extra = max(self.curve(reprobe_slots) - 1.0, 0.0)
-        n = math.ceil(extra / REPROBE_OVERHEAD) if extra > 0 else MIN_PLAIN_STEPS
+        n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
         return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
 
     def go_plain(self, reprobe_slots: int) -> None:

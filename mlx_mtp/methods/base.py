@@ -123,7 +123,7 @@ class ChainDraftMethod(Method):
                 b.go_plain(1 + self.REPROBE_DRAFT)
                 return self.plain_steps.step(engine, root, queue_next=True)
             draft = draft[:n]
-        self._reprobe = False
+        self._reprobe_step, self._reprobe = self._reprobe, False
         start = engine.offset
         if draft:
             engine._require_trimmable(len(draft) + 1)
@@ -134,6 +134,8 @@ class ChainDraftMethod(Method):
         path, bonus = verify(logits, parents, slot_tokens, self.sampler, engine)
         engine.keep(start, [0, *path])
         if b is not None and draft:
+            if self._reprobe_step and len(path) == len(draft):
+                self.acceptance.reset()  # the text changed: old rates no longer apply
             self.acceptance.record(len(draft), len(path))
         return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
 

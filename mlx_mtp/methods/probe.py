@@ -244,11 +244,10 @@ class Probe(Method):
             self.plain_steps.unqueue(engine, root)
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
         if b is not None:
-            from ..budget import best_prefix
+            from ..budget import tree_size
 
             scale = (self.hits + 1.0) / (self.expected + 1.0)
-            values = [p * scale for p in node_p]
-            n, rate = best_prefix(b.curve, values, k + 1, base_slots=k + 1)
+            n, rate = tree_size(b.curve, node_p, k, scale)
             # no draft pays: one-token steps, unless this is the re-probe (or the
             # first step), whose root masks give the next step's candidates
             if self.dists and not self._reprobe and not b.pays(rate):
