@@ -294,17 +294,42 @@ def save_curve(key: dict[str, str], curve: CostCurve, home: Path | None = None) 
     return path
 
 
+def parse_curve(spec: str) -> CostCurve:
+    """``"1:1,16:1,64:1.2"`` (slots:relative cost pairs) -> :class:`CostCurve`.
+
+    Raises:
+        InvalidArgumentError: not such a list, or sizes not increasing from 1.
+    """
+    from .errors import InvalidArgumentError
+
+    try:
+        pairs = [p.split(":") for p in spec.replace(" ", "").split(",") if p]
+        return CostCurve([int(n) for n, _ in pairs], [float(c) for _, c in pairs])
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"MLX_MTP_COST_CURVE={spec!r} is not a cost curve: give slots:cost pairs with "
+            f"increasing slots from 1, e.g. '1:1,16:1,64:1.2' ({e})."
+        ) from None
+
+
 def cost_curve(engine: Engine, measure: bool = True) -> CostCurve:
     """The engine's forward cost curve: set on the engine (``engine.curve``,
-    which a caller may also set to simulate a device), else read from the
-    cache for this (model, device, dtype), else measured with
-    :func:`measure_cost_curve` and cached.
+    which a caller may also set to simulate a device), else given by
+    ``$MLX_MTP_COST_CURVE`` (:func:`parse_curve`; to pin a device's curve, or
+    simulate another device), else read from the cache for this (model,
+    device, dtype), else measured with :func:`measure_cost_curve` and cached.
 
     ``MLX_MTP_REMEASURE_COST=1`` ignores the cached file (measures again).
+
+    Raises:
+        InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
     """
     curve = getattr(engine, "curve", None)
     if curve is not None:
         return curve
+    if os.environ.get("MLX_MTP_COST_CURVE"):
+        engine.curve = parse_curve(os.environ["MLX_MTP_COST_CURVE"])
+        return engine.curve
     key = curve_key(engine)
     if os.environ.get("MLX_MTP_REMEASURE_COST") != "1":
         curve = load_curve(key)
@@ -347,13 +372,17 @@ def best_prefix(
         ``(1 + base_value + sum(values[:n])) / c(base_slots + slots[:n])``.
     """
     total, used = 1.0 + base_value, base_slots
-    best_n, best = 0, total / curve(used)
+    best_cost = curve(used)
+    best_n, best = 0, total / best_cost
     for i, v in enumerate(values):
-        total += max(float(v), 0.0)
+        v = max(float(v), 0.0)
+        total += v
         used += slots if isinstance(slots, int) else slots[i]
-        r = total / curve(used)
-        if r > best:
-            best_n, best = i + 1, r
+        cost = curve(used)
+        r = total / cost
+        # a free item of any value is taken (1 + 1e-19 rounds to 1 in a ratio)
+        if r > best or (v > 0.0 and cost <= best_cost):
+            best_n, best, best_cost = i + 1, r, cost
     return best_n, best
 
 
@@ -450,6 +479,12 @@ class Budget:
     def pays(self, rate: float) -> bool:
         """Whether a draft step of expected ``rate`` beats a one-token step."""
         return rate > self.rate_of_plain()
+
+    def cheap(self, slots: int) -> bool:
+        """Whether a step of ``slots`` slots costs a one-token step's time up to
+        ``REPROBE_OVERHEAD`` (a memory-bound device): probing every step then
+        costs no more than a periodic re-probe, so no plain mode is needed."""
+        return self.curve(slots) <= 1.0 + REPROBE_OVERHEAD
 
     def interval(self, reprobe_slots: int) -> int:
         """Plain steps between re-probes of ``reprobe_slots`` slots: their extra

@@ -23,6 +23,7 @@ from mlx_mtp.budget import (
     tree_size,
 )
 from mlx_mtp.engine import Engine
+from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
 from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.tree import build_tree
@@ -142,6 +143,7 @@ def counted(monkeypatch, tmp_path):
     """Count cost-curve measurements (small sizes: a tiny model) in a fresh
     $MLX_MTP_HOME."""
     monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path))
+    monkeypatch.delenv("MLX_MTP_COST_CURVE", raising=False)  # conftest pins one
     calls = []
     real = budget.measure_cost_curve
 
@@ -194,10 +196,18 @@ def test_corrupt_curve_cache_is_ignored_with_a_warning(counted, tmp_path):
     assert len(counted) == 2
 
 
-def test_curve_set_on_the_engine_wins_and_measuring_leaves_the_cache(counted):
+def test_curve_set_on_the_engine_wins_and_measuring_leaves_the_cache(counted, monkeypatch):
     eng = _engine(make_tiny_model("qwen3", seed=1))
     eng.curve = GPU_CURVE
     assert cost_curve(eng) is GPU_CURVE and not counted
+    monkeypatch.setenv("MLX_MTP_COST_CURVE", "1:1,8:1.5")
+    eng.curve = None
+    assert cost_curve(eng)(8) == 1.5 and not counted  # the pinned curve, not measured
+    monkeypatch.setenv("MLX_MTP_COST_CURVE", "2:1,8:x")
+    eng.curve = None
+    with pytest.raises(InvalidArgumentError, match="MLX_MTP_COST_CURVE"):
+        cost_curve(eng)
+    monkeypatch.delenv("MLX_MTP_COST_CURVE")
     ref = _engine(make_tiny_model("qwen3", seed=1))
     eng.curve = None
     cost_curve(eng)

@@ -117,7 +117,7 @@ class ChainDraftMethod(Method):
             from ..budget import best_prefix, chain_values
 
             n, rate = best_prefix(b.curve, chain_values(self.acceptance.qs(len(draft))), 1)
-            if self._reprobe:
+            if self._reprobe or b.cheap(1 + self.REPROBE_DRAFT):  # re-probe, or nearly free
                 n = max(n, min(len(draft), self.REPROBE_DRAFT))
             elif not b.pays(rate):
                 b.go_plain(1 + self.REPROBE_DRAFT)

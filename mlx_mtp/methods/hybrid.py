@@ -441,10 +441,11 @@ class Hybrid(Probe):
 
             vals = [v for _, v, _ in alloc.order]
             n, rate = best_prefix(b.curve, vals, [s for _, _, s in alloc.order])
-            if self._reprobe:  # a re-probe drafts a little even when nothing pays
-                n = max(n, min(len(vals), self.REPROBE_ITEMS))
+            reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)
+            if self._reprobe or b.cheap(reprobe):  # a re-probe (or a nearly free one)
+                n = max(n, min(len(vals), self.REPROBE_ITEMS))  # drafts a little anyway
             elif not b.pays(rate):
-                b.go_plain(1 + self.REPROBE_ITEMS * max(k, 1))
+                b.go_plain(reprobe)
                 return self._plain_step(engine, root, queue_next=True)
             self._reprobe = False
             alloc = alloc.prefix(n)

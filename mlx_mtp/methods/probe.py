@@ -250,7 +250,7 @@ class Probe(Method):
             n, rate = tree_size(b.curve, node_p, k, scale)
             # no draft pays: one-token steps, unless this is the re-probe (or the
             # first step), whose root masks give the next step's candidates
-            if self.dists and not self._reprobe and not b.pays(rate):
+            if self.dists and not (self._reprobe or b.pays(rate) or b.cheap(k + 1)):
                 b.go_plain(k + 1)
                 return self._plain_step(engine, root, queue_next=True)
             self._reprobe = False
