@@ -288,7 +288,9 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, mx.array]:
 
 
 def _embedding_fingerprint_matches(folder: Path, cfg: dict, model: Any) -> bool:
-    from mlx_mtp.fingerprint import model_fingerprint
+    """The checkpoint's embedding is ``model``'s, at any precision (fingerprint,
+    else signature: a bf16 checkpoint and the 4-bit model the user runs)."""
+    from mlx_mtp.fingerprint import model_fingerprint, model_signature, same_model
 
     emb = _read_tensors(folder, "model.embed_tokens.weight").get("model.embed_tokens.weight")
     if emb is None:
@@ -297,7 +299,7 @@ def _embedding_fingerprint_matches(folder: Path, cfg: dict, model: Any) -> bool:
         model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
         layers=[None] * int(cfg["num_hidden_layers"]),
     )
-    return model_fingerprint(fake) == model_fingerprint(model)
+    return same_model(model, model_fingerprint(fake), model_signature(fake))
 
 
 def _from_mimo(folder: Path, loaded: Any) -> tuple[CLPHeads, str]:

@@ -6,9 +6,14 @@ Kirchenbauer et al., *Multi-Token Prediction via Self-Distillation* (arXiv
 ``jwkirchenbauer/L3-1-8B-Magpie-MTP``): sharded bf16 safetensors with an index,
 and a tokenizer with one added mask token ``<|mtp_special_token_0|>``.
 
-The conversion is mlx-lm's own (``mlx_lm.utils.load`` / ``quantize_model`` /
-``save_model`` / ``save_config``); this module adds the checks, the MTP
-metadata file (:data:`~mlx_mtp.methods.confadapt.MTP_CONFIG`: mask token id
+The conversion is mlx-lm's own (``mlx_lm.utils.load_model`` / ``quantize_model``
+/ ``save_config``) and stays lazy like ``mlx_lm.convert``: no parameter is
+evaluated before its output shard is written, so peak memory is about one
+output shard (:data:`MAX_SHARD_BYTES`), not the whole model (an 8B bf16
+checkpoint evaluated up front needed about 16 GB). The shards are written by
+:func:`save_sharded` (mlx-lm's ``save_model`` layout, plus a progress bar and a
+shard size that can be set). This module adds the checks, the MTP
+metadata file (:data:`~mlx_mtp.mtp_checkpoint.MTP_CONFIG`: mask token id
 looked up in the tokenizer, EOS ids, prompt format, default k) and the prompt
 format: ``plain`` (BOS + input + "\\n\\n", the Qwen checkpoint's format, which
 becomes the folder's chat template; the original one is kept in the metadata)
@@ -29,13 +34,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mlx_mtp.engine import TREE_FAMILIES
 from mlx_mtp.errors import (
     CheckpointMismatchError,
     InvalidArgumentError,
     UnsupportedModelError,
 )
 from mlx_mtp.loading import one_line
-from mlx_mtp.methods.confadapt import (
+from mlx_mtp.mtp_checkpoint import (
     MASK_TOKEN,
     PROMPT_FORMATS,
     MissingMaskTokenError,
@@ -46,8 +52,12 @@ from mlx_mtp.methods.confadapt import (
     write_metadata,
 )
 
-#: model types whose checkpoints confadapt can decode (llama-style layout)
-SUPPORTED_MODEL_TYPES = {"llama", "qwen3", "qwen2", "mistral"}
+#: model types whose checkpoints confadapt can decode: the llama-style families
+#: of the tree forward pass (listed once, in :data:`mlx_mtp.engine.TREE_FAMILIES`)
+SUPPORTED_MODEL_TYPES = TREE_FAMILIES
+
+#: largest output shard (bytes); mlx-lm's ``save_model`` uses 5 GB
+MAX_SHARD_BYTES = 5 << 30
 
 #: chat template of the ``plain`` prompt format: BOS + each message + "\n\n"
 PLAIN_TEMPLATE = (
@@ -102,6 +112,8 @@ def convert_mtp_checkpoint(
     prompt_format: str | None = None,
     k: int = 16,
     overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool = False,
 ) -> Path:
     """Convert a self-distilled MTP checkpoint into an MLX folder with MTP metadata.
 
@@ -116,6 +128,9 @@ def convert_mtp_checkpoint(
             (:func:`default_prompt_format`).
         k: default block size recorded in the metadata.
         overwrite: replace an existing ``dst``.
+        max_shard_bytes: largest output shard; peak memory of the conversion
+            is about one shard plus the largest single tensor.
+        progress: show a progress bar (bytes written) on stderr.
 
     Returns:
         ``dst``.
@@ -127,7 +142,7 @@ def convert_mtp_checkpoint(
         UnsupportedModelError: not a llama/qwen-style causal LM.
         MTPCheckpointError: missing or corrupt shards, mask id outside the vocabulary.
     """
-    from mlx_lm.utils import load_tokenizer, quantize_model, save_config, save_model
+    from mlx_lm.utils import load_tokenizer, quantize_model, save_config
 
     from mlx_mtp.loading import resolve_model
 
@@ -172,7 +187,12 @@ def convert_mtp_checkpoint(
         model, config = _load_weights(path, dtype)
         if quantize:
             model, config = quantize_model(model, config, group_size, quantize)
-        save_model(tmp, model, donate_model=True)
+        try:
+            save_sharded(tmp, model, max_shard_bytes=max_shard_bytes, progress=progress)
+        except Exception as e:  # a lazy source shard failed to load while being written
+            if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+                raise  # the output folder: disk full, permissions
+            raise _corrupt(path, e) from e
         # config.json gets its real name last: a partial folder never loads
         save_config(config, config_path=tmp / "config.json.partial")
         original_template = getattr(tokenizer, "chat_template", None)
@@ -215,10 +235,10 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _load_weights(path: Path, dtype: str | None) -> tuple[Any, dict[str, Any]]:
-    """mlx-lm's loader; float weights are cast to ``dtype`` (default: as stored)
-    and evaluated so a corrupt shard fails here, inside the temp folder's life."""
+    """mlx-lm's lazy loader; float weights are cast to ``dtype`` (default: as
+    stored). Nothing is evaluated here: a shard whose data is corrupt fails
+    when :func:`save_sharded` writes it, inside the temporary folder's life."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
     try:
@@ -231,16 +251,82 @@ def _load_weights(path: Path, dtype: str | None) -> tuple[Any, dict[str, Any]]:
                 raise InvalidArgumentError(f"--dtype must be bfloat16, float16 or float32: {dtype}")
             model.set_dtype(target)
             config["torch_dtype"] = dtype
-        mx.eval([v for _, v in tree_flatten(model.parameters())])
     except InvalidArgumentError:
         raise
     except Exception as e:
-        raise MTPCheckpointError(
-            f"The weights in {path} cannot be read ({type(e).__name__}: {one_line(e)}); a "
-            "shard is corrupt or does "
-            "not match config.json. Download the checkpoint again."
-        ) from e
+        raise _corrupt(path, e) from e
     return model, config
+
+
+def _corrupt(path: Path, e: BaseException) -> MTPCheckpointError:
+    return MTPCheckpointError(
+        f"The weights in {path} cannot be read ({type(e).__name__}: {one_line(e)}); a shard "
+        "is corrupt or does not match config.json. Download the checkpoint again."
+    )
+
+
+def save_sharded(
+    folder: Path, model: Any, *, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False
+) -> list[str]:
+    """Write ``model``'s (lazy) parameters shard by shard, in mlx-lm's layout.
+
+    Each shard's arrays are evaluated only when that shard is written, and the
+    model's own references are dropped first (mlx-lm's ``donate_model``), so
+    peak memory is about one shard plus the largest tensor in flight, however
+    large the model. The layout is ``save_model``'s: ``model.safetensors`` or
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+
+    Args:
+        folder: existing output folder.
+        model: an ``mlx.nn.Module``; its parameters are replaced by empty arrays.
+        max_shard_bytes: a new shard starts before this size would be passed
+            (a larger single tensor gets a shard of its own).
+        progress: tqdm bar of bytes written.
+
+    Returns:
+        The shard file names, in order.
+
+    Raises:
+        Whatever evaluating a lazy parameter raises (a corrupt source shard),
+        OSError when the folder cannot be written.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import get_total_parameters
+    from tqdm import tqdm
+
+    weights = dict(tree_flatten(model.parameters()))
+    n_params = get_total_parameters(model)
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    shards: list[dict[str, Any] | None] = []
+    size = 0
+    for name, v in weights.items():
+        if not shards or size + v.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = v
+        size += v.nbytes
+    total = sum(v.nbytes for v in weights.values())
+    weights.clear()
+    pattern = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    names, weight_map = [], {}
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="write shards", disable=not progress
+    ) as bar:
+        for i in range(len(shards)):
+            shard, shards[i] = shards[i], None
+            fname = pattern.format(i + 1, len(shards))
+            mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
+            names.append(fname)
+            weight_map.update(dict.fromkeys(shard, fname))
+            bar.update(sum(v.nbytes for v in shard.values()))
+            del shard
+    index = {
+        "metadata": {"total_size": total, "total_parameters": n_params},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    return names
 
 
 def _eos_ids(tokenizer: Any, path: Path) -> list[int]:
@@ -261,4 +347,5 @@ __all__ = [
     "PLAIN_TEMPLATE",
     "check_shards",
     "convert_mtp_checkpoint",
+    "save_sharded",
 ]

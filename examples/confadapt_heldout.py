@@ -51,7 +51,8 @@ def main() -> None:
     from mlx_mtp.commands.confadapt import resolve_data
     from mlx_mtp.data import spec_bench_sample
     from mlx_mtp.loading import load_model
-    from mlx_mtp.methods.confadapt import apply_adapter, confadapt_length, read_adapter_config
+    from mlx_mtp.methods.confadapt import confadapt_length
+    from mlx_mtp.mtp_checkpoint import apply_adapter, read_adapter_config
     from mlx_mtp.training.mtp import (
         TrainConfig,
         batch_continuations,

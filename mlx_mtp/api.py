@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .data import render_prompt
 from .decoding import GenerationStats, generate_steps
 from .engine import Engine, check_cache_support
 from .errors import InvalidArgumentError
@@ -62,7 +63,13 @@ class MTPModel:
             architecture the method cannot run.
     """
 
-    def __init__(self, loaded: LoadedModel, method: Method, max_kv_size: int | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        method: Method,
+        max_kv_size: int | None = None,
+        thinking: bool = False,
+    ):
         if max_kv_size is not None:
             max_kv_size = check_value("max_kv_size", max_kv_size)
             if method.needs_trimmable_cache and max_kv_size <= method.block_complexity + 4:
@@ -76,6 +83,8 @@ class MTPModel:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.method = method
+        #: ``enable_thinking`` of hybrid-thinking chat templates (Qwen3); off by default
+        self.thinking = bool(thinking)
         self._warned_template = False
         self.engine = Engine(self.model, max_kv_size=max_kv_size)
         self.engine.loaded = loaded  # the folder and tokenizer, for methods (confadapt)
@@ -107,7 +116,7 @@ class MTPModel:
             if not prompt.strip():
                 raise InvalidArgumentError("The prompt is empty; type some text.")
             _check_text(prompt, "The prompt")
-            if chat_template and self.has_chat_template:
+            if chat_template and (self.has_chat_template or self.prompt_format == "plain"):
                 prompt = [{"role": "user", "content": prompt}]
             else:
                 return list(self.tokenizer.encode(prompt))
@@ -118,8 +127,10 @@ class MTPModel:
                         f"A chat message must have string 'role' and 'content', got {m!r}."
                     )
                 _check_text(m["content"], "A chat message")
-            if self.has_chat_template:
-                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            if self.has_chat_template or self.prompt_format == "plain":
+                return render_prompt(
+                    self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
+                )
             if not self._warned_template:
                 warnings.warn(
                     f"{self.loaded.name}: the tokenizer has no chat template; chat messages "
@@ -143,6 +154,14 @@ class MTPModel:
         raise InvalidArgumentError(
             "The prompt is empty or of the wrong type; give text, chat messages or token ids."
         )
+
+    @property
+    def prompt_format(self) -> str:
+        """``chat`` (the chat template), or ``plain`` (BOS + text + blank line)
+        where the method says so: a self-distilled MTP checkpoint's
+        ``mtp_config.json`` or, unconverted, the paper's format for its model
+        type (:func:`mlx_mtp.data.render_prompt`)."""
+        return getattr(getattr(self.method, "meta", None), "prompt_format", None) or "chat"
 
     @property
     def has_chat_template(self) -> bool:
@@ -271,6 +290,7 @@ def load(
     *,
     dtype: str | None = None,
     max_kv_size: int | None = None,
+    thinking: bool = False,
     **method_options: Any,
 ) -> MTPModel:
     """Load a model and a multi-token method.
@@ -278,6 +298,8 @@ def load(
     Args:
         model: alias, folder, ``.gguf`` file or Hugging Face repo id.
         method: ``ntp``, ``pld``, ``probe`` (see ``mlx-mtp models``).
+        thinking: ``enable_thinking`` for hybrid-thinking chat templates
+            (Qwen3); off by default.
         dtype: compute dtype (float32 default on Linux CPU; as stored on Mac).
         max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
         **method_options: e.g. ``bc=30, masks=2, tree="dynamic"`` for probe.
@@ -297,7 +319,9 @@ def load(
     m = make_method(method, **method_options)  # validate before the slow load
     if max_kv_size is not None:
         check_value("max_kv_size", max_kv_size)
-    return MTPModel(load_model(model, dtype), m, max_kv_size=max_kv_size)
+    if not isinstance(thinking, bool):
+        raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
+    return MTPModel(load_model(model, dtype), m, max_kv_size=max_kv_size, thinking=thinking)
 
 
 def plain_chat_text(messages: list[dict[str, str]]) -> str:

@@ -48,6 +48,9 @@ K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
 TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
 OPT = typer.Option(None, "--opt", help="Extra method option key=value (repeatable).")
 MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in tokens (>= 16).")
+THINKING = typer.Option(
+    False, "--thinking/--no-thinking", help="Hybrid-thinking chat templates (Qwen3): think first."
+)
 
 
 def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
@@ -68,11 +71,11 @@ def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
     return out
 
 
-def _load(model, method, dtype, max_kv, options):
+def _load(model, method, dtype, max_kv, options, thinking=False):
     from . import load
 
     typer.echo(f"loading {model} ({method}) ...", err=True)
-    return load(model, method, dtype=dtype, max_kv_size=max_kv, **options)
+    return load(model, method, dtype=dtype, max_kv_size=max_kv, thinking=thinking, **options)
 
 
 @app.command()
@@ -95,6 +98,7 @@ def generate(
     opt: list[str] | None = OPT,
     max_kv_size: int | None = MAX_KV,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    thinking: bool = THINKING,
 ):
     """Generate one answer and print statistics."""
     if prompt == "-":
@@ -104,7 +108,7 @@ def generate(
     last = None
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_generation_args(**sampling, seed=seed)  # before the slow load
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
+    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau), thinking)
     for chunk in m.stream_generate(prompt, **sampling, seed=seed, chat_template=not raw):
         typer.echo(chunk.text, nl=False)
         last = chunk
@@ -131,11 +135,12 @@ def chat(
     tau: float | None = TAU,
     opt: list[str] | None = OPT,
     max_kv_size: int | None = MAX_KV,
+    thinking: bool = THINKING,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_generation_args(**sampling, seed=seed)  # before the slow load
-    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau))
+    m = _load(model, method, dtype, max_kv_size, _options(bc, masks, tree, opt, k, tau), thinking)
     session = m.chat()
     typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
     while True:

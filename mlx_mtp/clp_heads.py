@@ -279,8 +279,9 @@ def span_labels(head_tokens: Any, true_tokens: Any, valid: Any = None) -> Any:
 
 # ------------------------------------------------------------------- on disk
 def base_config(model: nn.Module, name: str, k: int, architecture: str, **sizes: Any) -> dict:
-    """Config of heads made for ``model`` (fingerprint, hidden size, vocab size)."""
-    from .fingerprint import model_fingerprint
+    """Config of heads made for ``model`` (fingerprint, signature, hidden size,
+    vocab size)."""
+    from .fingerprint import model_fingerprint, model_signature
 
     args = model.args
     return {
@@ -288,6 +289,7 @@ def base_config(model: nn.Module, name: str, k: int, architecture: str, **sizes:
         "format_version": FORMAT_VERSION,
         "base_model": name,
         "fingerprint": model_fingerprint(model),
+        "signature": model_signature(model),
         "model_type": getattr(model, "model_type", ""),
         "hidden_size": int(args.hidden_size),
         "vocab_size": int(args.vocab_size),
@@ -382,10 +384,11 @@ def check_compatible(config: dict[str, Any], model: nn.Module, where: str = "") 
     """Refuse heads made for another base model.
 
     Raises:
-        CheckpointMismatchError: hidden size, vocabulary or weight fingerprint
-            differ from ``model``'s.
+        CheckpointMismatchError: hidden size, vocabulary or weights
+            (:func:`~mlx_mtp.fingerprint.same_model`: fingerprint, else
+            signature) differ from ``model``'s.
     """
-    from .fingerprint import model_fingerprint
+    from .fingerprint import model_fingerprint, same_model
 
     args = model.args
     what = f"CLP heads{f' in {where}' if where else ''} were made for {config.get('base_model')!r}"
@@ -399,8 +402,8 @@ def check_compatible(config: dict[str, Any], model: nn.Module, where: str = "") 
             f"{what} (vocabulary {config['vocab_size']}), but this model has {args.vocab_size} "
             "tokens. Train heads for this model with `mlx-mtp train clp --model ...`."
         )
-    fp = model_fingerprint(model)
-    if config["fingerprint"] != fp:
+    if not same_model(model, config["fingerprint"], config.get("signature")):
+        fp = model_fingerprint(model)
         raise CheckpointMismatchError(
             f"{what} (weights fingerprint {config['fingerprint']}), but this model's weights "
             f"have fingerprint {fp}: it is a different model or fine-tune. Train heads for it "
@@ -436,13 +439,14 @@ def load_heads(folder: str | Path, model: nn.Module, dtype: mx.Dtype | None = No
 
 
 def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | None:
-    """The first heads folder whose fingerprint matches ``model``: first the
-    user's trained heads (``$MLX_MTP_HOME/clp/*``), then the shipped ones
-    (``mlx_mtp/assets/clp/*``). None when there is none."""
-    from .fingerprint import model_fingerprint
+    """The first heads folder made for ``model`` (same fingerprint, or for
+    heads with a signature, the same weights at another precision:
+    :func:`~mlx_mtp.fingerprint.same_model`): first the user's trained heads
+    (``$MLX_MTP_HOME/clp/*``), then the shipped ones (``mlx_mtp/assets/clp/*``).
+    None when there is none."""
+    from .fingerprint import same_model
     from .loading import cache_home
 
-    fp = model_fingerprint(model)
     roots = search if search is not None else [cache_home() / "clp", ASSETS]
     for root in roots:
         if not root.is_dir():
@@ -452,10 +456,11 @@ def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | Non
             if not cfg.is_file() or not (sub / WEIGHTS_FILE).is_file():
                 continue
             try:
-                if json.loads(cfg.read_text()).get("fingerprint") == fp:
-                    return sub
+                c = json.loads(cfg.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
+            if isinstance(c, dict) and same_model(model, c.get("fingerprint"), c.get("signature")):
+                return sub
     return None
 
 

@@ -9,6 +9,7 @@ writing, roleplay, reasoning, math, coding, extraction, stem, humanities),
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,12 @@ from typing import Any
 from .errors import InvalidArgumentError
 
 DATA_DIR = Path(__file__).parent / "assets" / "spec_bench"
+#: named data sets that are not shipped (licence or size): name -> path under
+#: :func:`shared_data_dirs`
+DATA_SETS = {
+    "gsm8k-train": "gsm8k/train.jsonl",
+    "gsm8k-test": "gsm8k/test.jsonl",
+}
 SPEC_BENCH = DATA_DIR / "spec_bench.jsonl"
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 _MT_BENCH = {
@@ -28,6 +35,91 @@ _MT_BENCH = {
     "stem",
     "humanities",
 }
+
+
+def shared_data_dirs() -> list[Path]:
+    """Folders searched for the named data sets, in order: ``$MLX_MTP_DATA``,
+    then ``shared/data`` next to the repository (``../shared/data`` from a
+    source checkout)."""
+    roots = [Path(os.environ["MLX_MTP_DATA"])] if os.environ.get("MLX_MTP_DATA") else []
+    return [*roots, Path(__file__).resolve().parents[2] / "shared" / "data"]
+
+
+def data_set_path(name: str) -> Path:
+    """The file of a named data set (:data:`DATA_SETS`), the first found in
+    :func:`shared_data_dirs`; if none has it, where it is expected (the first
+    folder), so that a caller can name the missing path."""
+    rel = DATA_SETS[name]
+    dirs = shared_data_dirs()
+    return next((d / rel for d in dirs if (d / rel).is_file()), dirs[0] / rel)
+
+
+def resolve_data(data: str) -> Path:
+    """A prompts file given as a JSONL path or a data-set name (:data:`DATA_SETS`).
+
+    Raises:
+        InvalidArgumentError: neither an existing file nor a known name whose
+            file is found (the message says where it was looked for).
+    """
+    if data in DATA_SETS:
+        path = data_set_path(data)
+        if not path.is_file():
+            raise InvalidArgumentError(
+                f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
+                "the folder that holds it, or pass a JSONL file."
+            )
+        return path
+    p = Path(data).expanduser()
+    if not p.is_file():
+        raise InvalidArgumentError(f"--data {data}: no such file (expected prompts as JSONL).")
+    return p
+
+
+#: prompt formats: ``chat`` (the tokenizer's chat template) or ``plain`` (BOS +
+#: each message + a blank line: the format of the released Qwen3 MTP checkpoint,
+#: Kirchenbauer et al., arXiv 2602.06019)
+PROMPT_FORMATS = ("plain", "chat")
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    prompt_format: str = "chat",
+    thinking: bool = False,
+) -> list[int]:
+    """Token ids of a conversation for generation: the one prompt renderer of
+    the API, the benchmark and the trainers.
+
+    Args:
+        tokenizer: an mlx-lm/HF tokenizer.
+        messages: ``{"role", "content"}`` dicts.
+        prompt_format: ``chat``: the tokenizer's chat template with the
+            generation prompt (without a template: the contents joined by
+            blank lines); ``plain``: BOS + each message's content + "\n\n".
+        thinking: ``enable_thinking`` of hybrid-thinking chat templates
+            (Qwen3): off by default (the template then opens and closes an
+            empty think block); templates without the switch ignore it.
+
+    Raises:
+        InvalidArgumentError: unknown ``prompt_format``.
+    """
+    if prompt_format not in PROMPT_FORMATS:
+        raise InvalidArgumentError(
+            f"prompt format must be one of {', '.join(PROMPT_FORMATS)}, not {prompt_format!r}."
+        )
+    if prompt_format == "plain":
+        text = "".join(m["content"] + "\n\n" for m in messages)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return ([bos] if bos is not None else []) + [int(t) for t in ids]
+    if getattr(tokenizer, "chat_template", None):
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, enable_thinking=bool(thinking)
+            )
+        )
+    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
 
 
 def task_of(category: str) -> str:

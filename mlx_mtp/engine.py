@@ -1,10 +1,12 @@
 """The model, its KV cache, and the forward passes every method is built from.
 
 :class:`Engine` owns one KV cache per conversation and keeps ``engine.cached``,
-the exact token ids whose keys and values the cache holds. Methods call
-:meth:`Engine.forward_chain` (plain causal block), :meth:`Engine.forward_tree`
-(a draft tree with per-token positions and a tree mask) and
-:meth:`Engine.keep` (keep the accepted path, drop the rest).
+the exact token ids whose keys and values the cache holds. Lossless methods
+reach it through :func:`mlx_mtp.speculative.speculative_step`, which calls
+:meth:`Engine.forward_chain` (plain causal block) or :meth:`Engine.forward_tree`
+(a draft tree with per-token positions and a tree mask) and :meth:`Engine.keep`
+(keep the accepted path, drop the rest); lossy methods call the forward passes
+and :meth:`Engine.trim_to` themselves.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from mlx_lm.utils import does_model_support_input_embeddings
 from .cache_view import TreeCacheView, install_positional_rope
 from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 
-#: Model families whose tree forward pass is tested (DESIGN §3).
+#: Model families whose tree forward pass is tested (DESIGN §3): the one list of
+#: the families multi-token methods and MTP checkpoints support
 TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
 #: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
@@ -144,14 +147,8 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, max_kv_size: int | None = None):
-        self.model = model
         self.max_kv_size = max_kv_size
-        try:
-            self.backbone, self.lm_head, self.embed = model_parts(model)
-        except UnsupportedModelError:  # plain decoding still works through model()
-            self.backbone = self.lm_head = self.embed = None
-        self.cache = self._new_cache()
-        self.cached: list[int] = []
+        self.use_model(model)
         #: number of model forward passes since creation (prefill chunks excluded)
         self.forward_passes = 0
         #: wall seconds spent inside those forward passes (graph build + eval)
@@ -167,6 +164,23 @@ class Engine:
         self.slot_positions = np.zeros(0, dtype=np.int64)
         # a forward pass started with wait=False and not yet waited for: (start, outputs)
         self._pending: tuple[float, list[mx.array]] | None = None
+
+    def use_model(self, model: nn.Module) -> None:
+        """Decode with ``model`` from now on, with an empty cache built the
+        engine's way (``max_kv_size`` applies as for the first model).
+
+        For a model that wraps or copies the current one with the same
+        tokenizer, such as an on-device MTP adapter applied
+        (:func:`mlx_mtp.mtp_checkpoint.apply_adapter`); the counters of
+        forward passes and time carry on.
+        """
+        self.model = model
+        try:
+            self.backbone, self.lm_head, self.embed = model_parts(model)
+        except UnsupportedModelError:  # plain decoding still works through model()
+            self.backbone = self.lm_head = self.embed = None
+        self.cache = self._new_cache()
+        self.cached: list[int] = []
 
     # ----------------------------------------------------------------- cache
     @property
@@ -319,7 +333,11 @@ class Engine:
 
     # --------------------------------------------------------------- forward
     def forward_chain(
-        self, tokens: list[int], hidden: bool = False, wait: bool = True
+        self,
+        tokens: list[int],
+        hidden: bool = False,
+        wait: bool = True,
+        droppable: bool = False,
     ) -> tuple[mx.array, mx.array | None]:
         """Causal forward of ``tokens`` after the cache; they are appended to it.
 
@@ -330,12 +348,21 @@ class Engine:
                 as in :meth:`forward_tree`: the caller builds the graph that
                 reads the logits (argmax, sampling) and evaluates it with
                 :meth:`timed_eval`, one synchronisation per step instead of two.
+            droppable: some of these tokens are dropped again after the pass
+                (rejected drafts, mask tokens): refuse before the pass if the
+                cache could not drop them.
 
         Returns:
             logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
             if ``hidden``.
+
+        Raises:
+            CacheNotTrimmableError: ``droppable`` and the cache cannot drop
+                ``len(tokens)`` tokens (a full sliding window, recurrent layers).
         """
         self._settle()
+        if droppable:
+            self._require_trimmable(len(tokens))
         if len(tokens) > 1:
             self.check_slots(len(tokens))
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ import numpy as np
 
 from .dims import model_dims
 from .errors import CheckpointMismatchError, MTPError
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, model_signature, same_model
 
 #: version of the file format written by :func:`save_learned_masks`
 FORMAT_VERSION = 1
@@ -105,6 +105,7 @@ def save_learned_masks(
         "format": "mlx-mtp-learned-masks",
         "version": FORMAT_VERSION,
         "fingerprint": fp,
+        "signature": model_signature(model),
         "slots": int(arr.shape[0]),
         "hidden_size": int(arr.shape[1]),
         "weights": p.name,
@@ -132,6 +133,25 @@ def _candidates(fp: str, path: str | Path | None) -> list[Path]:
     return [user_masks_dir() / f"{fp}.json", ASSETS_DIR / f"{fp}.json"]
 
 
+def _by_signature(model: nn.Module, folders: list[Path]) -> Path | None:
+    """The first sidecar in ``folders`` whose stored fingerprint/signature
+    matches ``model`` (:func:`~mlx_mtp.fingerprint.same_model`): masks trained
+    on the same weights at another precision (bf16 masks, 4-bit model)."""
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for meta_path in sorted(folder.glob("*.json")):
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and same_model(
+                model, meta.get("fingerprint"), meta.get("signature")
+            ):
+                return meta_path
+    return None
+
+
 def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.array:
     """The learned mask vectors for ``model``, shape (slots, hidden_size), float32.
 
@@ -151,6 +171,8 @@ def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.a
     hidden = model_dims(model)[0]
     tried = _candidates(fp, path)
     meta_path = next((p for p in tried if p.exists()), None)
+    if meta_path is None and (path is None or Path(path).is_dir()):
+        meta_path = _by_signature(model, list(dict.fromkeys(p.parent for p in tried)))
     if meta_path is None:
         raise LearnedMasksNotFoundError(
             f"No learned mask embeddings for this model (fingerprint {fp}); looked in "
@@ -163,7 +185,7 @@ def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.a
         arr = mx.load(str(weights))["masks"]
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise MTPError(f"cannot read learned masks {meta_path}: {e}") from e
-    if meta.get("fingerprint") != fp:
+    if not same_model(model, meta.get("fingerprint"), meta.get("signature")):
         raise CheckpointMismatchError(
             f"learned masks {meta_path} were trained for model fingerprint "
             f"{meta.get('fingerprint')!r} ({meta.get('model', 'unknown model')}), not for this "

@@ -1,6 +1,8 @@
 """Lossless verification of a draft tree (greedy and sampling).
 
-Pure functions of the target logits and the tree: easy to test by hand.
+Pure functions of the target logits and the tree: easy to test by hand. The
+one place that runs them on a forward pass is
+:func:`mlx_mtp.speculative.speculative_step`.
 
 Greedy (ESP paper §3.3; Medusa/EAGLE tree verification): starting at the root,
 follow the child whose token equals the argmax at its parent; the deepest
@@ -17,7 +19,6 @@ with deterministic drafts).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -28,37 +29,13 @@ from .sampling import PositionalSampler, draw
 Sampler = Callable[..., mx.array]
 
 
-def target_tokens(
-    logits: mx.array, rows: np.ndarray, sampler: Sampler | None, engine: Any = None
-) -> np.ndarray:
-    """The target model's token at each of ``rows``.
-
-    Args:
-        logits: (N, V) logits of a forward pass.
-        rows: (R,) slot indices to evaluate.
-        sampler: None for greedy (argmax), else an mlx-lm sampler taking
-            (R, V) log-probabilities and returning (R,) token ids.
-        engine: if given, the vocabulary-wide argmax / sampling is evaluated
-            through ``engine.timed_eval`` and counted as device time, not as
-            host overhead.
-
-    Returns:
-        (R,) int64 numpy array.
-    """
-    positions = None if engine is None else engine.slot_positions[rows] + 1
-    out = target_graph(logits, rows, sampler, positions)
-    if engine is not None:
-        engine.timed_eval(out)
-    return np.array(out, dtype=np.int64)
-
-
 def target_graph(
     logits: mx.array,
     rows: np.ndarray,
     sampler: Sampler | None,
     positions: np.ndarray | None = None,
 ) -> mx.array:
-    """The (R,) uint32 mx array (not evaluated) behind :func:`target_tokens`:
+    """The (R,) uint32 mx array (not evaluated) of the target tokens:
     argmax, or one draw of ``sampler``, at each of ``rows`` of ``logits`` (N, V).
 
     ``positions`` (R,): the sequence position of the token drawn at each row,
@@ -101,22 +78,3 @@ def walk_tree(
             return path, targets[cur]
         path.append(nxt)
         cur = nxt
-
-
-def verify(
-    logits: mx.array,
-    parents: np.ndarray,
-    slot_tokens: np.ndarray,
-    sampler: Sampler | None = None,
-    engine: Any = None,
-) -> tuple[list[int], int]:
-    """Verify a draft tree against the logits of one forward pass over it
-    (``engine``: see :func:`target_tokens`).
-
-    Returns:
-        (accepted slots in order, excluding the root; bonus token id).
-    """
-    rows = np.flatnonzero(slot_tokens >= 0)
-    rows = np.concatenate([[0], rows[rows > 0]])
-    toks = target_tokens(logits, rows, sampler, engine)
-    return walk_tree(parents, slot_tokens, dict(zip(rows.tolist(), toks.tolist())))

@@ -210,14 +210,20 @@ def test_shipped_heads_refused_for_other_model():
         load_heads(SHIPPED, make_tiny_model("llama", hidden_size=576, vocab_size=49152))
 
 
-def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch):
-    """Self-distillation on a tiny model: data, heads, predictor, resume."""
+@pytest.mark.parametrize("quantized", [False, True])
+def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
+    """Self-distillation on a tiny model: data, heads, predictor, resume; also
+    on stored 4-bit weights (issue 18)."""
+    import mlx.nn as nn
+
     from mlx_mtp.data import read_prompts
     from mlx_mtp.training.clp import TrainConfig, train_clp
 
     data = tmp_path / "p.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(6)))
     model = make_tiny_model("llama", seed=0)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
 
     class Tok:
         eos_token_id = 255

@@ -227,3 +227,21 @@ def test_cli_commands_registered():
     assert r.exit_code == 0 and "medusa" in r.output.lower()
     r = CliRunner().invoke(app, ["train", "clp", "--help"])
     assert r.exit_code == 0 and "--data" in r.output
+
+
+@pytest.mark.parametrize("source", ["medusa", "mimo-mtp"])
+def test_conversion_onto_a_quantized_base(tmp_path, source):
+    """convert clp-heads reads the stored 4-bit base model (issue 18: no float
+    copy on a Mac); the heads load for the float and the quantized model alike
+    (the fingerprint is dtype-independent)."""
+    import mlx.nn as nn
+
+    family = "llama" if source == "medusa" else "qwen2"
+    model = make_tiny_model(family, seed=0)
+    repo = _medusa_repo(tmp_path)[0] if source == "medusa" else _mimo_repo(tmp_path, model)[0]
+    q = make_tiny_model(family, seed=0)
+    nn.quantize(q, group_size=32, bits=4)
+    convert(repo, tmp_path / "out", _loaded(q))
+    heads = load_heads(tmp_path / "out", q)
+    assert heads.config["architecture"] == ("medusa" if source == "medusa" else "native-mtp")
+    assert load_heads(tmp_path / "out", model).k == heads.k

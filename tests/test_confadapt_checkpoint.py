@@ -45,8 +45,11 @@ def tokenizer_dirs(smollm, tmp_path_factory):
     return out
 
 
-def make_checkpoint(dest: Path, family: str, tokenizer_dirs, with_mask=True, seed=0) -> Path:
-    """A tiny HF-style checkpoint folder (see the module docstring)."""
+def make_checkpoint(
+    dest: Path, family: str, tokenizer_dirs, with_mask=True, seed=0, **sizes
+) -> Path:
+    """A tiny HF-style checkpoint folder (see the module docstring); ``sizes``
+    override config entries (hidden_size, num_hidden_layers, ...)."""
     from mlx_mtp.testing import make_tiny_model
 
     tok_dir, n_tok = tokenizer_dirs[with_mask]
@@ -64,6 +67,7 @@ def make_checkpoint(dest: Path, family: str, tokenizer_dirs, with_mask=True, see
         "max_position_embeddings": 4096,
         "torch_dtype": "bfloat16",
         **LAYOUTS[family],
+        **sizes,
     }
     model = make_tiny_model(
         family, seed=seed, **{k: v for k, v in config.items() if k != "architectures"}
@@ -125,6 +129,44 @@ def test_convert_quantized(tmp_path, tokenizer_dirs):
     assert json.loads((dst / "config.json").read_text())["quantization"]["bits"] == 4
     m = mlx_mtp.load(str(dst), method="confadapt", dtype="auto", k=3, tau=0.0)
     assert m.generate("Hi", max_tokens=6).stats.generated_tokens >= 1
+
+
+def test_convert_is_lazy_and_writes_shard_by_shard(tmp_path, tokenizer_dirs):
+    """Peak memory of a conversion is about one output shard, not the model:
+    nothing is evaluated before its shard is written (issue 18). 16 layers of
+    3.7 MB next to a 25 MB embedding, 8 MB shards: the whole model is ~84 MB,
+    the peak must stay under half of it (evaluating every parameter first, as
+    the converter did, peaks above the whole model)."""
+    src = make_checkpoint(
+        tmp_path / "src",
+        "qwen3",
+        tokenizer_dirs,
+        hidden_size=256,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    dst = _convert(src, tmp_path / "out", max_shard_bytes=8 << 20)
+    peak = mx.get_peak_memory() - base
+    shards = sorted(dst.glob("model-*.safetensors"))
+    assert len(shards) >= 8
+    assert peak < 0.5 * total, f"peak {peak / 1e6:.1f} MB for a {total / 1e6:.1f} MB model"
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    src_w = {}
+    for f in src.glob("*.safetensors"):
+        src_w.update(mx.load(str(f)))
+    out_w = {}
+    for f in shards:
+        out_w.update(mx.load(str(f)))
+    assert sorted(out_w) == sorted(src_w)
+    assert all(mx.array_equal(out_w[k], src_w[k]) for k in src_w)
 
 
 def test_convert_refuses_checkpoint_without_mask_token(tmp_path, tokenizer_dirs):
@@ -242,6 +284,49 @@ def test_train_lora_adapter_adds_mask_token(tmp_path, tokenizer_dirs, family):
     _, tr5 = _trainer(src, tmp_path / "adapter", forcing="teacher")
     with pytest.raises(InvalidArgumentError, match="forcing: 'student' there, 'teacher' now"):
         tr5.resume()
+
+
+def test_qlora_on_a_quantized_base_lowers_held_out_loss(tmp_path, tokenizer_dirs):
+    """train mtp on the stored 4-bit weights (issue 18): mlx-lm's LoRA over the
+    frozen quantized linears (QLoRA), no float copy of the base. The
+    self-distillation loss on held-out prompts drops, the adapter decodes on
+    the quantized base and full fine-tuning is refused with the way out."""
+    import mlx.nn as nn
+
+    import mlx_mtp
+    from mlx_mtp.loading import load_model
+    from mlx_mtp.training.mtp import TrainConfig, Trainer, self_distillation_loss
+
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+    q4 = _convert(src, tmp_path / "q4", quantize=4)
+    lm = load_model(str(q4), dtype="auto")
+    cfg = dict(steps=6, gen_tokens=8, regions=3, k_max=4, save_every=100, warmup=1)
+    cfg.update(lr=5e-3, forcing="teacher")
+    train = [f"Question {i}: what is {i} plus {2 * i}?" for i in range(4)]
+    held = ["Name three colours.", "Count to five, please."]
+    tr = Trainer(lm, train, tmp_path / "adapter", TrainConfig(**cfg))
+    ho = Trainer(lm, held, tmp_path / "unused", TrainConfig(**cfg))  # held-out samples
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in tr.student.named_modules())
+
+    def held_out_loss():
+        total = 0.0
+        for step in range(4):
+            real, gen_start, layout = ho.sample(step)
+            loss, _ = self_distillation_loss(
+                tr.student, tr.teacher, real, gen_start, layout, tr.mask_id, tr.vocab,
+                ntp_term=False, forcing="teacher",
+            )  # fmt: skip
+            total += float(loss.item())
+        return total / 4
+
+    before = held_out_loss()
+    out = tr.run()
+    after = held_out_loss()
+    assert after < 0.5 * before, (before, after)
+    m = mlx_mtp.load(str(q4), method="confadapt", dtype="auto", adapter=str(out), k=4, tau=0.0)
+    assert m.generate("Hello", max_tokens=8).stats.generated_tokens >= 1
+    with pytest.raises(InvalidArgumentError, match="--lora"):
+        Trainer(lm, train, tmp_path / "full", TrainConfig(**cfg, lora=False))
 
 
 def _close(a, b, rel=1e-2):

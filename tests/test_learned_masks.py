@@ -109,10 +109,17 @@ def _tiny_sequences(model, n, seed):
     return out
 
 
-def test_training_reduces_heldout_loss():
+@pytest.mark.parametrize("quantized", [False, True])
+def test_training_reduces_heldout_loss(quantized):
+    """Also on stored 4-bit weights (issue 18: a Mac trains on the model it runs,
+    no float copy)."""
+    import mlx.nn as nn
+
     from mlx_mtp.training.masks import eval_masks, mean_prompt_vectors, train_masks
 
     m = make_tiny_model("llama", seed=0)
+    if quantized:
+        nn.quantize(m, group_size=32, bits=4)
     train = _tiny_sequences(m, 8, seed=1)
     val = _tiny_sequences(m, 4, seed=2)
     init = mean_prompt_vectors(m, train, 2)

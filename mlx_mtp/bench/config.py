@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from ..data import data_set_path
 from ..errors import InvalidArgumentError
 
-#: default GSM8K file, relative to the repository root (``../shared/data``)
-DEFAULT_GSM8K = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
+#: default GSM8K file (the named data set ``gsm8k-test``, see :mod:`mlx_mtp.data`)
+DEFAULT_GSM8K = data_set_path("gsm8k-test")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data import TASKS, load_questions
+from ..data import TASKS, load_questions, render_prompt
 from ..errors import InvalidArgumentError
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
@@ -121,13 +121,6 @@ def _gsm8k_prompts(config: BenchConfig) -> list[BenchPrompt]:
     if not out:
         raise InvalidArgumentError(f"{path} holds no GSM8K questions.")
     return out
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation, with the chat template when there is one."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
 
 
 def recorded_outputs(
@@ -376,7 +369,9 @@ def _run_one(
             {"role": "assistant", "content": first["text"]},
             {"role": "user", "content": p.turns[1]},
         ]
-    ids = render_prompt(tokenizer, messages)
+    # an MTPModel renders in its method's prompt format (a self-distilled MTP
+    # checkpoint's "plain"); the mlx_lm peer with the chat template
+    ids = render_prompt(tokenizer, messages) if isinstance(m, MLXLMPeer) else m.encode(messages)
     seed = (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
     _reset(m)
     res = m.generate(ids, max_tokens=config.max_tokens, temp=config.temp, seed=seed)

@@ -15,6 +15,12 @@ _HELP = {
     "train": "Train MTP heads, mask vectors or adapters on this machine.",
 }
 
+#: --dtype help of the commands that train on or import for a base model
+BASE_DTYPE_HELP = (
+    "float32, bfloat16, float16, or auto (the stored weights: a 4-bit model is used as "
+    "4-bit, no float copy). Default: float32 on Linux, auto on a Mac."
+)
+
 
 def group(name: str) -> typer.Typer:
     """The shared sub-app ``mlx-mtp NAME ...`` (created on first use)."""

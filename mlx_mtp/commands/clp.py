@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from . import group
+from . import BASE_DTYPE_HELP, group
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +48,11 @@ def register(app: typer.Typer) -> None:
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
-        dtype: str = typer.Option("float32", "--dtype", help="Backbone compute dtype."),
+        dtype: str | None = typer.Option(
+            None,
+            "--dtype",
+            help=BASE_DTYPE_HELP,
+        ),
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..fingerprint import model_fingerprint
@@ -97,11 +101,16 @@ def register(app: typer.Typer) -> None:
             "auto", "--from", help="auto, clp, medusa or mimo-mtp (how to read SRC)."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
+        dtype: str | None = typer.Option(
+            None,
+            "--dtype",
+            help=BASE_DTYPE_HELP,
+        ),
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
         from ..converters.clp_heads import convert
         from ..loading import load_model
 
-        loaded = load_model(model, dtype="float32")
+        loaded = load_model(model, dtype=dtype)
         summary = convert(src, dst, loaded, source=source, overwrite=overwrite)
         typer.echo(summary)

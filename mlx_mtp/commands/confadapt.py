@@ -6,37 +6,7 @@ from pathlib import Path
 
 import typer
 
-#: names that ``--data`` accepts besides a JSONL file
-DATA_SETS = {
-    "gsm8k-train": "gsm8k/train.jsonl",
-}
-
-
-def resolve_data(data: str) -> Path:
-    """A prompts file: a JSONL path, or ``gsm8k-train`` (the shared GSM8K train
-    questions, ``$MLX_MTP_DATA`` or ``../shared/data`` next to the repo).
-
-    Raises:
-        InvalidArgumentError: neither an existing file nor a known name.
-    """
-    import os
-
-    from ..errors import InvalidArgumentError
-
-    if data in DATA_SETS:
-        roots = [os.environ.get("MLX_MTP_DATA", ""), "/work/shared/data"]
-        roots.append(str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-        for root in roots:
-            if root and (Path(root) / DATA_SETS[data]).is_file():
-                return Path(root) / DATA_SETS[data]
-        raise InvalidArgumentError(
-            f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
-            "the folder that holds it, or pass a JSONL file."
-        )
-    p = Path(data).expanduser()
-    if not p.is_file():
-        raise InvalidArgumentError(f"--data {data}: no such file (expected prompts as JSONL).")
-    return p
+from ..data import resolve_data  # JSONL file or a named data set
 
 
 def run_train_mtp(
@@ -48,7 +18,7 @@ def run_train_mtp(
     lr: float | None = None,
     seed: int = 0,
     resume: bool = True,
-    dtype: str = "float32",
+    dtype: str | None = None,
     prompt_format: str = "chat",
     stop_after: int | None = None,
     **config: int | float | str,
@@ -79,7 +49,7 @@ def run_train_mtp(
 
 
 def register(app: typer.Typer) -> None:
-    from . import group
+    from . import BASE_DTYPE_HELP, group
 
     @group("convert").command("mtp-checkpoint")
     def convert_mtp_checkpoint(
@@ -102,6 +72,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             prompt_format=prompt_format,
             overwrite=overwrite,
+            progress=True,
         )
         typer.echo(f"Wrote {out}. Use: mlx-mtp generate --model {out} --method confadapt")
 
@@ -138,7 +109,12 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path | None = typer.Option(None, "--out", help="Output folder."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a checkpoint."),
-        dtype: str = typer.Option("float32", "--dtype", help="Training dtype."),
+        dtype: str | None = typer.Option(
+            None,
+            "--dtype",
+            help=BASE_DTYPE_HELP
+            + " A quantized model trains LoRA over its frozen weights (QLoRA).",
+        ),
         prompt_format: str = typer.Option("chat", "--prompt-format", help="chat or plain."),
     ) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
@@ -169,7 +145,7 @@ def register(app: typer.Typer) -> None:
             regions=regions,
             gen_tokens=gen_tokens,
         )
-        from ..methods.confadapt import adapter_dirs
+        from ..mtp_checkpoint import adapter_dirs
 
         if not lora:
             how = f" --model {path}"

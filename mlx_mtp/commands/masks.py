@@ -23,7 +23,7 @@ def run_train_masks(
     anchors: int = 48,
     seed: int = 0,
     out: Path | None = None,
-    dtype: str | None = "float32",
+    dtype: str | None = None,
     progress: bool = True,
     batch_size: int = 16,
     continuations: Path | None = None,
@@ -74,6 +74,7 @@ def run_train_masks(
     t0 = time.perf_counter()
     meta = {
         "model_fingerprint": model_fingerprint(lm.model),
+        "dtype": lm.dtype,  # continuations of the 4-bit and the float model differ
         "max_tokens": max_tokens,
         "batch_size": batch_size,
         "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
@@ -117,7 +118,7 @@ def run_train_masks(
 
 
 def register(app: typer.Typer) -> None:
-    from . import group
+    from . import BASE_DTYPE_HELP, group
 
     @group("train").command("masks")
     def train_masks_cmd(
@@ -138,7 +139,11 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
-        dtype: str = typer.Option("float32", "--dtype", help="Compute dtype while training."),
+        dtype: str | None = typer.Option(
+            None,
+            "--dtype",
+            help=BASE_DTYPE_HELP,
+        ),
         batch_size: int = typer.Option(
             16,
             "--batch-size",

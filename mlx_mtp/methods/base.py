@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
-
 from ..engine import Engine
 from ..errors import InvalidArgumentError
-from ..verify import Sampler, verify
+from ..speculative import Draft, Verified, speculative_step
+from ..verify import Sampler
 
 
 @dataclass
@@ -36,7 +35,9 @@ class Method:
 
     Subclasses set ``name`` and ``lossless``, validate their options in
     ``__init__``, check the model in :meth:`prepare`, reset per-generation state
-    in :meth:`begin` and commit tokens in :meth:`step`.
+    in :meth:`begin` and commit tokens in :meth:`step`. Lossless methods
+    subclass :class:`SpeculativeMethod` instead and only propose and observe;
+    only lossy decoding (confadapt, clp ``mode=paper``) writes its own ``step``.
     """
 
     name: ClassVar[str] = ""
@@ -73,16 +74,79 @@ class Method:
         raise NotImplementedError
 
 
-class ChainDraftMethod(Method):
-    """A lossless method whose drafts are one chain, verified in one causal
-    forward pass (prompt lookup, lookahead candidates, CLP verified mode).
+class SpeculativeMethod(Method):
+    """A lossless method: it proposes, the shared stage verifies.
 
-    With ``self.auto`` set (the default of ``pld``), :meth:`begin_budget`
-    gives it a :class:`~mlx_mtp.budget.Budget`: each step's chain is cut at
-    the length that maximises expected tokens per unit of forward time under
-    the device's cost curve, from per-depth acceptance rates learned online;
-    when no length pays, the method runs pipelined one-token steps with a
-    periodic re-probe (:mod:`mlx_mtp.budget`).
+    Subclasses implement :meth:`propose` (build this step's draft tree or
+    chain from their own state) and, if they learn from the outcome,
+    :meth:`observe`. They never run the verification themselves:
+    :meth:`step` hands the draft to
+    :func:`~mlx_mtp.speculative.speculative_step` (forward pass, target
+    tokens, tree walk, keep the accepted path, bonus token; greedy or
+    sampling), which makes the output equal plain decoding's whatever the
+    draft. ``begin`` resets per-generation state as for every method.
+    """
+
+    def propose(self, engine: Engine, root: int) -> Draft:
+        """This step's draft after ``root`` (the last committed token, not yet
+        in the cache): slot 0 of the draft is ``root``. May read
+        ``engine.cached`` and embed tokens; must not run a forward pass or
+        change the cache."""
+        raise NotImplementedError
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        """Update the method's own state (mask vectors, n-gram pools, acceptance
+        statistics) from a verified step. ``engine`` is passed for device work
+        on the pass's outputs (``engine.lm_head`` on hidden rows, top-k through
+        ``engine.timed_eval``); the cache already holds the accepted path."""
+
+    #: the device-aware draft budget of an ``auto`` setting (None: fixed sizes);
+    #: set by :meth:`begin_budget`
+    budget: Any = None
+
+    def begin_budget(self, engine: Engine, sampler: Sampler | None, on: bool) -> None:
+        """Per generation: the :class:`~mlx_mtp.budget.Budget` of an ``auto``
+        method (``on``), its pipelined one-token steps, no re-probe due."""
+        from ..budget import Budget, PlainSteps, cost_curve
+
+        self.budget = Budget(cost_curve(engine)) if on else None
+        self.plain_steps = PlainSteps(sampler)
+        self._reprobe = self._reprobe_step = False
+
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        """A one-token step of the budget's plain mode committed ``tokens``
+        (e.g. move probe's mask vectors); default: nothing."""
+
+    def _plain(self, engine: Engine, root: int, queue_next: bool) -> StepOutput:
+        out = self.plain_steps.step(engine, root, queue_next)
+        self.observe_plain(engine, out.tokens)
+        return out
+
+    def step(self, engine: Engine, root: int) -> StepOutput:
+        b = self.budget
+        if b is not None:  # plain mode: pipelined one-token steps until the re-probe
+            if b.plain:
+                self._reprobe = b.tick()
+                return self._plain(engine, root, queue_next=not self._reprobe)
+            self.plain_steps.unqueue(engine, root)
+        draft = self.propose(engine, root)
+        if draft is None:  # the budget found nothing worth drafting: plain mode
+            return self._plain(engine, root, queue_next=True)
+        self._reprobe_step, self._reprobe = getattr(self, "_reprobe", False), False
+        verified = speculative_step(engine, draft, self.sampler)
+        self.observe(engine, draft, verified)
+        return StepOutput(verified.tokens, draft.drafted, len(verified.path))
+
+
+class ChainDraftMethod(SpeculativeMethod):
+    """A lossless method whose drafts are one chain of tokens (prompt lookup),
+    verified in one causal forward pass: implement :meth:`draft`.
+
+    With ``self.auto`` set (the default of ``pld``), each step's chain is cut
+    at the length that maximises expected tokens per unit of forward time
+    under the device's cost curve, from per-depth acceptance rates learned
+    online; when no length pays, the method runs pipelined one-token steps
+    with a periodic re-probe (:mod:`mlx_mtp.budget`).
     """
 
     auto: bool = False
@@ -90,29 +154,19 @@ class ChainDraftMethod(Method):
     REPROBE_DRAFT: ClassVar[int] = 2
 
     def draft(self, engine: Engine, root: int) -> list[int]:
+        """Draft tokens to follow ``root`` (may be empty)."""
         raise NotImplementedError
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        self.begin_budget(engine, sampler)
+        from ..budget import DepthAcceptance
 
-    def begin_budget(self, engine: Engine, sampler: Sampler | None) -> None:
-        """Set up the draft budget of an ``auto`` method (no-op otherwise)."""
-        from ..budget import Budget, DepthAcceptance, PlainSteps, cost_curve
-
-        self.budget = Budget(cost_curve(engine)) if self.auto else None
+        self.begin_budget(engine, sampler, self.auto)
         self.acceptance = DepthAcceptance()
-        self.plain_steps = PlainSteps(sampler)
-        self._reprobe = False
 
-    def step(self, engine: Engine, root: int) -> StepOutput:
-        b = getattr(self, "budget", None)
-        if b is not None and b.plain:
-            self._reprobe = b.tick()
-            return self.plain_steps.step(engine, root, queue_next=not self._reprobe)
-        if b is not None:
-            self.plain_steps.unqueue(engine, root)
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         draft = self.draft(engine, root)
+        b = self.budget
         if b is not None and draft:
             from ..budget import best_prefix, chain_values
 
@@ -121,23 +175,15 @@ class ChainDraftMethod(Method):
                 n = max(n, min(len(draft), self.REPROBE_DRAFT))
             elif not b.pays(rate):
                 b.go_plain(1 + self.REPROBE_DRAFT)
-                return self.plain_steps.step(engine, root, queue_next=True)
+                return None
             draft = draft[:n]
-        self._reprobe_step, self._reprobe = self._reprobe, False
-        start = engine.offset
-        if draft:
-            engine._require_trimmable(len(draft) + 1)
-        logits, _ = engine.forward_chain([root, *draft])
-        n = len(draft) + 1
-        parents = np.arange(-1, n - 1)
-        slot_tokens = np.array([root, *draft])
-        path, bonus = verify(logits, parents, slot_tokens, self.sampler, engine)
-        engine.keep(start, [0, *path])
-        if b is not None and draft:
-            if self._reprobe_step and len(path) == len(draft):
+        return Draft.chain(root, draft)
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        if self.budget is not None and draft.drafted:
+            if self._reprobe_step and len(verified.path) == draft.drafted:
                 self.acceptance.reset()  # the text changed: old rates no longer apply
-            self.acceptance.record(len(draft), len(path))
-        return StepOutput([*(int(slot_tokens[s]) for s in path), bonus], len(draft), len(path))
+            self.acceptance.record(draft.drafted, len(verified.path))
 
 
 def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:

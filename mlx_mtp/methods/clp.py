@@ -21,15 +21,14 @@ Multi-Token Inference* (arXiv 2606.10935; DESIGN §2.2). Read top to bottom:
    pass over ``[root, drafts...]`` verifies them (greedy or sampling, exact);
    the same pass gives the hidden state and target token at every position,
    so the heads at the last accepted position draft the next step without an
-   extra forward pass. Output equals plain decoding exactly.
+   extra forward pass (:meth:`CLP.propose` / :meth:`CLP.observe` around the
+   shared stage :mod:`mlx_mtp.speculative`). Output equals plain decoding
+   exactly.
 
 Options (``--opt key=value``; ``--k``):
     mode: ``verified`` (default, lossless) or ``paper`` (no verifier).
-    k: heads to use (1..the heads' k), or ``auto`` (default): all heads, and
-        in verified mode each step's drafts are cut to the length that
-        maximises expected tokens per unit of time under the device's forward
-        cost curve, from per-depth acceptance learned online
-        (:mod:`mlx_mtp.budget`).
+    k: heads to use (1..the heads' k), or ``auto`` (default): all heads, each
+        step's drafts cut by the device-aware budget (verified mode, :mod:`mlx_mtp.budget`).
     predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
         parameter MLP gate baseline) or ``all`` (always keep all k heads).
     heads: a heads folder or hub repo id; default: the user's trained heads
@@ -46,20 +45,24 @@ import numpy as np
 from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from ..speculative import Draft, Verified
 from ..verify import Sampler, target_graph
-from .base import Method, StepOutput, parse_int
+from .base import SpeculativeMethod, StepOutput, parse_int
 
 MODES = ("verified", "paper")
 PREDICTORS = ("linear", "gate", "all")
 
 
-class CLP(Method):
+class CLP(SpeculativeMethod):
     """CLP heads + span predictor, in the paper's mode or a verified mode.
 
     Args:
         mode: ``"verified"`` (lossless) or ``"paper"`` (no verifier).
         k: number of heads to use, or ``"auto"`` (default: all heads in the
-            file; verified mode cuts each step's drafts by the budget).
+            file; verified mode cuts each step's drafts to the length that
+            maximises expected tokens per unit of time under the device's
+            forward cost curve, from per-depth acceptance learned online,
+            :mod:`mlx_mtp.budget`).
         predictor: ``"linear"``, ``"gate"`` or ``"all"``.
         heads: heads folder or hub repo id (default: found by fingerprint).
 
@@ -175,33 +178,31 @@ class CLP(Method):
     def step(self, engine: Engine, root: int) -> StepOutput:
         if self.mode == "paper":
             return self._step_paper(engine, root)
-        return self._step_verified(engine, root)
+        return super().step(engine, root)  # verified: propose, shared stage, observe
 
-    def _step_verified(self, engine: Engine, root: int) -> StepOutput:
+    def propose(self, engine: Engine, root: int) -> Draft:
         drafts = self._carry if self._root == root else []
-        start = engine.offset
-        if drafts:
-            engine._require_trimmable(len(drafts) + 1)
-        logits, h = engine.forward_chain([root, *drafts], hidden=True)
-        tgt = self._targets(logits, engine.slot_positions + 1)  # (n,) backbone token after each row
-        toks, span = self._heads(engine, h, tgt)  # heads at every row, one eval
-        engine.timed_eval(tgt, toks, span)  # heads + predictor: device work
-        tgt_np, toks_np, span_np = np.array(tgt), np.array(toks), np.array(span)
-        m = 0  # accepted drafts: leading drafts equal to the backbone's tokens
-        while m < len(drafts) and drafts[m] == int(tgt_np[m]):
-            m += 1
-        bonus = int(tgt_np[m])
-        engine.keep(start, list(range(m + 1)))
-        self._root = bonus
-        self._carry = toks_np[m, : int(span_np[m])].tolist()
-        if self.curve is not None:
+
+        def heads(logits: mx.array, h: mx.array, targets: mx.array) -> tuple[mx.array, ...]:
+            # heads + predictor at every row, fed with the backbone's target tokens,
+            # evaluated with them (device work)
+            return self._heads(engine, h, targets)
+
+        return Draft.chain(root, drafts, hidden=True, extras=heads)
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        # the heads at the last accepted position draft the next step
+        m = len(verified.path)
+        toks, span = (np.array(a) for a in verified.extras)
+        self._root = verified.bonus
+        self._carry = toks[m, : int(span[m])].tolist()
+        if self.curve is not None:  # k=auto: keep the drafts that pay on this device
             from ..budget import best_prefix, chain_values
 
-            if drafts:
-                self.acceptance.record(len(drafts), m)
+            if draft.drafted:
+                self.acceptance.record(draft.drafted, m)
             vals = chain_values(self.acceptance.qs(len(self._carry)))
             self._carry = self._carry[: best_prefix(self.curve, vals, 1)[0]]
-        return StepOutput([*drafts[:m], bonus], drafted=len(drafts), accepted=m)
 
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []

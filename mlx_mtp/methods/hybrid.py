@@ -29,8 +29,9 @@ Read top to bottom:
    deepest accepted node (the only case where its masks are read) times the
    tokens probe drafts add when masks are available (``gain``, learned online).
    So masks are attached only where the next step is likely to need them.
-4. Verification: exactly :mod:`mlx_mtp.verify` (``target_tokens`` +
-   ``walk_tree`` on :meth:`Engine.forward_tree`), as in ``probe``: lossless.
+4. Verification: the shared lossless stage :mod:`mlx_mtp.speculative` on
+   the draft :meth:`Hybrid.propose` builds; :meth:`Hybrid.observe` learns the
+   acceptance statistics, the pool and the next probe candidates from it.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..engine import Engine
+from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
+from ..speculative import Draft, Verified
 from ..tree import worth_adding
-from ..verify import Sampler, target_tokens, walk_tree
-from .base import StepOutput, parse_bc, parse_int
+from ..verify import Sampler
+from .base import SpeculativeMethod, parse_bc, parse_int
 from .pld import lookup_candidates
-from .probe import Probe, mask_candidates
+from .probe import MaskVectors, mask_candidates
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
 PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3}
@@ -311,7 +313,7 @@ class AcceptanceStats:
         self.gain_n += 1
 
 
-class Hybrid(Probe):
+class Hybrid(SpeculativeMethod):
     """Hybrid draft tree: prompt lookup + probe masks + the model's own earlier
     predictions, one acceptance scale, one block-complexity budget; lossless.
 
@@ -357,12 +359,11 @@ class Hybrid(Probe):
             raise InvalidArgumentError(
                 f"--method hybrid builds its own tree; --tree {tree} is for probe only."
             )
-        k = parse_int("masks", masks, 0, 3)
-        # Probe parses lam / mask_init and owns the mask vectors; its node budget
-        # is unused here (the budget is allocated per step, see allocate()).
-        super().__init__(bc=2 * (max(k, 1) + 1), masks=max(k, 1), lam=lam, mask_init=mask_init)
+        self.masks = parse_int("masks", masks, 0, 3)
         self.auto, self.bc = parse_bc(bc, max_bc, 2)
-        self.masks = k
+        # ESP mask vectors (lam / mask_init parsed even when masks=0 turns probing off)
+        self.vectors = MaskVectors(max(self.masks, 1), lam, mask_init)
+        self.mask_init = mask_init
         self.matches = parse_int("matches", matches, 0, 16)
         self.window = parse_int("window", window, 1)
         self.max_draft = parse_int("max_draft", max_draft, 1) if max_draft is not None else None
@@ -378,21 +379,21 @@ class Hybrid(Probe):
         return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{init})"
 
     def prepare(self, engine: Engine) -> None:
-        if self.masks == 0:
-            from ..engine import check_tree_support
+        check_tree_support(engine.model, self.name)
+        if self.masks:
+            self.vectors.prepare(engine)
 
-            check_tree_support(engine.model, self.name)
-            return
-        super().prepare(engine)
+    @property
+    def learned(self) -> mx.array | None:
+        """(masks, D) learned mask vectors (``mask_init="learned"``), else None."""
+        return self.vectors.learned
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
-        if self.masks == 0:
-            self.sampler = sampler
-            self.mask_embedding = None
-            self._begin_budget(engine, sampler)
-        else:
-            super().begin(engine, prompt, sampler)
-        self.dists = []
+        super().begin(engine, prompt, sampler)
+        if self.masks:
+            self.vectors.begin(engine, prompt)
+        self.begin_budget(engine, sampler, self.auto)
+        self.dists: list[tuple[np.ndarray, np.ndarray]] = []
         self.stats = AcceptanceStats()
         self.table: dict[tuple[int, int], int] = {}
 
@@ -420,7 +421,13 @@ class Hybrid(Probe):
         return chains
 
     # ------------------------------------------------------------------ step
-    def step(self, engine: Engine, root: int) -> StepOutput:
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        # a one-token step of bc=auto's plain mode: no masks ran
+        self.dists = []
+        if self.masks:
+            self.vectors.update(engine, tokens)
+
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         k = self.masks
         trie = merge_chains(self._chains(engine, root))
         levels = self.dists
@@ -429,25 +436,19 @@ class Hybrid(Probe):
         def children(path: tuple[int, ...], tok: int) -> list[Child]:
             return merged_children(path, tok, trie, levels, scale)
 
-        b = self.budget
-        if b is not None and b.plain:
-            self._reprobe = b.tick()
-            return self._plain_step(engine, root, queue_next=not self._reprobe)
-        if b is not None:
-            self.plain_steps.unqueue(engine, root)
         alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
+        b = self.budget
         if b is not None:  # bc=auto: the best prefix under the device's cost curve
             from ..budget import best_prefix
 
             vals = [v for _, v, _ in alloc.order]
-            n, rate = best_prefix(b.curve, vals, [s for _, _, s in alloc.order])
+            n, rate = best_prefix(b.curve, vals, [sl for _, _, sl in alloc.order])
             reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)
             if self._reprobe or b.cheap(reprobe):  # a re-probe (or a nearly free one)
                 n = max(n, min(len(vals), self.REPROBE_ITEMS))  # drafts a little anyway
             elif not b.pays(rate):
                 b.go_plain(reprobe)
-                return self._plain_step(engine, root, queue_next=True)
-            self._reprobe = False
+                return None
             alloc = alloc.prefix(n)
         prev = engine.cached[-1] if engine.cached else -1  # token before the root
         n_tok = 1 + len(alloc.tokens)
@@ -458,32 +459,25 @@ class Hybrid(Probe):
             for j in range(k):
                 parents.append(anchor if j == 0 else len(parents) - 1)
         n_mask = len(parents) - n_tok
-        parents_np = np.array(parents, dtype=np.int64)
         slot_tokens = np.array([root, *alloc.tokens] + [-1] * n_mask, dtype=np.int64)
         emb = engine.embed_tokens(slot_tokens[:n_tok])
         if n_mask:
-            vecs = mx.tile(self.mask_embedding.astype(emb.dtype), (len(alloc.mask_anchors), 1))
-            emb = mx.concatenate([emb, vecs])
-        start = engine.offset
-        logits, _ = engine.forward_tree(emb, parents_np, slot_tokens.tolist())
+            emb = mx.concatenate([emb, self.vectors.sets(len(alloc.mask_anchors), emb.dtype)])
+        info = (alloc, levels, mask_row, prev)
+        return Draft(slot_tokens, np.array(parents, dtype=np.int64), emb, n_tok, info=info)
 
-        targets = target_tokens(logits[:n_tok], np.arange(n_tok), self.sampler, engine)
-        tgt = dict(enumerate(targets.tolist()))
-        path, bonus = walk_tree(parents_np, slot_tokens, tgt)
-        vstar = path[-1] if path else 0
-
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        alloc, levels, mask_row, prev = draft.info
         # next step's probe candidates: the masks after v*, if it has any
         self.dists = []
-        if vstar in mask_row:
-            r0 = mask_row[vstar]
-            self.dists = mask_candidates(logits[r0 : r0 + k].astype(mx.float32), self.bc, engine)
-
-        self._learn(alloc, path, levels, slot_tokens, parents_np, tgt, prev)
-        engine.keep(start, [0, *path])
-        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
-        if k:
-            self._update_mask(engine, committed)
-        return StepOutput(committed, drafted=len(alloc.tokens), accepted=len(path))
+        r0 = mask_row.get(verified.deepest)
+        if r0 is not None:
+            rows = verified.logits[r0 : r0 + self.masks].astype(mx.float32)
+            self.dists = mask_candidates(rows, self.bc, engine)
+        tgt = dict(enumerate(verified.targets.tolist()))
+        self._learn(alloc, verified.path, levels, draft.tokens, draft.parents, tgt, prev)
+        if self.masks:
+            self.vectors.update(engine, verified.tokens)
 
     def _learn(
         self,

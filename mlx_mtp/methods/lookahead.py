@@ -25,8 +25,9 @@ Using Lookahead Decoding* (ICML 2024, arXiv 2402.02057), §3. Read top to bottom
    slots). Verification walks that trie with the target tokens (greedy argmax
    or the same sampler as plain decoding), so the output is exactly plain
    decoding's (lossless; deterministic drafts keep the target distribution at
-   temperature > 0). Only the root and the accepted path stay in the KV cache
-   (:meth:`Engine.keep`); the lookahead branch is dropped every step.
+   temperature > 0): the shared stage :mod:`mlx_mtp.speculative` does it.
+   Only the root and the accepted path stay in the KV cache; the lookahead
+   branch is dropped every step.
 
 Block complexity (tokens per forward) is ``1 + (N - 1) * (W + G)``: 57 at the
 paper's defaults N=5, W=7, G=7 (the verification branch may be smaller when the
@@ -42,8 +43,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import Engine, check_tree_support
-from ..verify import Sampler, target_tokens, walk_tree
-from .base import Method, StepOutput, parse_int
+from ..speculative import Draft, Verified
+from ..verify import Sampler
+from .base import SpeculativeMethod, parse_int
 
 
 class NGramPool:
@@ -118,7 +120,7 @@ def lookahead_parents(levels: int, window: int, offset: int) -> np.ndarray:
     return par.reshape(-1)
 
 
-class Lookahead(Method):
+class Lookahead(SpeculativeMethod):
     """Lookahead decoding with a lossless verification branch.
 
     Args:
@@ -170,28 +172,28 @@ class Lookahead(Method):
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        from ..budget import DepthAcceptance, PlainSteps, cost_curve
+        from ..budget import DepthAcceptance
 
-        self.curve = None
-        if self.auto_window or self.auto_guess:
-            self.curve = cost_curve(engine)
+        self.begin_budget(engine, sampler, self.auto_window or self.auto_guess)
         if self.auto_window:  # the widest window that is nearly free on this device
             self.window = 0
             for w in range(self.PAPER_WINDOW, 0, -1):
-                if self.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
+                if self.budget.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
                     self.window = w
                     break
         self.acceptance = DepthAcceptance()
-        self.plain_steps = PlainSteps(sampler)
         rng = np.random.default_rng(self.seed)
         # level 0: W tokens drawn from the prompt (LADE's initialisation)
         self.levels: list[np.ndarray] = [rng.choice(np.asarray(prompt), size=self.window)]
         self.pool = NGramPool(self.guess)
 
-    def step(self, engine: Engine, root: int) -> StepOutput:
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         n_lv, w = len(self.levels), self.window
         if w == 0:  # window=auto found no column worth its cost: one-token steps
-            return self.plain_steps.step(engine, root, queue_next=True)
+            from ..budget import MAX_PLAIN_STEPS
+
+            self.budget.plain_left = MAX_PLAIN_STEPS
+            return None
         # verification branch: trie of the pool's candidates for the root
         cand = self.pool.get(int(root), self.guess)
         if self.auto_guess and cand:
@@ -204,24 +206,18 @@ class Lookahead(Method):
             [[-1], [p + 1 for p in v_par], lookahead_parents(n_lv, w, n_v)]
         ).astype(np.int64)
         slot_tokens = np.concatenate([[root], v_toks, la_toks]).astype(np.int64)
+        last = n_v + (n_lv - 1) * w  # first slot of the window's last level
 
-        start = engine.offset
-        emb = engine.embed_tokens(slot_tokens)
-        logits, _ = engine.forward_tree(emb, parents, slot_tokens.tolist())
-        # Jacobi update: greedy outputs at the window's last level
-        last = n_v + (n_lv - 1) * w
-        out_mx = mx.argmax(logits[last : last + w], axis=-1)
-        engine.timed_eval(out_mx)
-        targets = target_tokens(logits[:n_v], np.arange(n_v), self.sampler, engine)
-        out = np.array(out_mx, dtype=np.int64)
+        def jacobi(logits: mx.array, hidden: Any, targets: Any) -> list[mx.array]:
+            # Jacobi update: greedy outputs at the window's last level
+            return [mx.argmax(logits[last : last + w], axis=-1)]
 
-        path, bonus = walk_tree(parents[:n_v], slot_tokens[:n_v], dict(enumerate(targets.tolist())))
-        if cand:
-            self.acceptance.record(max(map(len, cand)), len(path))
-        engine.keep(start, [0, *path])
-        self._update_window(out)
-        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
-        return StepOutput(committed, drafted=len(v_toks), accepted=len(path))
+        return Draft(slot_tokens, parents, verify=n_v, extras=jacobi, info=cand)
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        if draft.info:
+            self.acceptance.record(max(map(len, draft.info)), len(verified.path))
+        self._update_window(np.array(verified.extras[0], dtype=np.int64))
 
     def _guesses(self, cand: list[tuple[int, ...]], base_slots: int) -> int:
         """``guess="auto"``: how many of the pool's candidates (most recent
@@ -239,7 +235,7 @@ class Lookahead(Method):
             seen.update(c[: d + 1] for d in range(len(c)))
             values.append(sum(chain[d] for d in new) * 0.5**i)
             slots.append(len(new))
-        return best_prefix(self.curve, values, slots, base_slots)[0]
+        return best_prefix(self.budget.curve, values, slots, base_slots)[0]
 
     def _update_window(self, out: np.ndarray) -> None:
         """Add the new level; once the window is full, harvest N-grams and shift."""

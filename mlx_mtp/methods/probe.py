@@ -12,7 +12,8 @@ Embedding-Space Probing* (ESP, arXiv 2603.17942). Read top to bottom:
    the cache, its ancestors and itself; a node's masks see that node's path and
    the earlier masks of the same set (§3.2).
 3. Verification is lossless (greedy or sampling): the accepted path plus one
-   bonus token (see :mod:`mlx_mtp.verify`).
+   bonus token, done by the shared stage :mod:`mlx_mtp.speculative` on the
+   draft :meth:`Probe.propose` builds.
 4. The k masks after the deepest accepted node predict the tokens 2..k+1
    positions after it, i.e. depths 1..k of the next step's tree, which is grown
    by cumulative probability within the block-complexity budget
@@ -28,9 +29,10 @@ import numpy as np
 
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError
+from ..speculative import Draft, Verified
 from ..tree import block_complexity, build_tree
-from ..verify import Sampler, target_graph, walk_tree
-from .base import Method, StepOutput, parse_bc, parse_int
+from ..verify import Sampler
+from .base import SpeculativeMethod, parse_bc, parse_int
 
 
 def parse_template(tree: str, masks: int) -> list[int] | None:
@@ -102,7 +104,89 @@ def candidate_lists(top: mx.array, top_p: mx.array) -> list[tuple[np.ndarray, np
     return out
 
 
-class Probe(Method):
+class MaskVectors:
+    """ESP's mask slots (§3.1): ``slots`` vectors in the input-embedding space
+    that stand for "some token to come" after a draft node.
+
+    ``init="mean"`` (the paper): every slot starts as the mean embedding of
+    the prompt and moves towards each committed token ``e``:
+    ``m <- m + lam * (e - m)``. ``init="learned"``: fixed per-slot vectors
+    trained by ``mlx-mtp train masks`` for this model
+    (:mod:`mlx_mtp.learned_masks`), never updated. Shared by ``probe`` and
+    ``hybrid``.
+
+    Args:
+        slots: mask slots after a node (k).
+        lam: update step in [0, 1] (0.1 in the paper).
+        init: ``"mean"`` or ``"learned"``.
+
+    Raises:
+        InvalidArgumentError: lam not a number in [0, 1], unknown init.
+    """
+
+    def __init__(self, slots: int, lam: Any = 0.1, init: str = "mean"):
+        try:
+            self.lam = float(lam)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
+        if not 0.0 <= self.lam <= 1.0:
+            raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
+        if init not in ("mean", "learned"):
+            raise InvalidArgumentError(f"mask_init must be 'mean' or 'learned', got {init!r}")
+        self.slots = slots
+        self.init = init
+        #: (slots, D) learned vectors once :meth:`prepare` loaded them
+        self.learned: mx.array | None = None
+        #: (slots, D) current vectors, set by :meth:`begin`
+        self.embedding: mx.array | None = None
+
+    def prepare(self, engine: Engine) -> None:
+        """Load the learned vectors for this model (``init="learned"``).
+
+        Raises:
+            CheckpointMismatchError, ModelNotFoundError: see
+                :func:`~mlx_mtp.learned_masks.load_learned_masks`.
+            InvalidArgumentError: the file has fewer slots than needed.
+        """
+        if self.init != "learned":
+            return
+        from ..learned_masks import load_learned_masks
+
+        learned = load_learned_masks(engine.model)  # (slots, D), checked for this model
+        if learned.shape[0] < self.slots:
+            raise InvalidArgumentError(
+                f"the learned mask file has {learned.shape[0]} slot(s); --masks "
+                f"{self.slots} needs {self.slots}. Retrain with more slots."
+            )
+        self.learned = learned[: self.slots]
+
+    def begin(self, engine: Engine, prompt: list[int]) -> None:
+        """Start a generation: learned vectors, or the prompt's mean embedding."""
+        if self.learned is not None:
+            self.embedding = self.learned
+        else:
+            mean = mx.mean(engine.embed_tokens(prompt), axis=0)
+            self.embedding = mx.broadcast_to(mean, (self.slots, mean.shape[0]))
+
+    def update(self, engine: Engine, tokens: list[int]) -> None:
+        """``m <- m + lam (e - m)`` once per committed token, in order (mean
+        init only; learned vectors stay fixed)."""
+        if self.learned is not None:
+            return
+        e = engine.embed_tokens(tokens)  # (n, D)
+        m, n, lam = self.embedding, len(tokens), self.lam
+        if n == 1:
+            self.embedding = m + lam * (e - m)
+        else:  # the n updates in closed form: (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) e_i
+            w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
+            self.embedding = (1 - lam) ** n * m + (w @ e)
+
+    def sets(self, count: int, dtype: mx.Dtype) -> mx.array:
+        """``count`` mask sets, one after another: (count * slots, D)."""
+        return mx.tile(self.embedding.astype(dtype), (count, 1))
+
+
+class Probe(SpeculativeMethod):
     """ESP embedding-space probing with a lossless draft tree.
 
     Args:
@@ -158,16 +242,8 @@ class Probe(Method):
                     f"--tree {tree} with --masks {self.masks} has block complexity {fixed}; "
                     f"--bc {bc} does not match it. Drop --bc (the template sets the tree size)."
                 )
-        try:
-            self.lam = float(lam)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
-        if not 0.0 <= self.lam <= 1.0:
-            raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
-        if mask_init not in ("mean", "learned"):
-            raise InvalidArgumentError(f"mask_init must be 'mean' or 'learned', got {mask_init!r}")
+        self.vectors = MaskVectors(self.masks, lam, mask_init)
         self.mask_init = mask_init
-        self.learned: mx.array | None = None
 
     @property
     def block_complexity(self) -> int:
@@ -181,79 +257,50 @@ class Probe(Method):
 
     def prepare(self, engine: Engine) -> None:
         check_tree_support(engine.model, self.name)
-        if self.mask_init == "learned":
-            from ..learned_masks import load_learned_masks
+        self.vectors.prepare(engine)
 
-            learned = load_learned_masks(engine.model)  # (slots, D), checked for this model
-            if learned.shape[0] < self.masks:
-                raise InvalidArgumentError(
-                    f"the learned mask file has {learned.shape[0]} slot(s); --masks "
-                    f"{self.masks} needs {self.masks}. Retrain with more slots."
-                )
-            self.learned = learned[: self.masks]
+    @property
+    def learned(self) -> mx.array | None:
+        """(masks, D) learned mask vectors (``mask_init="learned"``), else None."""
+        return self.vectors.learned
+
+    @property
+    def mask_embedding(self) -> mx.array:
+        """(masks, D) current mask vectors."""
+        return self.vectors.embedding
+
+    def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
+        self.vectors.update(engine, tokens)
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        if self.learned is not None:
-            self.mask_embedding = self.learned
-        else:
-            mean = mx.mean(engine.embed_tokens(prompt), axis=0)
-            self.mask_embedding = mx.broadcast_to(mean, (self.masks, mean.shape[0]))
+        self.vectors.begin(engine, prompt)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
-        self._begin_budget(engine, sampler)
-
-    def _begin_budget(self, engine: Engine, sampler: Sampler | None) -> None:
-        # bc=auto: the device's cost curve, the plain-mode state, and accepted /
-        # expected drafted nodes (decayed: the calibration follows the text)
-        from ..budget import Budget, PlainSteps, cost_curve
-
-        self.budget = Budget(cost_curve(engine)) if self.auto else None
-        self.plain_steps = PlainSteps(sampler)
-        self._reprobe = False
+        # bc=auto: the device's cost curve and plain mode (mlx_mtp.budget), and
+        # accepted / expected drafted nodes (decayed: the calibration follows the text)
+        self.begin_budget(engine, sampler, self.auto)
         self.expected, self.hits = 0.0, 0.0
 
-    def _plain_step(self, engine: Engine, root: int, queue_next: bool) -> StepOutput:
-        # a one-token step (bc=auto found nothing worth drafting): no masks, so
-        # the next draft step starts from a re-probe of the root's masks
-        out = self.plain_steps.step(engine, root, queue_next)
-        if getattr(self, "mask_embedding", None) is not None:
-            self._update_mask(engine, out.tokens)
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        # a one-token step: no masks ran, so the next draft step starts from a
+        # re-probe of the root's masks
+        self.vectors.update(engine, tokens)
         self.dists = []
-        return out
 
-    def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
-        # m <- m + lam (e - m), once per committed token, in order (mean init only;
-        # learned vectors stay fixed)
-        if self.learned is not None:
-            return
-        e = engine.embed_tokens(tokens)  # (n, D)
-        m, n, lam = self.mask_embedding, len(tokens), self.lam
-        if n == 1:
-            self.mask_embedding = m + lam * (e - m)
-        else:  # the n updates in closed form: (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) e_i
-            w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
-            self.mask_embedding = (1 - lam) ** n * m + (w @ e)
-
-    def step(self, engine: Engine, root: int) -> StepOutput:
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         k = self.masks
-        b = self.budget
-        if b is not None and b.plain:
-            self._reprobe = b.tick()
-            return self._plain_step(engine, root, queue_next=not self._reprobe)
-        if b is not None:
-            self.plain_steps.unqueue(engine, root)
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
+        b = self.budget
         if b is not None:
             from ..budget import tree_size
 
             scale = (self.hits + 1.0) / (self.expected + 1.0)
             n, rate = tree_size(b.curve, node_p, k, scale)
-            # no draft pays: one-token steps, unless this is the re-probe (or the
+            # no tree pays: one-token steps, unless this is the re-probe (or the
             # first step), whose root masks give the next step's candidates
             if self.dists and not (self._reprobe or b.pays(rate) or b.cheap(k + 1)):
                 b.go_plain(k + 1)
-                return self._plain_step(engine, root, queue_next=True)
-            self._reprobe = False
+                return None
             node_toks, node_par = node_toks[:n], node_par[:n]
             if n:
                 self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
@@ -263,43 +310,35 @@ class Probe(Method):
         for anchor in range(n_tok):
             for j in range(k):
                 parents.append(anchor if j == 0 else len(parents) - 1)
-        parents_np = np.array(parents, dtype=np.int64)
         slot_tokens = np.array([root, *node_toks] + [-1] * (n_tok * k), dtype=np.int64)
         emb = engine.embed_tokens(slot_tokens[:n_tok])
-        masks = mx.tile(self.mask_embedding.astype(emb.dtype), (n_tok, 1))  # slot j of each set
-        start = engine.offset
-        # logits for the token slots and the root's masks (slots n_tok .. n_tok+k-1):
-        # when no draft is accepted (most steps), the root's masks draft the next
-        # tree and no second LM-head pass over the vocabulary is needed. The pass
-        # runs while the graphs that read it (argmax, top-k) are built.
-        logits, hidden = engine.forward_tree(
-            mx.concatenate([emb, masks]),
-            parents_np,
-            slot_tokens.tolist(),
-            True,
-            n_tok + k,
-            wait=False,
-        )
-        targets = target_graph(
-            logits[:n_tok], np.arange(n_tok), self.sampler, engine.slot_positions[:n_tok] + 1
-        )
-        top0 = top_candidates(logits[n_tok : n_tok + k], self.nodes)
-        engine.timed_eval(targets, *top0)
+        nodes = self.nodes
 
-        # verification: target tokens at the token slots only
-        targets = np.array(targets, dtype=np.int64)
-        path, bonus = walk_tree(parents_np, slot_tokens, dict(enumerate(targets.tolist())))
+        def root_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
+            # when no draft is accepted (most steps) the root's masks draft the next
+            # tree: their top-k is built while the pass runs
+            return top_candidates(logits[n_tok : n_tok + k], nodes)
 
+        # logits only for the token slots and the root's masks (n_tok .. n_tok+k-1);
+        # other mask rows go through the LM head in observe() if they are needed
+        return Draft(
+            slot_tokens,
+            np.array(parents, dtype=np.int64),
+            mx.concatenate([emb, self.vectors.sets(n_tok, emb.dtype)]),
+            verify=n_tok,
+            logit_rows=n_tok + k,
+            hidden=True,
+            extras=root_masks_top,
+        )
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
         # the k masks after the deepest accepted node draft the next tree
-        vstar = path[-1] if path else 0
+        k, n_tok, vstar = self.masks, draft.n_verify, verified.deepest
         if vstar == 0:
-            self.dists = candidate_lists(*top0)
+            self.dists = candidate_lists(*verified.extras)
         else:
-            h_masks = hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
+            h_masks = verified.hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
             self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)
-        engine.keep(start, [0, *path])
-        if len(node_toks):
-            self.hits = 0.95 * self.hits + len(path)
-        committed = [int(slot_tokens[s]) for s in path] + [int(bonus)]
-        self._update_mask(engine, committed)
-        return StepOutput(committed, drafted=len(node_toks), accepted=len(path))
+        if draft.drafted:
+            self.hits = 0.95 * self.hits + len(verified.path)
+        self.vectors.update(engine, verified.tokens)

@@ -42,7 +42,7 @@ from ..clp_heads import (
     save_heads,
     span_labels,
 )
-from ..data import eval_prompts, read_prompts
+from ..data import eval_prompts, read_prompts, render_prompt
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
 
@@ -245,9 +245,7 @@ def train_clp(
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)[
-            -cfg.max_prompt_tokens :
-        ]
+        render_prompt(tok, [{"role": "user", "content": t}])[-cfg.max_prompt_tokens :]
         for t in texts
     ]
     eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])

@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..cache_view import install_positional_rope
+from ..data import render_prompt
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
 
@@ -76,7 +77,6 @@ def greedy_continuations(
     Returns:
         One :class:`TrainSequence` per prompt, in order.
     """
-    from ..bench.runner import render_prompt
     from ..decoding import generate_steps
     from ..engine import Engine
     from ..methods.pld import PLD

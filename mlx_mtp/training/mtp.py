@@ -26,7 +26,7 @@ with the mask token added to the vocabulary (embedding and LM head resized,
 tied embeddings included). LoRA mode trains low-rank deltas plus the mask
 token's embedding row and writes a small adapter folder, keyed by the base
 model's fingerprint, that ``--method confadapt`` applies on load. By default
-the deltas are gated (:class:`~mlx_mtp.methods.confadapt.GatedLoRALinear`,
+the deltas are gated (:class:`~mlx_mtp.mtp_checkpoint.GatedLoRALinear`,
 after Samragh et al., arXiv 2507.11851 §3.3): they act only at mask tokens, so
 real tokens, and with them every block's first token, stay exactly the base
 model's. ``gated=False`` uses mlx-lm's plain LoRA, which the next-token loss
@@ -51,17 +51,19 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache_view import install_positional_rope
+from ..data import render_prompt
 from ..errors import InvalidArgumentError
-from ..methods.confadapt import (
+from ..fingerprint import model_signature
+from ..mtp_checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
     MaskedEmbedding,
     MaskGate,
     MTPMetadata,
-    _get_module,
     clone_modules,
     gated_lora_layers,
+    get_module,
     lora_modules,
     tokenizer_eos_ids,
     tokenizer_mask_id,
@@ -141,17 +143,11 @@ class TrainConfig:
 
 # ----------------------------------------------------------------- data
 def encode_prompt(tokenizer: Any, text: str, prompt_format: str) -> list[int]:
-    """Token ids of a prompt: ``"chat"`` (chat template, generation prompt) or
-    ``"plain"`` (BOS + text + "\\n\\n", the Qwen MTP checkpoint's format)."""
-    if prompt_format == "chat" and getattr(tokenizer, "chat_template", None):
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        )
-    ids = list(tokenizer.encode(text + "\n\n", add_special_tokens=False))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([bos] if bos is not None else []) + ids
+    """Token ids of one user message in ``prompt_format`` (``chat`` or ``plain``;
+    :func:`mlx_mtp.data.render_prompt`)."""
+    return render_prompt(
+        tokenizer, [{"role": "user", "content": text}], prompt_format=prompt_format
+    )
 
 
 def greedy_continuation(model: nn.Module, prompt: list[int], n: int, eos: set[int]) -> list[int]:
@@ -416,8 +412,10 @@ class Trainer:
     """Self-distillation of one loaded model (see the module docstring).
 
     Args:
-        loaded: the base model (:class:`~mlx_mtp.loading.LoadedModel`), float32
-            or bfloat16; quantized weights must be dequantized (load with a dtype).
+        loaded: the base model (:class:`~mlx_mtp.loading.LoadedModel`): float32,
+            bfloat16, or quantized as stored for LoRA (QLoRA: mlx-lm's LoRA
+            layers over the frozen quantized linears, Dettmers et al., *QLoRA*,
+            arXiv 2305.14314, §3); full fine-tuning needs float weights.
         prompts: training prompts (text).
         out: output folder (adapter in LoRA mode, model folder otherwise).
         config: :class:`TrainConfig`.
@@ -442,9 +440,11 @@ class Trainer:
         self.prompt_format = prompt_format
         self.tokenizer = loaded.tokenizer
         self.teacher = loaded.model
-        if any(hasattr(m, "scales") for _, m in self.teacher.named_modules()):
+        self.quantized = any(hasattr(m, "scales") for _, m in self.teacher.named_modules())
+        if self.quantized and not config.lora:
             raise InvalidArgumentError(
-                "train mtp needs float weights; load the model with --dtype float32 or bfloat16."
+                "full fine-tuning (--full) needs float weights and this model is quantized; "
+                "use --lora (QLoRA on the quantized weights) or load it with --dtype float32."
             )
         self.fingerprint = model_fingerprint(self.teacher)
         self.gen_model = clone_modules(self.teacher)  # plain RoPE for batched generation
@@ -683,7 +683,7 @@ class Trainer:
     def _export_adapter(self, d: Path) -> None:
         weights: dict[str, mx.array] = {}
         for path in self.lora_paths:
-            m = _get_module(self.student, path)
+            m = get_module(self.student, path)
             weights[f"{path}.lora_a"] = m.lora_a.astype(mx.float16)
             weights[f"{path}.lora_b"] = m.lora_b.astype(mx.float16)
         weights["mask_embedding"] = self.student.model.embed_tokens.mask_embedding.astype(
@@ -695,6 +695,7 @@ class Trainer:
             "version": 1,
             "base_model": self.loaded.name,
             "base_fingerprint": self.fingerprint,
+            "base_signature": model_signature(self.teacher),
             "mask_token": MASK_TOKEN,
             "mask_token_id": self.mask_id,
             "eos_token_ids": sorted(self.eos),

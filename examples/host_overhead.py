@@ -1,0 +1,123 @@
+"""Host milliseconds per decoding step of lossless methods, for one or more
+source trees of mlx-mtp side by side (before / after a refactor).
+
+Each tree runs in its own subprocess (``PYTHONPATH=TREE``), in rounds that
+alternate the trees (A B A B ...), so that both see the same load on a shared
+machine. Every round decodes the same prompts (Spec-Bench, one per task, chat
+formatted) with each method and reports ``GenerationStats.host_ms_per_step``
+(decode wall time minus device time: forward passes and the vocabulary-wide
+argmax / top-k / sampling, see :mod:`mlx_mtp.decoding`), tau, and whether the
+output equals plain greedy decoding token for token.
+
+    OPENBLAS_NUM_THREADS=1 python examples/host_overhead.py \\
+        --trees /tmp/base . --methods "probe:bc=30;hybrid:bc=30" --rounds 3
+
+Prints one line per (tree, method): the median over rounds of the per-round
+host ms/step (steps of all prompts pooled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+WORKER = r"""
+import json, sys
+import mlx_mtp  # first: preloads OpenBLAS before mlx on Linux
+from mlx_mtp.data import TASKS, load_questions
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine
+from mlx_mtp.loading import load_model
+from mlx_mtp.methods import make_method
+
+args = json.loads(sys.argv[1])
+lm = load_model(args["model"], dtype="float32")
+tok = lm.tokenizer
+qs = load_questions()
+prompts = []
+for t in TASKS:
+    q = [q for q in qs if q["task"] == t][args["index"]]
+    prompts.append(tok.apply_chat_template(
+        [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True))
+eos = set(tok.eos_token_ids)
+
+def run(name, opts, ids):
+    m = make_method(name, **opts)
+    e = Engine(lm.model)
+    m.prepare(e)
+    out, last = [], None
+    for st in generate_steps(e, m, ids, max_tokens=args["max_tokens"], eos_ids=eos):
+        out += st.tokens
+        last = st.stats
+    return out, last
+
+run("ntp", {}, prompts[0][:20])  # warm-up
+refs = [run("ntp", {}, p)[0] for p in prompts]
+res = {}
+for spec in args["methods"]:
+    name, _, rest = spec.partition(":")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    run(name, opts, prompts[0][:20])  # warm-up
+    host = dev = steps = toks = fw = 0.0
+    exact = True
+    for p, ref in zip(prompts, refs):
+        out, s = run(name, opts, p)
+        host += s.decode_time - s.forward_time
+        steps += s.steps
+        toks += s.generated_tokens
+        fw += s.forward_passes
+        exact &= out == ref
+    res[spec] = {"host_ms": 1000 * host / steps, "tau": toks / fw, "exact": exact}
+print("RESULT " + json.dumps(res))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", nargs="+", required=True, help="mlx-mtp source trees")
+    ap.add_argument("--methods", default="probe:bc=30;hybrid:bc=30")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--index", type=int, default=0, help="which question of each task")
+    args = ap.parse_args()
+    job = {
+        "model": args.model,
+        "methods": [m for m in args.methods.split(";") if m],
+        "max_tokens": args.max_tokens,
+        "index": args.index,
+    }
+    got: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in range(args.rounds):
+        for tree in args.trees:
+            env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+            p = subprocess.run(
+                [sys.executable, "-c", WORKER, json.dumps(job)],
+                env=env,
+                cwd=str(Path(tree).resolve()),  # python -c puts the cwd first on sys.path
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+            for spec, v in json.loads(line[7:]).items():
+                got[(tree, spec)].append(v)
+            print(f"round {r + 1}/{args.rounds} {tree} done", file=sys.stderr, flush=True)
+    print(f"model {args.model} float32, 6 Spec-Bench prompts, {args.max_tokens} tokens, CPU")
+    for (tree, spec), vs in got.items():
+        ms = [v["host_ms"] for v in vs]
+        print(
+            f"{tree:30s} {spec:16s} host {statistics.median(ms):6.2f} ms/step "
+            f"(rounds {', '.join(f'{x:.2f}' for x in ms)}) tau {vs[0]['tau']:.2f} "
+            f"exact {all(v['exact'] for v in vs)}"
+        )
+
+
+if __name__ == "__main__":
+    main()

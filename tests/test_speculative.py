@@ -1,0 +1,115 @@
+"""The shared verification stage (mlx_mtp.speculative) with a method written
+only against propose/observe, the engine's model swap, and named data sets.
+Small generated models (plumbing only); exactness on SmolLM2 is covered per
+method in test_probe / test_hybrid / test_lookahead / test_clp."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import run_method
+from mlx_lm.models.cache import RotatingKVCache
+
+from mlx_mtp.data import DATA_SETS, resolve_data
+from mlx_mtp.engine import Engine, check_tree_support
+from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError
+from mlx_mtp.methods.base import SpeculativeMethod
+from mlx_mtp.methods.ntp import NTP
+from mlx_mtp.speculative import Draft, speculative_step
+from mlx_mtp.testing import make_tiny_model
+
+PROMPT = [3, 17, 42, 9, 100, 7, 12]
+
+
+class Oracle(SpeculativeMethod):
+    """Drafts from a known greedy continuation: a tree whose root has a wrong
+    child (the right token + 1) and the right chain, and one mask slot that is
+    never accepted."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], depth: int = 3):
+        self.reference, self.depth = reference, depth
+        self.seen: list[tuple[list[int], int]] = []
+
+    def prepare(self, engine):
+        check_tree_support(engine.model, self.name)
+
+    def begin(self, engine, prompt, sampler):
+        super().begin(engine, prompt, sampler)
+        self.done = 0  # committed tokens so far
+
+    def propose(self, engine, root):
+        right = self.reference[self.done : self.done + self.depth]
+        wrong = [(t + 1) % 256 for t in right[:1]]
+        tokens = [root, *wrong, *right, -1]
+        parents = [-1] + [0] * len(wrong) + [0] + list(range(len(wrong) + 1, len(tokens) - 2))
+        parents.append(0)  # the mask slot hangs off the root
+        emb = engine.embed_tokens([max(t, 0) for t in tokens])
+        n_tok = len(tokens) - 1
+        return Draft(np.array(tokens), np.array(parents), emb, verify=n_tok)
+
+    def observe(self, engine, draft, verified):
+        self.seen.append((verified.path, verified.bonus))
+        self.done += len(verified.tokens)
+
+
+def test_a_propose_observe_method_is_exact_and_accepts_the_right_chain():
+    model = make_tiny_model("llama", seed=3)
+    engine = Engine(model)
+    ref = run_method(engine, NTP(), PROMPT, 12)
+    oracle = Oracle(ref, depth=3)
+    engine.reset()
+    got = run_method(engine, oracle, PROMPT, 12)
+    assert got == ref
+    # every step accepts the whole right chain (3 drafts) and never the wrong child
+    # or the mask slot: 4 tokens per step
+    assert all(len(path) == 3 and 1 not in path for path, _ in oracle.seen[:-1])
+    assert engine.cached == PROMPT + got[:-1]
+
+
+def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():
+    model = make_tiny_model("qwen2", seed=1)
+    engine = Engine(model)
+    ref = run_method(engine, NTP(), PROMPT, 2)
+    engine.reset()
+    engine.sync(PROMPT[:-1])
+    wrong = [(ref[0] + 1) % 256, 5, 6]
+    v = speculative_step(engine, Draft.chain(PROMPT[-1], wrong), None)
+    assert v.path == [] and v.tokens == [ref[0]] and v.bonus == ref[0]
+    assert engine.cached == PROMPT  # the root stays, the drafts are dropped
+    v = speculative_step(engine, Draft.chain(ref[0], [ref[1]]), None)
+    assert v.path == [1] and v.tokens[0] == ref[1]
+
+
+def test_a_full_sliding_window_refuses_before_the_pass():
+    model = make_tiny_model("llama", seed=0)
+    engine = Engine(model, max_kv_size=8)
+    engine.sync(PROMPT[:-1])  # 6 of 8 slots used
+    before = list(engine.cached)
+    with pytest.raises(CacheNotTrimmableError, match="max-kv-size"):
+        speculative_step(engine, Draft.chain(PROMPT[-1], [1, 2, 3]), None)
+    assert engine.cached == before and engine.forward_passes == 0
+
+
+def test_use_model_builds_the_engines_own_cache():
+    """A wrapped model (an MTP adapter) gets the same cache layout as the
+    first model: --max-kv-size applies with an adapter too."""
+    a, b = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    engine = Engine(a, max_kv_size=64)
+    engine.sync(PROMPT)
+    engine.use_model(b)
+    assert engine.model is b and engine.cached == []
+    assert all(isinstance(c, RotatingKVCache) and c.max_size == 64 for c in engine.cache)
+    assert mx.array_equal(engine.embed_tokens([1]), b.model.embed_tokens(mx.array([1]))).item()
+
+
+def test_named_data_sets(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_MTP_DATA", str(tmp_path))
+    rel = tmp_path / DATA_SETS["gsm8k-train"]
+    rel.parent.mkdir(parents=True)
+    rel.write_text('{"question": "1 + 1?"}\n')
+    assert resolve_data("gsm8k-train") == rel
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        resolve_data(str(tmp_path / "missing.jsonl"))
