@@ -186,6 +186,9 @@ class Engine:
         #: input slots (tokens and masks) over those forward passes
         self.forward_slots = 0
         self._slot_costs: dict[int, float] = {}
+        #: the forward cost curve (:func:`mlx_mtp.budget.cost_curve` sets it on
+        #: first use; set it yourself to simulate another device)
+        self.curve: Any = None
         #: (N,) sequence position of each slot of the last forward pass; the
         #: token drawn from slot i's logits sits at ``slot_positions[i] + 1``
         self.slot_positions = np.zeros(0, dtype=np.int64)
@@ -518,6 +521,14 @@ class Engine:
         if self._pending is not None:
             self.timed_eval()
 
+    def cost_curve(self) -> Any:
+        """The forward cost curve of this model on this device
+        (:func:`mlx_mtp.budget.cost_curve`: cached on disk per model, device
+        and dtype, measured on first use)."""
+        from .budget import cost_curve
+
+        return cost_curve(self)
+
     def slot_cost(self, n: int = 32, repeats: int = 3) -> float:
         """Measured marginal cost of one more slot in a forward pass, as a
         fraction of a one-token forward: ``(t(n) - t(1)) / ((n - 1) * t(1))``.
@@ -527,8 +538,8 @@ class Engine:
         a CPU, where compute grows with every slot. Timed once per engine and
         ``n`` (median of ``repeats`` after a warm-up), on the current cache,
         which is left exactly as it was; the calibration passes are not
-        counted as forward passes. Used by ``bc=auto`` in ``probe`` and
-        ``hybrid``.
+        counted as forward passes. One slope; the ``auto`` budgets of every
+        method use the whole curve instead (:mod:`mlx_mtp.budget`).
 
         Raises:
             CacheNotTrimmableError: the cache cannot drop the timing tokens.

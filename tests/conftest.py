@@ -12,6 +12,10 @@ import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DES
 #: imported by scripts/get_test_model.sh lives there (``qwen`` fixture).
 REAL_MLX_MTP_HOME = os.environ.get("MLX_MTP_HOME") or os.path.expanduser("~/.cache/mlx-mtp")
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
+#: every method's ``auto`` budget sees a memory-bound device (flat up to 32 slots,
+#: the papers' edge trees), whatever machine runs the tests: tests of a method's
+#: drafting then draft; tests/test_budget.py covers measured and CPU-like curves.
+os.environ["MLX_MTP_COST_CURVE"] = "1:1,32:1,64:1.3"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

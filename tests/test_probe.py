@@ -11,6 +11,7 @@ import pytest
 from conftest import chi2_same, run_method, sample_runs
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_mtp.budget import CostCurve
 from mlx_mtp.engine import Engine, ancestors, check_tree_support
 from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 from mlx_mtp.methods import make_method
@@ -137,7 +138,7 @@ def test_bc_auto_is_exact_and_sizes_the_tree_by_cost(name, cost):
     prompt = [9, 8, 7, 9, 8, 7, 9, 8, 7, 1, 2, 3, 1, 2]
     ref = run_method(Engine(model), NTP(), prompt, 40)
     eng = Engine(model)
-    eng._slot_costs[32] = cost  # a device whose slots cost this much (skips the timing)
+    eng.curve = CostCurve.linear(cost)  # a device whose slots cost this much (no timing)
     from mlx_mtp.decoding import generate_steps
 
     method = make_method(name, bc="auto", max_bc=24)

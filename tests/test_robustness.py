@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp.api import MTPModel
+from mlx_mtp.budget import CostCurve
 from mlx_mtp.errors import ModelLoadError, UnsupportedModelError
 from mlx_mtp.loading import LoadedModel, load_model
 from mlx_mtp.methods import make_method
@@ -94,12 +95,12 @@ def test_seeded_output_is_independent_of_the_method_and_tree(seeded_runs):
 
 @pytest.mark.parametrize("method", ["probe", "hybrid"])
 def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
-    """bc=auto sizes the tree from a timed slot cost; force two very different
+    """bc=auto sizes the tree from the measured cost curve; force two very different
     costs (so two different tree sizes) and check the text is the same."""
     outs, slots = [], []
     for cost in (0.0, 0.4):
         m = MTPModel(smollm, make_method(method, bc="auto", max_bc=24))
-        m.engine._slot_costs[32] = cost  # what Engine.slot_cost() would have timed
+        m.engine.curve = CostCurve.linear(cost)  # what the cost curve would have timed
         r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
         outs.append(r.tokens)
         slots.append(r.stats.slots_per_forward)

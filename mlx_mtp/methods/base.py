@@ -104,8 +104,39 @@ class SpeculativeMethod(Method):
         on the pass's outputs (``engine.lm_head`` on hidden rows, top-k through
         ``engine.timed_eval``); the cache already holds the accepted path."""
 
+    #: the device-aware draft budget of an ``auto`` setting (None: fixed sizes);
+    #: set by :meth:`begin_budget`
+    budget: Any = None
+
+    def begin_budget(self, engine: Engine, sampler: Sampler | None, on: bool) -> None:
+        """Per generation: the :class:`~mlx_mtp.budget.Budget` of an ``auto``
+        method (``on``), its pipelined one-token steps, no re-probe due."""
+        from ..budget import Budget, PlainSteps, cost_curve
+
+        self.budget = Budget(cost_curve(engine)) if on else None
+        self.plain_steps = PlainSteps(sampler)
+        self._reprobe = self._reprobe_step = False
+
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        """A one-token step of the budget's plain mode committed ``tokens``
+        (e.g. move probe's mask vectors); default: nothing."""
+
+    def _plain(self, engine: Engine, root: int, queue_next: bool) -> StepOutput:
+        out = self.plain_steps.step(engine, root, queue_next)
+        self.observe_plain(engine, out.tokens)
+        return out
+
     def step(self, engine: Engine, root: int) -> StepOutput:
+        b = self.budget
+        if b is not None:  # plain mode: pipelined one-token steps until the re-probe
+            if b.plain:
+                self._reprobe = b.tick()
+                return self._plain(engine, root, queue_next=not self._reprobe)
+            self.plain_steps.unqueue(engine, root)
         draft = self.propose(engine, root)
+        if draft is None:  # the budget found nothing worth drafting: plain mode
+            return self._plain(engine, root, queue_next=True)
+        self._reprobe_step, self._reprobe = getattr(self, "_reprobe", False), False
         verified = speculative_step(engine, draft, self.sampler)
         self.observe(engine, draft, verified)
         return StepOutput(verified.tokens, draft.drafted, len(verified.path))
@@ -114,16 +145,51 @@ class SpeculativeMethod(Method):
 class ChainDraftMethod(SpeculativeMethod):
     """A lossless method whose drafts are one chain of tokens (prompt lookup),
     verified in one causal forward pass: implement :meth:`draft`. Chains run
-    on hybrid recurrent models too (:mod:`mlx_mtp.recurrent`)."""
+    on hybrid recurrent models too (:mod:`mlx_mtp.recurrent`).
+
+    With ``self.auto`` set (the default of ``pld``), each step's chain is cut
+    at the length that maximises expected tokens per unit of forward time
+    under the device's cost curve, from per-depth acceptance rates learned
+    online; when no length pays, the method runs pipelined one-token steps
+    with a periodic re-probe (:mod:`mlx_mtp.budget`).
+    """
 
     chain_shaped = True
+    auto: bool = False
+    #: drafts a re-probe verifies even when the policy says none pay
+    REPROBE_DRAFT: ClassVar[int] = 2
 
     def draft(self, engine: Engine, root: int) -> list[int]:
         """Draft tokens to follow ``root`` (may be empty)."""
         raise NotImplementedError
 
-    def propose(self, engine: Engine, root: int) -> Draft:
-        return Draft.chain(root, self.draft(engine, root))
+    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(engine, prompt, sampler)
+        from ..budget import DepthAcceptance
+
+        self.begin_budget(engine, sampler, self.auto)
+        self.acceptance = DepthAcceptance()
+
+    def propose(self, engine: Engine, root: int) -> Draft | None:
+        draft = self.draft(engine, root)
+        b = self.budget
+        if b is not None and draft:
+            from ..budget import best_prefix, chain_values
+
+            n, rate = best_prefix(b.curve, chain_values(self.acceptance.qs(len(draft))), 1)
+            if self._reprobe or b.cheap(1 + self.REPROBE_DRAFT):  # re-probe, or nearly free
+                n = max(n, min(len(draft), self.REPROBE_DRAFT))
+            elif not b.pays(rate):
+                b.go_plain(1 + self.REPROBE_DRAFT)
+                return None
+            draft = draft[:n]
+        return Draft.chain(root, draft)
+
+    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        if self.budget is not None and draft.drafted:
+            if self._reprobe_step and len(verified.path) == draft.drafted:
+                self.acceptance.reset()  # the text changed: old rates no longer apply
+            self.acceptance.record(draft.drafted, len(verified.path))
 
 
 def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:

@@ -27,7 +27,8 @@ Multi-Token Inference* (arXiv 2606.10935; DESIGN §2.2). Read top to bottom:
 
 Options (``--opt key=value``; ``--k``):
     mode: ``verified`` (default, lossless) or ``paper`` (no verifier).
-    k: heads to use (1..the heads' k; default all).
+    k: heads to use (1..the heads' k), or ``auto`` (default): all heads, each
+        step's drafts cut by the device-aware budget (verified mode, :mod:`mlx_mtp.budget`).
     predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
         parameter MLP gate baseline) or ``all`` (always keep all k heads).
     heads: a heads folder or hub repo id; default: the user's trained heads
@@ -57,7 +58,11 @@ class CLP(SpeculativeMethod):
 
     Args:
         mode: ``"verified"`` (lossless) or ``"paper"`` (no verifier).
-        k: number of heads to use (default: all heads in the file).
+        k: number of heads to use, or ``"auto"`` (default: all heads in the
+            file; verified mode cuts each step's drafts to the length that
+            maximises expected tokens per unit of time under the device's
+            forward cost curve, from per-depth acceptance learned online,
+            :mod:`mlx_mtp.budget`).
         predictor: ``"linear"``, ``"gate"`` or ``"all"``.
         heads: heads folder or hub repo id (default: found by fingerprint).
 
@@ -82,7 +87,10 @@ class CLP(SpeculativeMethod):
             )
         self.mode = mode
         self.lossless = mode == "verified"  # instance attribute: exactness depends on mode
-        self.k = None if k is None else parse_int("k", k, 1, 8)
+        # k=auto (default, verified mode): every head, and each step's drafts cut
+        # to the length that pays under the device's cost curve (mlx_mtp.budget)
+        self.auto = mode == "verified" and str(k) in ("None", "auto")
+        self.k = None if str(k) in ("None", "auto") else parse_int("k", k, 1, 8)
         self.predictor = predictor
         self.heads_spec = heads
         self.heads: CLPHeads | None = None
@@ -95,7 +103,8 @@ class CLP(SpeculativeMethod):
         sel = self.predictor
         if self.heads is not None and self.selector is not None:
             sel += f" {self.predictor_params():,} params"
-        return f"clp(mode={self.mode}, k={self.k}, predictor={sel})"
+        k = f"auto<={self.k}" if self.auto else str(self.k)
+        return f"clp(mode={self.mode}, k={k}, predictor={sel})"
 
     # ------------------------------------------------------------------ setup
     def prepare(self, engine: Engine) -> None:
@@ -142,6 +151,10 @@ class CLP(SpeculativeMethod):
         super().begin(engine, prompt, sampler)
         self._root: int | None = None  # root the carried-over state belongs to
         self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
+        from ..budget import DepthAcceptance, cost_curve
+
+        self.curve = cost_curve(engine) if self.auto else None
+        self.acceptance = DepthAcceptance()
 
     # ------------------------------------------------------------- internals
     def _targets(self, logits: mx.array, positions: np.ndarray) -> mx.array:
@@ -183,6 +196,13 @@ class CLP(SpeculativeMethod):
         toks, span = (np.array(a) for a in verified.extras)
         self._root = verified.bonus
         self._carry = toks[m, : int(span[m])].tolist()
+        if self.curve is not None:  # k=auto: keep the drafts that pay on this device
+            from ..budget import best_prefix, chain_values
+
+            if draft.drafted:
+                self.acceptance.record(draft.drafted, m)
+            vals = chain_values(self.acceptance.qs(len(self._carry)))
+            self._carry = self._carry[: best_prefix(self.curve, vals, 1)[0]]
 
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []

@@ -88,6 +88,23 @@ class Allocation:
     probs: list[float] = field(default_factory=list)
     sources: list[list[Source]] = field(default_factory=list)
     mask_anchors: list[int] = field(default_factory=list)
+    #: every item in selection order: (is a mask set, value, slots)
+    order: list[tuple[bool, float, int]] = field(default_factory=list)
+
+    def prefix(self, n: int) -> Allocation:
+        """The allocation of the first ``n`` selected items (a valid tree:
+        parents and anchors are always selected before what hangs off them)."""
+        items = self.order[:n]
+        nodes = sum(1 for m, _, _ in items if not m)
+        masks = sum(1 for m, _, _ in items if m)
+        return Allocation(
+            self.tokens[:nodes],
+            self.parents[:nodes],
+            self.probs[:nodes],
+            self.sources[:nodes],
+            self.mask_anchors[:masks],
+            items,
+        )
 
     def slots(self, masks: int) -> int:
         """Slots of the forward pass: root + nodes + mask slots."""
@@ -231,6 +248,7 @@ def allocate(
             if masks <= left:
                 total += -neg * masks
                 out.mask_anchors.append(item[1])
+                out.order.append((True, -neg * masks, masks))
                 left -= masks
             continue
         _, parent_slot, c, prob = item
@@ -240,6 +258,7 @@ def allocate(
         out.parents.append(parent_slot - 1)
         out.probs.append(prob)
         out.sources.append(c.sources)
+        out.order.append((False, prob, 1))
         paths.append(paths[parent_slot] + (c.token,))
         total += prob
         left -= 1
@@ -300,10 +319,11 @@ class Hybrid(SpeculativeMethod):
 
     Args:
         bc: block complexity = slots per forward pass (root + nodes + masks),
-            or ``"auto"``: up to ``max_bc`` slots, each item kept only if it
-            raises the expected tokens per second given the device's measured
-            cost of a slot (:meth:`Engine.slot_cost`, see
-            :func:`mlx_mtp.tree.worth_adding`).
+            or ``"auto"`` (default): up to ``max_bc`` slots, cut per step at
+            the best-first prefix that maximises expected tokens per unit of
+            time under the device's forward cost curve, and one-token steps
+            (with a periodic re-probe) while nothing pays
+            (:mod:`mlx_mtp.budget`). 10 and 30 are fixed edge settings.
         masks: mask slots per mask set, k = 1..3 (0 disables probing).
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
@@ -319,10 +339,12 @@ class Hybrid(SpeculativeMethod):
 
     name = "hybrid"
     lossless = True
+    #: items (nodes, mask sets) a re-probe step keeps even when none pays
+    REPROBE_ITEMS = 2
 
     def __init__(
         self,
-        bc: Any = 30,
+        bc: Any = "auto",
         masks: Any = 1,
         tree: str = "dynamic",
         lam: Any = 0.1,
@@ -370,7 +392,7 @@ class Hybrid(SpeculativeMethod):
         super().begin(engine, prompt, sampler)
         if self.masks:
             self.vectors.begin(engine, prompt)
-        self.slot_cost = engine.slot_cost() if self.auto else 0.0
+        self.begin_budget(engine, sampler, self.auto)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
         self.stats = AcceptanceStats()
         self.table: dict[tuple[int, int], int] = {}
@@ -399,7 +421,13 @@ class Hybrid(SpeculativeMethod):
         return chains
 
     # ------------------------------------------------------------------ step
-    def propose(self, engine: Engine, root: int) -> Draft:
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        # a one-token step of bc=auto's plain mode: no masks ran
+        self.dists = []
+        if self.masks:
+            self.vectors.update(engine, tokens)
+
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         k = self.masks
         trie = merge_chains(self._chains(engine, root))
         levels = self.dists
@@ -408,7 +436,20 @@ class Hybrid(SpeculativeMethod):
         def children(path: tuple[int, ...], tok: int) -> list[Child]:
             return merged_children(path, tok, trie, levels, scale)
 
-        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0, self.slot_cost)
+        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
+        b = self.budget
+        if b is not None:  # bc=auto: the best prefix under the device's cost curve
+            from ..budget import best_prefix
+
+            vals = [v for _, v, _ in alloc.order]
+            n, rate = best_prefix(b.curve, vals, [sl for _, _, sl in alloc.order])
+            reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)
+            if self._reprobe or b.cheap(reprobe):  # a re-probe (or a nearly free one)
+                n = max(n, min(len(vals), self.REPROBE_ITEMS))  # drafts a little anyway
+            elif not b.pays(rate):
+                b.go_plain(reprobe)
+                return None
+            alloc = alloc.prefix(n)
         prev = engine.cached[-1] if engine.cached else -1  # token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]

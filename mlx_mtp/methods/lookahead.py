@@ -125,8 +125,15 @@ class Lookahead(SpeculativeMethod):
 
     Args:
         level: N, the n-gram size (the window has N - 1 levels); 5 in the paper.
-        window: W, Jacobi columns per level; 7 in the paper.
+        window: W, Jacobi columns per level; 7 in the paper. ``"auto"``
+            (default): the widest W <= 7 whose lookahead branch costs at most
+            ``AUTO_WINDOW_COST`` more than a one-token forward on this
+            device's cost curve (:mod:`mlx_mtp.budget`); 0 where even one
+            column costs more (a CPU): then no Jacobi branch runs and every
+            step is a pipelined one-token step, as in ``ntp``.
         guess: G, pool candidates verified per step (and kept per key); 7.
+            ``"auto"`` (default): up to 7, cut per step to the candidates
+            whose expected accepted tokens pay for their slots.
         seed: seed of the random prompt tokens that start level 0.
 
     Raises:
@@ -136,11 +143,17 @@ class Lookahead(SpeculativeMethod):
 
     name = "lookahead"
     lossless = True
+    #: the extra cost (fraction of a one-token forward) ``window="auto"`` allows
+    AUTO_WINDOW_COST = 0.10
+    #: the paper's W and G: the caps of ``"auto"``
+    PAPER_WINDOW = PAPER_GUESS = 7
 
-    def __init__(self, level: Any = 5, window: Any = 7, guess: Any = 7, seed: Any = 0):
+    def __init__(self, level: Any = 5, window: Any = "auto", guess: Any = "auto", seed: Any = 0):
         self.level = parse_int("level", level, 2, 16)
-        self.window = parse_int("window", window, 1, 64)
-        self.guess = parse_int("guess", guess, 1, 64)
+        self.auto_window = str(window) == "auto"
+        self.window = self.PAPER_WINDOW if self.auto_window else parse_int("window", window, 1, 64)
+        self.auto_guess = str(guess) == "auto"
+        self.guess = self.PAPER_GUESS if self.auto_guess else parse_int("guess", guess, 1, 64)
         self.seed = parse_int("seed", seed, 0)
 
     @property
@@ -148,22 +161,43 @@ class Lookahead(SpeculativeMethod):
         return 1 + (self.level - 1) * (self.window + self.guess)
 
     def describe(self) -> str:
-        return f"lookahead(level={self.level}, window={self.window}, guess={self.guess})"
+        w = str(self.window)
+        if self.auto_window:  # the chosen width once a generation has begun
+            w = f"auto={self.window}" if hasattr(self, "levels") else "auto"
+        g = f"auto<={self.guess}" if self.auto_guess else str(self.guess)
+        return f"lookahead(level={self.level}, window={w}, guess={g})"
 
     def prepare(self, engine: Engine) -> None:
         check_tree_support(engine.model, self.name)
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
+        from ..budget import DepthAcceptance
+
+        self.begin_budget(engine, sampler, self.auto_window or self.auto_guess)
+        if self.auto_window:  # the widest window that is nearly free on this device
+            self.window = 0
+            for w in range(self.PAPER_WINDOW, 0, -1):
+                if self.budget.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
+                    self.window = w
+                    break
+        self.acceptance = DepthAcceptance()
         rng = np.random.default_rng(self.seed)
         # level 0: W tokens drawn from the prompt (LADE's initialisation)
         self.levels: list[np.ndarray] = [rng.choice(np.asarray(prompt), size=self.window)]
         self.pool = NGramPool(self.guess)
 
-    def propose(self, engine: Engine, root: int) -> Draft:
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         n_lv, w = len(self.levels), self.window
+        if w == 0:  # window=auto found no column worth its cost: one-token steps
+            from ..budget import MAX_PLAIN_STEPS
+
+            self.budget.plain_left = MAX_PLAIN_STEPS
+            return None
         # verification branch: trie of the pool's candidates for the root
         cand = self.pool.get(int(root), self.guess)
+        if self.auto_guess and cand:
+            cand = cand[: self._guesses(cand, 1 + n_lv * w)]
         v_toks, v_par = build_trie(cand)
         n_v = 1 + len(v_toks)
         # lookahead branch: the current window, level by level
@@ -178,10 +212,30 @@ class Lookahead(SpeculativeMethod):
             # Jacobi update: greedy outputs at the window's last level
             return [mx.argmax(logits[last : last + w], axis=-1)]
 
-        return Draft(slot_tokens, parents, verify=n_v, extras=jacobi)
+        return Draft(slot_tokens, parents, verify=n_v, extras=jacobi, info=cand)
 
     def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+        if draft.info:
+            self.acceptance.record(max(map(len, draft.info)), len(verified.path))
         self._update_window(np.array(verified.extras[0], dtype=np.int64))
+
+    def _guesses(self, cand: list[tuple[int, ...]], base_slots: int) -> int:
+        """``guess="auto"``: how many of the pool's candidates (most recent
+        first) to verify. Candidate i is worth its new trie nodes' chance of
+        acceptance (per-depth rates learned online), halved per rank (the
+        candidates are alternatives), and costs those nodes' slots; the best
+        prefix under the cost curve is kept (:func:`mlx_mtp.budget.best_prefix`)."""
+        from ..budget import best_prefix, chain_values
+
+        seen: set[tuple[int, ...]] = set()
+        values, slots = [], []
+        for i, c in enumerate(cand):
+            chain = chain_values(self.acceptance.qs(len(c)))
+            new = [d for d in range(len(c)) if c[: d + 1] not in seen]
+            seen.update(c[: d + 1] for d in range(len(c)))
+            values.append(sum(chain[d] for d in new) * 0.5**i)
+            slots.append(len(new))
+        return best_prefix(self.budget.curve, values, slots, base_slots)[0]
 
     def _update_window(self, out: np.ndarray) -> None:
         """Add the new level; once the window is full, harvest N-grams and shift."""

@@ -54,7 +54,7 @@ class NTP(Method):
             y = mx.argmax(logits[-1:], axis=-1)
             engine.timed_eval(y)
             t0 = time.perf_counter()
-        if engine.trimmable(2):
+        if getattr(self, "pipeline", True) and engine.trimmable(2):
             # queue the forward of y before reading it (the device works on while we
             # wait); the loop trims this one extra token when the generation ends, so
             # only where the cache can drop it (no recurrent layers, no full window)

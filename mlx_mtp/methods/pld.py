@@ -46,21 +46,37 @@ def lookup_candidates(
 
 
 class PLD(ChainDraftMethod):
-    """Prompt lookup: n-gram window ``window`` (3), up to ``max_draft`` (10) tokens."""
+    """Prompt lookup: n-gram window ``window`` (3), up to ``max_draft`` tokens.
+
+    Args:
+        window: longest n-gram matched (3).
+        max_draft: draft tokens per step: an integer (Saxena's setting is 10),
+            or ``"auto"`` (default): the match is cut per step at the length
+            that maximises expected tokens per unit of time under this
+            device's forward cost curve, up to ``AUTO_MAX_DRAFT``, and nothing
+            is drafted while no length pays (:mod:`mlx_mtp.budget`).
+
+    Raises:
+        InvalidArgumentError: a window or max_draft below 1.
+    """
 
     name = "pld"
     lossless = True
+    #: the longest chain ``max_draft="auto"`` may verify
+    AUTO_MAX_DRAFT = 24
 
-    def __init__(self, window: Any = 3, max_draft: Any = 10):
+    def __init__(self, window: Any = 3, max_draft: Any = "auto"):
         self.window = parse_int("window", window, 1)
-        self.max_draft = parse_int("max_draft", max_draft, 1)
+        self.auto = str(max_draft) == "auto"
+        self.max_draft = self.AUTO_MAX_DRAFT if self.auto else parse_int("max_draft", max_draft, 1)
 
     @property
     def block_complexity(self) -> int:
         return 1 + self.max_draft
 
     def describe(self) -> str:
-        return f"pld(window={self.window}, max_draft={self.max_draft})"
+        md = f"auto<={self.max_draft}" if self.auto else str(self.max_draft)
+        return f"pld(window={self.window}, max_draft={md})"
 
     def draft(self, engine: Engine, root: int) -> list[int]:
         context = np.array([*engine.cached, root], dtype=np.int64)

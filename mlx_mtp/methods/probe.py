@@ -30,7 +30,7 @@ import numpy as np
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..speculative import Draft, Verified
-from ..tree import block_complexity, build_tree, cost_aware_prefix
+from ..tree import block_complexity, build_tree
 from ..verify import Sampler
 from .base import SpeculativeMethod, parse_bc, parse_int
 
@@ -191,14 +191,16 @@ class Probe(SpeculativeMethod):
 
     Args:
         bc: block complexity, tokens per forward pass (10 and 30 are the edge
-            settings, 60 the paper's large one; None: 30). A template sets its
+            settings, 60 the paper's large one; None: "auto"). A template sets its
             own BC, ``(masks + 1) * (1 + sum(template))``; a different ``bc``
-            with it is refused. ``"auto"``: up to
-            ``max_bc`` slots, but each step keeps only the nodes that raise the
-            expected tokens per second, given this device's measured cost of a
-            slot (:meth:`Engine.slot_cost`) and the mask probabilities
-            calibrated online against this generation's accepted tokens (not
-            in the ESP paper; see :func:`mlx_mtp.tree.cost_aware_prefix`).
+            with it is refused. ``"auto"`` (default): up to ``max_bc`` slots,
+            each step keeps the prefix of the best-first tree that maximises
+            expected tokens per unit of time under this device's forward cost
+            curve (:mod:`mlx_mtp.budget`), with the mask probabilities
+            calibrated online against this generation's accepted tokens, and
+            runs one-token steps (no masks) while no tree pays, re-probing
+            periodically (not in the ESP paper). ``30`` is the paper's edge
+            setting.
         masks: mask slots after every node, k = 1 or 2 (3 allowed).
         tree: ``"dynamic"`` or a template of nodes per depth (``"14"``, ``"6,3"``).
         lam: step size of the mask-vector update (0.1 in the paper).
@@ -240,7 +242,7 @@ class Probe(SpeculativeMethod):
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
         if self.template is None:
-            self.auto, bc = parse_bc(30 if bc is None else bc, max_bc, 2 * (self.masks + 1))
+            self.auto, bc = parse_bc("auto" if bc is None else bc, max_bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
             if str(bc) == "auto":
@@ -300,9 +302,10 @@ class Probe(SpeculativeMethod):
         super().begin(engine, prompt, sampler)
         self.vectors.begin(engine, prompt)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
-        # bc=auto: slot cost of this device, and accepted / expected drafted nodes
-        self.slot_cost = engine.slot_cost() if self.auto else 0.0
-        self.expected, self.hits = 0.0, 0
+        # bc=auto: the device's cost curve and plain mode (mlx_mtp.budget), and
+        # accepted / expected drafted nodes (decayed: the calibration follows the text)
+        self.begin_budget(engine, sampler, self.auto)
+        self.expected, self.hits = 0.0, 0.0
 
     def _propose_chain(self, root: int, engine: Engine) -> Draft:
         # [root, d1..dk, m1..mk]: one chain (the top candidate of each mask
@@ -326,16 +329,31 @@ class Probe(SpeculativeMethod):
             info="chain",
         )
 
-    def propose(self, engine: Engine, root: int) -> Draft:
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        # a one-token step: no masks ran, so the next draft step starts from a
+        # re-probe of the root's masks
+        self.vectors.update(engine, tokens)
+        self.dists = []
+
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         if self.shape == "chain":
             return self._propose_chain(root, engine)
         k = self.masks
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
-        if self.auto:
+        b = self.budget
+        if b is not None:
+            from ..budget import tree_size
+
             scale = (self.hits + 1.0) / (self.expected + 1.0)
-            n = cost_aware_prefix(node_p, k + 1, k, self.slot_cost, scale)
+            n, rate = tree_size(b.curve, node_p, k, scale)
+            # no tree pays: one-token steps, unless this is the re-probe (or the
+            # first step), whose root masks give the next step's candidates
+            if self.dists and not (self._reprobe or b.pays(rate) or b.cheap(k + 1)):
+                b.go_plain(k + 1)
+                return None
             node_toks, node_par = node_toks[:n], node_par[:n]
-            self.expected += float(sum(node_p[:n]))
+            if n:
+                self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
         n_tok = 1 + len(node_toks)
         # slots: [root, nodes...] then k chained masks after every token slot
         parents = [-1] + [p + 1 for p in node_par]
@@ -378,5 +396,6 @@ class Probe(SpeculativeMethod):
         else:
             h_masks = verified.hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
             self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)
-        self.hits += len(verified.path)
+        if draft.drafted:
+            self.hits = 0.95 * self.hits + len(verified.path)
         self.vectors.update(engine, verified.tokens)
