@@ -16,6 +16,7 @@ generated token that is ``collectives_per_forward * forwards / tokens``: a
 multi-token method pays it once per forward, not once per token.
 """
 
+# ruff: noqa: I001  (mlx_mtp is imported before mlx: it preloads OpenBLAS)
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,11 @@ import json
 import time
 from pathlib import Path
 
-import mlx.nn as nn
+import mlx_mtp  # first: preloads OpenBLAS before mlx on Linux
 
-import mlx_mtp
-from mlx_mtp import distributed
+import mlx.nn as nn  # noqa: E402
+
+from mlx_mtp import distributed  # noqa: E402
 from mlx_mtp.data import spec_bench_sample
 
 
@@ -48,12 +50,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", default="ntp;probe:bc=30;hybrid:bc=30;pld")
     ap.add_argument("--per-task", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=None, help="Use only the first N prompts.")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    prompts = [q["turns"][0] for q in spec_bench_sample(args.per_task)]
+    prompts = [q["turns"][0] for q in spec_bench_sample(args.per_task)][: args.limit]
     models = {}
     loaded = None
     for spec in args.methods.split(";"):

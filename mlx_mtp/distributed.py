@@ -202,6 +202,10 @@ def shard_model(model: nn.Module, grp: Any = None, pipeline: bool = False) -> st
             group sizes that work.
     """
     grp = grp or group()
+    if grp is None:
+        raise UnsupportedModelError(
+            "shard_model needs a group of several ranks; start the program with mlx.launch."
+        )
     n = grp.size()
     mtype = getattr(model, "model_type", type(model).__name__)
     tsizes, psizes = tensor_sizes(model), pipeline_sizes(model)

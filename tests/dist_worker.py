@@ -11,6 +11,7 @@ Usage: python tests/dist_worker.py OUT_DIR [tiny|smollm]
 (tiny: the tiny-model method cases, then the serve worker cases)
 """
 
+# ruff: noqa: I001  (mlx_mtp is imported before mlx: it preloads OpenBLAS)
 from __future__ import annotations
 
 import json
@@ -18,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
+import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux)
 
-from mlx_mtp import distributed
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlx_mtp import distributed  # noqa: E402
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support, check_tree_support
 from mlx_mtp.methods import make_method

@@ -233,3 +233,23 @@ def test_confadapt_refuses_an_unsharded_adapter_on_a_sharded_model():
         ConfAdapt(adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k").prepare(engine)
     with pytest.raises(UnsupportedModelError, match="on-device adapter"):
         ConfAdapt().prepare(engine)
+
+
+def test_cli_generate_prints_on_rank0_only(tmp_path):
+    """``mlx-mtp generate`` on 2 ranks (a tiny llama saved as a model folder,
+    seeded sampling): rank 0 prints the one-process text, rank 1 nothing."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from dist_worker import tiny_folder
+    finally:
+        sys.path.pop(0)
+    folder = tiny_folder(tmp_path)
+    argv = [sys.executable, "-m", "mlx_mtp.cli", "generate", "--model", folder]
+    argv += ["--method", "probe", "--temp", "0.9", "--seed", "3", "-n", "12", "-p", "Count."]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    one = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr
+    r0, r1 = spawn_ranks(2, argv, tmp_path)
+    assert r0.stdout == one.stdout and len(set(one.stdout)) > 3
+    assert "sharded: tensor parallel over 2 ranks" in r0.stderr
+    assert r1.stdout == r1.stderr == ""
