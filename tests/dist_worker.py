@@ -15,6 +15,7 @@ Usage: python tests/dist_worker.py OUT_DIR [tiny|smollm]
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,37 +45,49 @@ METHODS = [
 
 
 class SlowOnThisRank:
-    """A backbone that sleeps for every extra token it is given as ids (the
-    ``slot_cost`` timing passes): this rank then measures a much larger slot
-    cost than rank 0, and only :func:`distributed.agree` keeps the ranks'
-    ``bc=auto`` trees the same."""
+    """A backbone that sleeps for every extra slot it is given (token ids or
+    input embeddings: the cost-curve timing passes): this rank then measures a
+    much steeper cost curve than rank 0, and only :func:`distributed.agree`
+    keeps the ranks' ``bc=auto`` trees the same."""
 
     def __init__(self, backbone):
         self.backbone = backbone
 
     def __call__(self, inputs, *args, **kwargs):
-        if inputs is not None and inputs.shape[-1] > 1:
-            time.sleep(0.002 * inputs.shape[-1])
+        emb = kwargs.get("input_embeddings")
+        n = inputs.shape[-1] if inputs is not None else emb.shape[-2]
+        if n > 1:
+            time.sleep(0.002 * n)
         return self.backbone(inputs, *args, **kwargs)
 
 
-def run(model, name, opts, prompt, sampler, n, slow=False):
+def run(model, name, opts, prompt, sampler, n, slow=False, measure=False):
+    """``measure``: the cost curve is measured on this rank (not the suite's
+    pinned one), and ``slow`` makes this rank's measurement much steeper."""
     engine = Engine(model)
     method = make_method(name, **opts)
     check_cache_support(engine, method)
     method.prepare(engine)
     if slow:
         engine.backbone = SlowOnThisRank(engine.backbone)
+    pinned = os.environ.pop("MLX_MTP_COST_CURVE", None) if measure else None
+    os.environ["MLX_MTP_REMEASURE_COST"] = "1" if measure else "0"
     toks, lens = [], []
-    for step in generate_steps(engine, method, prompt, max_tokens=n, sampler=sampler):
-        toks += step.tokens
-        lens.append(len(step.tokens))
+    try:
+        for step in generate_steps(engine, method, prompt, max_tokens=n, sampler=sampler):
+            toks += step.tokens
+            lens.append(len(step.tokens))
+    finally:
+        if pinned is not None:
+            os.environ["MLX_MTP_COST_CURVE"] = pinned
+    curve = getattr(engine, "curve", None)
     return {
         "tokens": toks,
         "accept_lengths": lens,
         "forwards": step.stats.forward_passes,
         "slots": step.stats.slots,
         "slot_costs": sorted(engine._slot_costs.items()),
+        "curve": None if curve is None else [curve.sizes, curve.costs],
     }
 
 
@@ -137,7 +150,9 @@ def tiny_cases(report, out):
                 auto = opts.get("bc") == "auto"
                 fam[key] = {
                     "unsharded": run(ref, name, opts, prompt, sampler, 24),
-                    "sharded": run(sharded, name, opts, prompt, sampler, 24, slow=auto and rank),
+                    "sharded": run(
+                        sharded, name, opts, prompt, sampler, 24, slow=auto and rank, measure=auto
+                    ),
                 }
 
 
