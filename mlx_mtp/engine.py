@@ -628,8 +628,14 @@ class Engine:
         t0 = time.perf_counter()
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
-        self.forward_passes += 1
-        self.forward_slots += n
+        self.count_forward(n)
+        return self._tree_outputs(h, t0, hidden, logit_rows, wait)
+
+    def _tree_outputs(
+        self, h: mx.array, t0: float, hidden: bool, logit_rows: int | None, wait: bool
+    ) -> tuple[mx.array, mx.array | None]:
+        """Logits of a tree pass's hidden states ``h`` (N, D), evaluated now
+        (``wait``) or started for :meth:`_settle`; ``t0`` is the pass's start."""
         logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
         if wait:
             mx.eval(logits, h)
@@ -672,14 +678,7 @@ class Engine:
         h = self.backbone(None, cache=self.cache, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.count_forward(n)
-        logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
-        if wait:
-            mx.eval(logits, h)
-            self.forward_seconds += time.perf_counter() - t0
-        else:
-            mx.async_eval(logits, h)
-            self._pending = (t0, [logits, h])
-        return logits, (h if hidden else None)
+        return self._tree_outputs(h, t0, hidden, logit_rows, wait)
 
     def keep(self, start: int, slots: list[int]) -> None:
         """After a tree forward that began at cache offset ``start``, keep only the
