@@ -364,6 +364,7 @@ def best_prefix(
     slots: Sequence[int] | int,
     base_slots: int = 1,
     base_value: float = 0.0,
+    item_cost: float = 0.0,
 ) -> tuple[int, float]:
     """The prefix of a best-first list of draft items that maximises expected
     tokens per unit of forward time.
@@ -375,10 +376,13 @@ def best_prefix(
         slots: slots each item takes (one int for all, or one per item).
         base_slots: slots present anyway (the root, and the root's masks).
         base_value: expected accepted tokens of the base slots.
+        item_cost: time each item costs besides its slots, in one-token
+            forwards (a draft model's pass per drafted token: ``mtp``'s
+            layer and LM head); 0 for drafts that cost nothing to make.
 
     Returns:
         ``(n, rate)``: items to keep (0 = none) and the rate
-        ``(1 + base_value + sum(values[:n])) / c(base_slots + slots[:n])``.
+        ``(1 + base_value + sum(values[:n])) / (c(base_slots + slots[:n]) + n * item_cost)``.
     """
     total, used = 1.0 + base_value, base_slots
     best_cost = curve(used)
@@ -387,7 +391,7 @@ def best_prefix(
         v = max(float(v), 0.0)
         total += v
         used += slots if isinstance(slots, int) else slots[i]
-        cost = curve(used)
+        cost = curve(used) + item_cost * (i + 1)
         r = total / cost
         # a free item of any value is taken (1 + 1e-19 rounds to 1 in a ratio)
         if r > best or (v > 0.0 and cost <= best_cost):

@@ -116,13 +116,14 @@ def check_cache_support(engine: Engine, method: Any) -> None:
             f"{len(engine.cache)} layers keep recurrent state ({kinds}) that cannot drop "
             "rejected draft tokens"
             + (
-                "; only chain-drafting methods (mtp, pld) can roll it back, a draft tree cannot "
-                "run through a recurrent layer"
+                "; only chain-drafting methods (mtp, pld, probe shape=chain, hybrid "
+                "shape=chain) can roll it back, a branching draft tree cannot run through a "
+                "recurrent layer"
                 if engine.rollback is not None
                 else ""
             )
             + (
-                ". Use --method ntp, mtp or pld for this model."
+                ". Use --method ntp, mtp, pld, hybrid or probe shape=chain for this model."
                 if engine.rollback is not None
                 else ". Use --method ntp for this model."
             )

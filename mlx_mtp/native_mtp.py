@@ -176,6 +176,24 @@ def read_mtp_weights(folder: str | Path, num_experts: int = 0) -> dict[str, mx.a
     return w
 
 
+def has_native_mtp(folder: str | Path, model: nn.Module) -> bool:
+    """Whether ``folder`` holds a native MTP layer for ``model``: the model's
+    own checkpoint with ``mtp.*`` tensors (a supported model type), or a heads
+    folder of architecture ``native-mtp-layer``. Reads headers only."""
+    from .clp_heads import FORMAT, NATIVE_LAYER
+
+    folder = Path(folder)
+    if getattr(model, "model_type", "") not in NATIVE_FAMILIES:
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = {}
+    if config.get("format") == FORMAT:
+        return config.get("architecture") == NATIVE_LAYER
+    return bool(find_mtp_tensors(folder))
+
+
 # ------------------------------------------------------------------ layer
 class NativeMTPLayer(nn.Module):
     """The checkpoint's MTP layer (see module doc), built from the backbone's

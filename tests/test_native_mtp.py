@@ -366,3 +366,87 @@ def test_chain_probe_on_an_attention_model_equals_ntp():
     assert probe.block_complexity == 5 and "chain" in probe.describe()
     for prompt in _prompts(2, seed=8):
         assert _generate(engine, probe, prompt, 24)[0] == _generate(engine, ntp, prompt, 24)[0]
+
+
+# ------------------------------------------- depth=auto and chain-probe budget
+def test_mtp_auto_depth_follows_the_cost_curve(hybrid):
+    """Issue 22's auto for ``mtp`` and ``probe shape=chain``: a flat (memory-bound)
+    curve drafts the deepest chains, a steep one runs plain one-token steps;
+    exact vs ntp either way."""
+    from mlx_mtp.budget import CostCurve
+
+    prompt = _prompts(1, seed=21)[0]
+    flat, steep = CostCurve.flat(knee=16, slope=0.003), CostCurve.linear(1.0)
+    engine = _engine(hybrid)
+    ntp = _method(engine, "ntp")
+    ref, _ = _generate(engine, ntp, prompt, 24)
+    engine.curve = flat
+    deep = _method(engine, "mtp", max_depth=6, draft_cost=0)
+    assert deep.auto and "auto<=6" in deep.describe()
+    out, stats = _generate(engine, deep, prompt, 24)
+    assert out == ref and stats.drafted > 0
+    assert deep.lengths and all(n == 6 for n in deep.lengths)  # every step a 6-deep chain
+    engine.curve = steep  # a draft slot costs a whole forward: nothing pays
+    plain = _method(engine, "mtp")  # depth=auto is the default
+    assert plain.auto and plain.draft_cost > 0
+    out, stats = _generate(engine, plain, prompt, 24)
+    assert out == ref and stats.drafted == 0 and plain.budget.plain_steps >= 20
+    if hybrid[0] == "qwen3_5":  # chain-shaped probe (qwen3_next takes no input embeddings)
+        engine.curve = flat
+        probe = _method(engine, "probe", shape="chain", masks=2)
+        out, stats = _generate(engine, probe, prompt, 24)
+        assert out == ref and stats.drafted > 0 and probe.budget.plain_steps == 0
+        engine.curve = steep
+        probe = _method(engine, "probe", shape="chain", masks=2)
+        out, stats = _generate(engine, probe, prompt, 24)
+        assert out == ref and stats.drafted == 0 and probe.budget.plain_steps >= 20
+
+
+def test_mtp_auto_policy_counts_the_draft_cost():
+    """The MTP layer's own pass is part of a draft's price: a depth that pays
+    when drafts are free stops paying when each costs 0.4 of a forward."""
+    from mlx_mtp.budget import CostCurve, best_prefix, chain_values
+
+    gpu = CostCurve.flat(knee=16, slope=0.003)
+    values = chain_values([0.8] * 8)
+    assert best_prefix(gpu, values, 1)[0] == 8
+    n, rate = best_prefix(gpu, values, 1, item_cost=0.1)
+    assert 2 <= n < 8 and rate == pytest.approx((1 + sum(values[:n])) / (1 + 0.1 * n))
+    assert best_prefix(gpu, chain_values([0.3] * 8), 1, item_cost=0.4)[0] == 0
+
+
+# --------------------------------------------------- mtp inside hybrid
+def test_hybrid_drafts_from_the_mtp_layer_as_a_chain_on_hybrid_models(hybrid, tmp_path):
+    """``hybrid`` on a recurrent model runs chain-shaped (shape=auto), takes
+    the native MTP layer as one more source, and stays exact vs ntp (fixed
+    and auto budgets); a branching tree is refused, so are mask slots on a
+    model without input embeddings and mtp=1 without MTP tensors."""
+    from mlx_mtp.budget import CostCurve
+
+    engine = _engine(hybrid)
+    ntp = _method(engine, "ntp")
+    for bc, curve in (("10", None), ("auto", CostCurve.flat(knee=16, slope=0.003))):
+        engine.curve = curve
+        m = _method(engine, "hybrid", bc=bc)
+        assert "shape=chain" in m.describe() and "mtp<=3" in m.describe()
+        for prompt in _prompts(2, seed=31):
+            ref, _ = _generate(engine, ntp, prompt, 24)
+            out, stats = _generate(engine, m, prompt, 24)
+            assert out == ref, (bc, prompt)
+            assert stats.drafted > 0
+        assert m.stats.tried.get(("mtp", 1), 0) > 0  # the MTP layer's drafts were verified
+    with pytest.raises(UnsupportedModelError, match="branching draft tree"):
+        _method(engine, make_method("hybrid", shape="tree"))
+    if hybrid[0] == "qwen3_next":  # takes no input embeddings: no mask slots
+        assert _method(engine, "hybrid").masks == 0
+        with pytest.raises(UnsupportedModelError, match="input embeddings"):
+            _method(engine, "hybrid", masks=1)
+    raw = mx.load(str(hybrid[2].path / "model.safetensors"))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), {k: v for k, v in raw.items() if "mtp." not in k}
+    )
+    bare = Engine(hybrid[1])
+    bare.loaded = types.SimpleNamespace(path=tmp_path, config={})
+    assert "mtp" not in _method(bare, "hybrid", bc=10).describe()  # auto: no layer, no source
+    with pytest.raises(ModelLoadError, match="no mtp"):
+        _method(bare, "hybrid", mtp=1)

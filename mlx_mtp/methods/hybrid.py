@@ -12,7 +12,10 @@ Read top to bottom:
    every verified slot of earlier trees, rejected branches included;
    ``probe``: the masks after the previous step's deepest accepted node
    predict depths 1..k, every depth-d candidate may hang under every
-   depth-(d-1) node (as in ESP's tree).
+   depth-(d-1) node (as in ESP's tree); ``mtp``: where the checkpoint ships
+   a native MTP layer (Qwen3.5 / Qwen3-Next ``mtp.*``, DeepSeek nextn, or a
+   ``native-mtp-layer`` heads folder), the chain that layer drafts
+   (:class:`~mlx_mtp.methods.mtp.NativeDrafter`).
 2. One scale for all: each candidate child gets a conditional acceptance
    estimate q (probability it is accepted given its parent is). Chains: per
    source and depth, a Beta-smoothed acceptance rate learned online from this
@@ -32,6 +35,15 @@ Read top to bottom:
 4. Verification: the shared lossless stage :mod:`mlx_mtp.speculative` on
    the draft :meth:`Hybrid.propose` builds; :meth:`Hybrid.observe` learns the
    acceptance statistics, the pool and the next probe candidates from it.
+
+Chain shape (``shape="chain"``, and ``"auto"`` on hybrid recurrent models such
+as Qwen3.5 / Qwen3-Next, whose gated delta-net layers cannot run a branching
+tree): the same merged candidates, but one path, the most likely child at
+every depth, cut where expected tokens per unit of time peaks, with the k mask
+slots after its last node (they draft the next step's probe candidates if the
+whole chain is accepted; no masks on models that take no input embeddings).
+The recurrent state is rolled back to the accepted prefix
+(:mod:`mlx_mtp.recurrent`).
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import Engine, check_tree_support
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..speculative import Draft, Verified
 from ..tree import worth_adding
 from ..verify import Sampler
@@ -54,7 +66,7 @@ from .pld import lookup_candidates
 from .probe import MaskVectors, mask_candidates
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
-PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3}
+PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3, "mtp": 0.5}
 #: weight of the priors, in pseudo-observations
 PRIOR_WEIGHT = 4.0
 #: deepest depth with its own statistics (deeper ones share the last bucket)
@@ -324,7 +336,9 @@ class Hybrid(SpeculativeMethod):
             time under the device's forward cost curve, and one-token steps
             (with a periodic re-probe) while nothing pays
             (:mod:`mlx_mtp.budget`). 10 and 30 are fixed edge settings.
-        masks: mask slots per mask set, k = 1..3 (0 disables probing).
+        masks: mask slots per mask set, k = 0..3 (0 disables probing);
+            default 1, or 0 in chain shape on a model that takes no input
+            embeddings (mask slots are vectors).
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
         max_draft: longest chain per source (default: bc - 1).
@@ -332,9 +346,22 @@ class Hybrid(SpeculativeMethod):
         max_bc: the cap of ``bc="auto"`` (default 64).
         lam, mask_init: as in :class:`~mlx_mtp.methods.probe.Probe`
             (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
+        shape: ``"auto"`` (default: a chain on hybrid recurrent models, a
+            tree elsewhere), ``"tree"`` or ``"chain"`` (see module doc).
+        mtp: ``"auto"`` (default: draft from the checkpoint's native MTP
+            layer when it has one), 1 (required: an error when it has none)
+            or 0 (off).
+        mtp_depth: the longest MTP chain per step (default 3); with
+            ``bc="auto"`` each step drafts the depth that pays under the cost
+            curve (the layer's own pass counted, as ``--method mtp`` does).
+        heads: a folder holding the MTP layer (default: the model's own
+            checkpoint folder).
 
     Raises:
         InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
+        UnsupportedModelError: (prepare) ``shape="tree"`` on a recurrent
+            model, masks on a model without input embeddings, ``mtp=1``
+            without a native MTP layer.
     """
 
     name = "hybrid"
@@ -345,7 +372,7 @@ class Hybrid(SpeculativeMethod):
     def __init__(
         self,
         bc: Any = "auto",
-        masks: Any = 1,
+        masks: Any = None,
         tree: str = "dynamic",
         lam: Any = 0.1,
         mask_init: str = "mean",
@@ -354,12 +381,32 @@ class Hybrid(SpeculativeMethod):
         max_draft: Any = None,
         pool: Any = 1,
         max_bc: Any = 64,
+        shape: str = "auto",
+        mtp: Any = "auto",
+        mtp_depth: Any = 3,
+        heads: Any = None,
     ):
         if str(tree) != "dynamic":
             raise InvalidArgumentError(
                 f"--method hybrid builds its own tree; --tree {tree} is for probe only."
             )
-        self.masks = parse_int("masks", masks, 0, 3)
+        if shape not in ("auto", "tree", "chain"):
+            raise InvalidArgumentError(
+                f"option shape must be 'auto', 'tree' or 'chain', got {shape!r}"
+            )
+        self.shape = shape
+        #: may run through recurrent layers (a chain there; prepare decides)
+        self.chain_shaped = shape != "tree"
+        self.chain = shape == "chain"
+        self.masks_given = masks is not None
+        self.masks = parse_int("masks", 1 if masks is None else masks, 0, 3)
+        if str(mtp) == "auto":
+            self.mtp_opt: str | int = "auto"
+        else:
+            self.mtp_opt = parse_int("mtp", mtp, 0, 1)
+        self.mtp_depth = parse_int("mtp_depth", mtp_depth, 1, 16)
+        self.heads = heads
+        self.drafter: Any = None
         self.auto, self.bc = parse_bc(bc, max_bc, 2)
         # ESP mask vectors (lam / mask_init parsed even when masks=0 turns probing off)
         self.vectors = MaskVectors(max(self.masks, 1), lam, mask_init)
@@ -376,12 +423,50 @@ class Hybrid(SpeculativeMethod):
     def describe(self) -> str:
         init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.bc}" if self.auto else str(self.bc)
-        return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{init})"
+        shape = ", shape=chain" if self.chain else ""
+        mtp = f", mtp<={self.mtp_depth}" if self.drafter is not None else ""
+        return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{shape}{mtp}{init})"
 
     def prepare(self, engine: Engine) -> None:
-        check_tree_support(engine.model, self.name)
+        from mlx_lm.utils import does_model_support_input_embeddings
+
+        recurrent = engine.rollback is not None
+        mtype = getattr(engine.model, "model_type", "")
+        if recurrent and self.shape == "tree":
+            raise UnsupportedModelError(
+                f"--method hybrid shape=tree cannot run model type {mtype!r}: its recurrent "
+                "layers cannot run a branching draft tree. Use shape=chain (the default "
+                "shape=auto picks it on such models)."
+            )
+        self.chain = self.shape == "chain" or (self.shape == "auto" and recurrent)
+        if self.chain:
+            if self.masks and not does_model_support_input_embeddings(engine.model):
+                if self.masks_given:
+                    raise UnsupportedModelError(
+                        f"--method hybrid: model type {mtype!r} does not accept input "
+                        "embeddings, so it cannot run mask slots (vectors). Use masks=0."
+                    )
+                self.masks = 0
+            if self.masks and not recurrent:  # chain-shaped tree pass over attention layers
+                check_tree_support(engine.model, self.name)
+        else:
+            check_tree_support(engine.model, self.name)
         if self.masks:
             self.vectors.prepare(engine)
+        self.drafter = None
+        if self.mtp_opt == 1 or (self.mtp_opt == "auto" and self._has_mtp(engine)):
+            from .mtp import NativeDrafter
+
+            self.drafter = NativeDrafter()
+            self.drafter.prepare(engine, self.heads)
+
+    def _has_mtp(self, engine: Engine) -> bool:
+        """Whether the model's checkpoint (or ``heads``) has a native MTP layer."""
+        from ..native_mtp import has_native_mtp
+
+        loaded = getattr(engine, "loaded", None)
+        folder = self.heads if self.heads is not None else getattr(loaded, "path", None)
+        return folder is not None and has_native_mtp(folder, engine.model)
 
     @property
     def learned(self) -> mx.array | None:
@@ -392,6 +477,8 @@ class Hybrid(SpeculativeMethod):
         super().begin(engine, prompt, sampler)
         if self.masks:
             self.vectors.begin(engine, prompt)
+        if self.drafter is not None:
+            self.drafter.begin(engine, prompt)
         self.begin_budget(engine, sampler, self.auto)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
         self.stats = AcceptanceStats()
@@ -418,7 +505,26 @@ class Hybrid(SpeculativeMethod):
                 chains.append(
                     ("pool", toks, [self.stats.q("pool", d + 1) for d in range(len(toks))])
                 )
+        if self.drafter is not None:
+            toks = self.drafter.draft(engine, min(self._mtp_depth(), depth))
+            if toks:
+                chains.append(("mtp", toks, [self.stats.q("mtp", d + 1) for d in range(len(toks))]))
         return chains
+
+    def _mtp_depth(self) -> int:
+        """MTP drafts this step: ``mtp_depth``, or with ``bc="auto"`` the depth
+        at which the layer's drafts pay for themselves and their slots (its
+        own pass per draft counted; at least one on a re-probe)."""
+        b = self.budget
+        if b is None:
+            return self.mtp_depth
+        from ..budget import best_prefix, chain_values
+
+        qs = [self.stats.q("mtp", d) for d in range(1, self.mtp_depth + 1)]
+        n, _ = best_prefix(b.curve, chain_values(qs), 1, item_cost=self.drafter.draft_cost)
+        if self._reprobe or b.cheap(1 + self.REPROBE_ITEMS):
+            n = max(n, 1)
+        return n
 
     # ------------------------------------------------------------------ step
     def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
@@ -426,6 +532,8 @@ class Hybrid(SpeculativeMethod):
         self.dists = []
         if self.masks:
             self.vectors.update(engine, tokens)
+        if self.drafter is not None:
+            self.drafter.plain(tokens, queued=self.plain_steps.ntp._next is not None)
 
     def propose(self, engine: Engine, root: int) -> Draft | None:
         k = self.masks
@@ -435,6 +543,9 @@ class Hybrid(SpeculativeMethod):
 
         def children(path: tuple[int, ...], tok: int) -> list[Child]:
             return merged_children(path, tok, trie, levels, scale)
+
+        if self.chain:
+            return self._propose_chain(engine, root, children, levels)
 
         alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
         b = self.budget
@@ -464,10 +575,80 @@ class Hybrid(SpeculativeMethod):
         if n_mask:
             emb = mx.concatenate([emb, self.vectors.sets(len(alloc.mask_anchors), emb.dtype)])
         info = (alloc, levels, mask_row, prev)
-        return Draft(slot_tokens, np.array(parents, dtype=np.int64), emb, n_tok, info=info)
+        return Draft(
+            slot_tokens,
+            np.array(parents, dtype=np.int64),
+            emb,
+            n_tok,
+            hidden=self.drafter is not None,
+            info=info,
+        )
+
+    def _propose_chain(
+        self,
+        engine: Engine,
+        root: int,
+        children: Callable[[tuple[int, ...], int], list[Child]],
+        levels: list,
+    ) -> Draft | None:
+        """The chain shape: the most likely child at every depth, cut at the
+        best length, then (masks > 0) k mask slots after its last node."""
+        k = self.masks
+        toks: list[int] = []
+        probs: list[float] = []
+        sources: list[list[Source]] = []
+        path: tuple[int, ...] = ()
+        tok, p = root, 1.0
+        while len(toks) < self.bc - 1 - k:
+            kids = children(path, tok)
+            if not kids or kids[0].q <= 0.0:
+                break
+            c = kids[0]
+            p *= c.q
+            toks.append(c.token)
+            probs.append(p)
+            sources.append(c.sources)
+            path, tok = path + (c.token,), c.token
+        n, use_masks = len(toks), k > 0
+        b = self.budget
+        if b is not None:  # bc=auto: the best length, with or without the masks
+            from ..budget import best_prefix
+
+            n, rate = best_prefix(b.curve, probs, 1)  # without masks
+            use_masks = False
+            if k:  # masks after node m: worth P(all m accepted) * gain next step
+                gain = self.stats.gain
+                for m in range(len(toks) + 1):
+                    full = probs[m - 1] if m else 1.0
+                    r = (1.0 + sum(probs[:m]) + full * gain) / b.curve(1 + m + k)
+                    if r > rate:
+                        n, rate, use_masks = m, r, True
+            if self._reprobe or b.cheap(1 + k + self.REPROBE_ITEMS):
+                n = max(n, min(len(toks), self.REPROBE_ITEMS))
+                use_masks = k > 0
+            elif not b.pays(rate):
+                b.go_plain(1 + k + self.REPROBE_ITEMS)
+                return None
+        toks, probs, sources = toks[:n], probs[:n], sources[:n]
+        alloc = Allocation(toks, list(range(-1, n - 1)), probs, sources)
+        prev = engine.cached[-1] if engine.cached else -1
+        n_tok = 1 + n
+        hidden = self.drafter is not None
+        if not use_masks:
+            return Draft.chain(root, toks, hidden=hidden, info=(alloc, levels, {}, prev))
+        alloc.mask_anchors = [n_tok - 1]
+        slot_tokens = np.array([root, *toks] + [-1] * k, dtype=np.int64)
+        emb = engine.embed_tokens(slot_tokens[:n_tok])
+        emb = mx.concatenate([emb, self.vectors.sets(1, emb.dtype)])
+        info = (alloc, levels, {n_tok - 1: n_tok}, prev)
+        parents = np.arange(-1, n_tok + k - 1, dtype=np.int64)
+        return Draft(slot_tokens, parents, emb, n_tok, hidden=hidden, info=info)
 
     def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
         alloc, levels, mask_row, prev = draft.info
+        if self.drafter is not None:  # the MTP layer's pairs along the accepted path
+            rows = verified.hidden[mx.array([0, *verified.path])]
+            self.drafter.verified(rows, verified.tokens)
         # next step's probe candidates: the masks after v*, if it has any
         self.dists = []
         r0 = mask_row.get(verified.deepest)
@@ -475,7 +656,10 @@ class Hybrid(SpeculativeMethod):
             rows = verified.logits[r0 : r0 + self.masks].astype(mx.float32)
             self.dists = mask_candidates(rows, self.bc, engine)
         tgt = dict(enumerate(verified.targets.tolist()))
-        self._learn(alloc, verified.path, levels, draft.tokens, draft.parents, tgt, prev)
+        parents = draft.parents
+        if parents is None:  # a chain
+            parents = np.arange(-1, len(draft.tokens) - 1, dtype=np.int64)
+        self._learn(alloc, verified.path, levels, draft.tokens, parents, tgt, prev)
         if self.masks:
             self.vectors.update(engine, verified.tokens)
 

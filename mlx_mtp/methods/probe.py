@@ -215,7 +215,13 @@ class Probe(SpeculativeMethod):
             run through the recurrent layers of hybrid models (Qwen3.5); the
             masks draft the next chain only when every draft was accepted
             (otherwise the next pass is ``[root, m1..mk]``). Not in the ESP
-            paper. Block complexity ``2k + 1``.
+            paper. Block complexity ``2k + 1``. With ``bc="auto"`` (the
+            default) the chain is cut per step at the length that maximises
+            expected tokens per unit of time under the device's cost curve
+            (per-depth acceptance learned online, the k masks counted as
+            base slots), and the method runs one-token steps with periodic
+            re-probes while no chain pays (:mod:`mlx_mtp.budget`); a fixed
+            ``bc`` must be ``2k + 1``.
 
     Raises:
         InvalidArgumentError: a BC too small for one node, bad masks or tree.
@@ -306,13 +312,39 @@ class Probe(SpeculativeMethod):
         # accepted / expected drafted nodes (decayed: the calibration follows the text)
         self.begin_budget(engine, sampler, self.auto)
         self.expected, self.hits = 0.0, 0.0
+        from ..budget import DepthAcceptance
 
-    def _propose_chain(self, root: int, engine: Engine) -> Draft:
-        # [root, d1..dk, m1..mk]: one chain (the top candidate of each mask
+        #: shape=chain, bc=auto: acceptance per chain depth
+        self.acceptance = DepthAcceptance()
+        self._reprobe_next = False
+
+    def _propose_chain(self, root: int, engine: Engine) -> Draft | None:
+        # [root, d1..dn, m1..mk]: one chain (the top candidate of each mask
         # slot, then k masks after the last one), so a prefix can be kept on
         # any cache, recurrent layers included
         k = self.masks
         drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
+        b = self.budget
+        if b is not None:  # bc=auto: cut the chain where it stops paying
+            from ..budget import best_prefix, chain_values
+
+            # the masks ride along on every draft step (they draft the next
+            # chain): base slots 1 + k; the rate of a step with the longest
+            # chain the estimates can offer also decides a masks-only step
+            # (after a partial accept), an investment in the next chain
+            values = chain_values(self.acceptance.qs(k))
+            n, rate = best_prefix(b.curve, values[: len(drafts)] or values, 1, base_slots=1 + k)
+            if self._reprobe_next:  # the second step of a re-probe: verify its drafts
+                self._reprobe, self._reprobe_next = True, False
+            if self._reprobe or b.cheap(1 + 2 * k):  # a re-probe (or a nearly free step)
+                n = len(drafts)
+                # a re-probe from plain mode has no drafts yet: its masks draft
+                # the chain the next step verifies
+                self._reprobe_next = self._reprobe and not drafts
+            elif not b.pays(rate):
+                b.go_plain(1 + k)
+                return None
+            drafts = drafts[:n]
         n_tok = 1 + len(drafts)
         slot_tokens = np.array([root, *drafts] + [-1] * k, dtype=np.int64)
         emb = engine.embed_tokens(slot_tokens[:n_tok])
@@ -385,9 +417,14 @@ class Probe(SpeculativeMethod):
         if draft.info == "chain":
             # the masks follow the last draft: they predict after the bonus
             # token only if every draft was accepted
-            full = len(verified.path) == draft.drafted
+            a = len(verified.path)
+            full = a == draft.drafted
             self.dists = candidate_lists(*verified.extras) if full else []
             self.vectors.update(engine, verified.tokens)
+            if self.budget is not None and draft.drafted:
+                if self._reprobe_step and full:
+                    self.acceptance.reset()  # the text changed: old rates no longer apply
+                self.acceptance.record(draft.drafted, a)
             return
         # the k masks after the deepest accepted node draft the next tree
         k, n_tok, vstar = self.masks, draft.n_verify, verified.deepest
