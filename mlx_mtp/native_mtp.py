@@ -39,6 +39,23 @@ MLX-quantized checkpoint) are quantized like the rest (the config's
 The decoder block is built from the backbone's own mlx-lm class (the class of
 its first full-attention layer, MLP or MoE block from
 ``mlx_lm.models.qwen3_next``): no model file is forked.
+
+DeepSeek-V3 ``nextn`` (DeepSeek-V3 technical report, §2.2 "Multi-Token
+Prediction"; the layout vLLM's ``DeepSeekMTP`` loads): the checkpoint stores
+the layer as one more decoder layer, ``model.layers.{num_hidden_layers}.*``
+(``model.layers.61`` in DeepSeek-V3/R1), which mlx-lm's ``sanitize`` drops::
+
+    x   = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])
+    x   = DeepseekV3DecoderLayer(x)   # MLA attention + MoE, mlx-lm's own class,
+                                      # layer index num_hidden_layers
+    o_i = shared_head.norm(x)         # logits = LM head(o_i) -> t_{i+2}
+
+``shared_head.head`` and ``embed_tokens`` under that prefix are copies of the
+backbone's LM head and embedding (the backbone's are used). Its norms are plain
+``x * w``; its tensors go through mlx-lm's own ``sanitize`` (experts stacked,
+``kv_b_proj`` split into MLA's ``embed_q`` / ``unembed_out``, FP8 dequantized)
+under a borrowed layer index. Only the first nextn layer is loaded
+(``num_nextn_predict_layers`` is 1 in every released checkpoint).
 """
 
 from __future__ import annotations
@@ -56,7 +73,11 @@ from mlx_lm.models.cache import KVCache
 from .errors import ModelLoadError, UnsupportedModelError
 
 #: mlx-lm model types whose checkpoints carry a native MTP layer under ``mtp.*``
-NATIVE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+#: mlx-lm model types whose checkpoints carry DeepSeek ``nextn`` layers
+NEXTN_FAMILIES = ("deepseek_v3",)
+#: every model type with a native MTP layer this package loads
+NATIVE_FAMILIES = MTP_FAMILIES + NEXTN_FAMILIES
 HIDDEN_STATES = ("final-norm", "pre-norm")
 #: forward passes a hidden-state tap remembers (prefill chunks of one prompt)
 MAX_TAP_RECORDS = 256
@@ -183,7 +204,10 @@ def has_native_mtp(folder: str | Path, model: nn.Module) -> bool:
     from .clp_heads import FORMAT, NATIVE_LAYER
 
     folder = Path(folder)
-    if getattr(model, "model_type", "") not in NATIVE_FAMILIES:
+    mtype = getattr(model, "model_type", "")
+    if mtype in NEXTN_FAMILIES:
+        return bool(find_nextn_tensors(folder, int(model.args.num_hidden_layers)))
+    if mtype not in NATIVE_FAMILIES:
         return False
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -192,6 +216,106 @@ def has_native_mtp(folder: str | Path, model: nn.Module) -> bool:
     if config.get("format") == FORMAT:
         return config.get("architecture") == NATIVE_LAYER
     return bool(find_mtp_tensors(folder))
+
+
+def find_nextn_tensors(folder: str | Path, num_hidden_layers: int) -> dict[str, Path]:
+    """The DeepSeek nextn tensors of a checkpoint folder (headers only):
+    ``{name after "model.layers.{num_hidden_layers}.": file}``."""
+    prefix = f"model.layers.{num_hidden_layers}."
+    out: dict[str, Path] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            head = _header(f)
+        except (OSError, ValueError, struct.error):
+            continue
+        for name in head:
+            if name.startswith(prefix):
+                out[name[len(prefix) :]] = f
+    return out
+
+
+#: nextn tensors that copy the backbone's (its embedding and LM head are used)
+_NEXTN_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def read_nextn_weights(folder: str | Path, model: nn.Module) -> dict[str, mx.array]:
+    """The first DeepSeek nextn layer's tensors, mapped to :class:`NextNLayer`
+    names through mlx-lm's own ``sanitize`` (lazy).
+
+    Raises:
+        ModelLoadError: no ``model.layers.{num_hidden_layers}.*`` tensors, or
+            they cannot be read.
+    """
+    folder = Path(folder)
+    n = int(model.args.num_hidden_layers)
+    found = find_nextn_tensors(folder, n)
+    if not found:
+        raise ModelLoadError(
+            f"{folder} has no nextn tensors (model.layers.{n}.*): this checkpoint ships no "
+            "native MTP layer (MLX conversions made with mlx_lm.convert drop it; use the "
+            "original Hugging Face checkpoint), or use another --method."
+        )
+    raw: dict[str, mx.array] = {}
+    for f in sorted(set(found.values())):
+        try:
+            arrays = mx.load(str(f))
+        except Exception as e:
+            raise ModelLoadError(f"{f} cannot be read ({type(e).__name__}: {e})") from e
+        prefix = f"model.layers.{n}."
+        for name, v in arrays.items():
+            short = name[len(prefix) :] if name.startswith(prefix) else None
+            if short is not None and short not in _NEXTN_COPIES:
+                # a borrowed index for mlx-lm's sanitize (it skips model.layers.61)
+                raw[f"model.layers.0.{short}"] = v
+    w = {}
+    for k, v in model.sanitize(raw).items():
+        short = k[len("model.layers.0.") :]
+        if short.startswith(("enorm.", "hnorm.", "eh_proj.")):
+            w[short] = v
+        elif short.startswith("shared_head.norm."):
+            w["norm." + short[len("shared_head.norm.") :]] = v
+        else:
+            w["layers.0." + short] = v
+    return w
+
+
+class NextNLayer(nn.Module):
+    """DeepSeek-V3's nextn layer (see module doc), the decoder block built
+    from mlx-lm's ``DeepseekV3DecoderLayer`` at layer index
+    ``num_hidden_layers`` (MoE or dense by the config's own rule).
+
+    Call as :class:`NativeMTPLayer`: ``h`` (1, L, D) backbone hidden states
+    at positions i, ``e`` (1, L, D) embeddings of tokens i+1, ``cache`` (one
+    ``KVCache``, MLA's latent cache); returns (1, L, D) states whose LM-head
+    logits predict tokens i+2.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+        args = model.args
+        d, eps = int(args.hidden_size), float(args.rms_norm_eps)
+        self.enorm = nn.RMSNorm(d, eps=eps)
+        self.hnorm = nn.RMSNorm(d, eps=eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.layers = [DeepseekV3DecoderLayer(args, int(args.num_hidden_layers))]
+        self.norm = nn.RMSNorm(d, eps=eps)
+
+    @property
+    def fc(self) -> nn.Module:
+        """The input projection (``eh_proj``; ``fc`` in the Qwen layout)."""
+        return self.eh_proj
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, h: mx.array, e: mx.array, cache: list[Any], step: int = 0) -> mx.array:
+        x = mx.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1)
+        x = self.eh_proj(x)
+        mask = create_attention_mask(x, cache[0], return_array=True)
+        x = self.layers[0](x, mask, cache[0])
+        return self.norm(x)
 
 
 # ------------------------------------------------------------------ layer
@@ -284,7 +408,12 @@ def load_native_mtp(
         on_disk = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         on_disk = {}
-    if on_disk.get("format") == FORMAT:  # a heads folder (convert clp-heads)
+    layer: nn.Module
+    if mtype in NEXTN_FAMILIES:  # DeepSeek nextn: model.layers.{num_hidden_layers}.*
+        config = on_disk if config is None else config
+        w = read_nextn_weights(folder, model)
+        layer = NextNLayer(model)
+    elif on_disk.get("format") == FORMAT:  # a heads folder (convert clp-heads)
         config, w = read_heads(folder)
         if config["architecture"] != NATIVE_LAYER:
             raise ModelLoadError(
@@ -293,6 +422,7 @@ def load_native_mtp(
             )
         check_compatible(config, model, str(folder))
         moe, n_layers = bool(config["moe"]), int(config["mtp_layers"])
+        layer = NativeMTPLayer(model, moe, n_layers)
     else:
         config = on_disk if config is None else config
         args = text_args(model)
@@ -303,7 +433,7 @@ def load_native_mtp(
                 f"{folder}: the mtp.* tensors have no decoder block (mtp.layers.0)"
             )
         moe = any(".mlp.switch_mlp." in k or k.endswith(".mlp.gate.weight") for k in w)
-    layer = NativeMTPLayer(model, moe, n_layers)
+        layer = NativeMTPLayer(model, moe, n_layers)
     quantized = any(k.endswith(".scales") for k in w)
     if quantized:
         q = config.get("quantization") or config.get("quantization_config") or {}
@@ -323,10 +453,15 @@ def load_native_mtp(
             f"unexpected {extra[:4]}, wrong shapes {sorted(bad)[:4]}."
         )
     emb = model.model.embed_tokens.weight
+    # float tensors kept in float32 by the model class (DeepSeek's router bias)
+    keep32 = getattr(model, "cast_predicate", lambda k: True)
     backbone_quantized = not mx.issubdtype(emb.dtype, mx.floating)
     dtype = emb.dtype if not backbone_quantized else mx.float32
     layer.load_weights(
-        [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in w.items()],
+        [
+            (k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and keep32(k) else v)
+            for k, v in w.items()
+        ],
         strict=True,
     )
     if quantized and not backbone_quantized:

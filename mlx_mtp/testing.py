@@ -170,3 +170,113 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return config
+
+
+#: a tiny DeepSeek-V3: 61 backbone layers as the released checkpoints (mlx-lm's
+#: sanitize drops the nextn layer by the literal name ``model.layers.61``), all
+#: dense (first_k_dense_replace = 61), so the nextn layer (index 61) is the one
+#: MoE block, as in DeepSeek-V3 (MLA attention, sigmoid router, shared expert)
+DEEPSEEK_TINY = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 61,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+}
+
+
+def write_tiny_deepseek(folder: Any, seed: int = 0) -> dict[str, Any]:
+    """Write a tiny random DeepSeek-V3 checkpoint in the Hugging Face layout
+    of the released ones, nextn layer included: ``model.layers.61.{enorm,
+    hnorm, eh_proj, shared_head.norm, shared_head.head, embed_tokens}`` and a
+    full decoder block (MLA with ``kv_b_proj``, per-expert MoE tensors,
+    ``mlp.gate.e_score_correction_bias``, shared experts). Load it with
+    ``mlx_lm.utils.load_model`` (whose sanitize drops layer 61). Norms are
+    randomised (1 + 0.2 N(0, 1)), embeddings scaled x8, router weights and
+    biases random so routing is not a tie.
+
+    Returns:
+        The config written to ``config.json``.
+    """
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+    from mlx_lm.utils import _get_classes
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(DEEPSEEK_TINY)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    args = args_class.from_dict(config)
+    model = model_class(args)
+    n = args.num_hidden_layers
+    heads, nope, vdim = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
+    d = args.hidden_size
+    nextn = {
+        "enorm.weight": mx.ones((d,)),
+        "hnorm.weight": mx.ones((d,)),
+        "eh_proj.weight": mx.random.uniform(-1, 1, (d, 2 * d)) / (2 * d) ** 0.5,
+        "shared_head.norm.weight": mx.ones((d,)),
+    }
+    block = DeepseekV3DecoderLayer(args, n)
+    parts = [(name, w) for name, w in tree_flatten(model.parameters())]
+    parts += [(f"model.layers.{n}.{k}", v) for k, v in tree_flatten(block.parameters())]
+    parts += [(f"model.layers.{n}.{k}", v) for k, v in nextn.items()]
+    weights: dict[str, mx.array] = {}
+    for name, w in parts:
+        if name.endswith(("norm.weight", "layernorm.weight")) and w.ndim == 1:
+            w = 1.0 + 0.2 * mx.random.normal(w.shape)
+        if name.endswith("embed_tokens.weight"):
+            w = w * 8
+        if name.endswith("mlp.gate.weight"):
+            w = mx.random.normal(w.shape)
+        if name.endswith("e_score_correction_bias"):
+            w = 0.1 * mx.random.normal(w.shape)
+        if ".self_attn.embed_q." in name:
+            continue  # written once, as kv_b_proj, with unembed_out below
+        if ".self_attn.unembed_out." in name:
+            pre = name.split(".self_attn.")[0] + ".self_attn."
+            r = args.kv_lora_rank
+            kv_b = mx.random.uniform(-1, 1, (heads * (nope + vdim), r)) / r**0.5
+            weights[pre + "kv_b_proj.weight"] = kv_b
+            continue
+        if ".switch_mlp." in name:
+            pre, post = name.split(".switch_mlp.")
+            for e in range(args.n_routed_experts):
+                weights[f"{pre}.experts.{e}.{post}"] = w[e]
+            continue
+        weights[name] = w
+    weights[f"model.layers.{n}.shared_head.head.weight"] = weights["lm_head.weight"]
+    weights[f"model.layers.{n}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    weights = {k: v.astype(mx.float32) for k, v in weights.items()}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return config

@@ -1,0 +1,202 @@
+"""DeepSeek-V3 nextn layers (issue 23): the ``model.layers.{num_hidden_layers}.*``
+tensors mlx-lm drops, loaded as this package's native MTP layer.
+
+The model is a tiny random deepseek_v3 checkpoint in the released checkpoints'
+Hugging Face layout (:func:`mlx_mtp.testing.write_tiny_deepseek`: 61 backbone
+layers, because mlx-lm's sanitize drops the nextn layer by the literal name
+``model.layers.61``; MLA attention with ``kv_b_proj``, a MoE nextn block),
+loaded through mlx-lm's own ``load_model``. Float32 throughout. One forward
+of the 61-layer model is slow on a shared CPU, so token counts are small; the
+slow variant decodes more prompts.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.budget import CostCurve
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine, check_cache_support
+from mlx_mtp.errors import ModelLoadError
+from mlx_mtp.methods import make_method
+from mlx_mtp.native_mtp import NextNLayer, find_nextn_tensors, has_native_mtp, load_native_mtp
+from mlx_mtp.testing import write_tiny_deepseek
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from mlx_lm.utils import load_model
+
+    folder = tmp_path_factory.mktemp("deepseek_v3")
+    write_tiny_deepseek(folder, seed=1)
+    model, config = load_model(Path(folder))
+    return model, types.SimpleNamespace(path=Path(folder), config=config)
+
+
+def _engine(deepseek, curve=None):
+    model, loaded = deepseek
+    e = Engine(model)
+    e.loaded = loaded
+    e.curve = curve
+    return e
+
+
+def _method(engine, name, **opts):
+    m = make_method(name, **opts)
+    check_cache_support(engine, m)
+    m.prepare(engine)
+    return m
+
+
+def _generate(engine, method, prompt, n):
+    out, stats = [], None
+    for s in generate_steps(engine, method, prompt, max_tokens=n):
+        out += s.tokens
+        stats = s.stats
+    return out, stats
+
+
+def _rms(x, w, eps=1e-6):  # DeepSeek norms are plain x * w
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _reference_logits(raw, args, h, tok):
+    """The nextn layer at one position with an empty cache, from the raw
+    checkpoint tensors: MLA over one key is its value (softmax = 1), the
+    value is kv_b_proj's v rows applied to the normed latent; MoE with a
+    sigmoid router, top-k by score + correction bias, weights renormalised
+    and scaled, plus the shared expert."""
+    pfx = f"model.layers.{args.num_hidden_layers}."
+    w = {k[len(pfx) :]: v for k, v in raw.items() if k.startswith(pfx)}
+    e = raw["model.embed_tokens.weight"][tok][None]
+    x = mx.concatenate([_rms(e, w["enorm.weight"]), _rms(h, w["hnorm.weight"])], axis=-1)
+    x = x @ w["eh_proj.weight"].T
+    y = _rms(x, w["input_layernorm.weight"])
+    r, nh = args.kv_lora_rank, args.num_attention_heads
+    nope, vd = args.qk_nope_head_dim, args.v_head_dim
+    latent = _rms(
+        (y @ w["self_attn.kv_a_proj_with_mqa.weight"].T)[:, :r],
+        w["self_attn.kv_a_layernorm.weight"],
+    )
+    wv = w["self_attn.kv_b_proj.weight"].reshape(nh, nope + vd, r)[:, nope:, :]
+    v = (wv @ latent[0]).reshape(1, nh * vd)
+    x = x + v @ w["self_attn.o_proj.weight"].T
+    z = _rms(x, w["post_attention_layernorm.weight"])
+
+    def mlp(q):
+        g, u = z @ w[q + "gate_proj.weight"].T, z @ w[q + "up_proj.weight"].T
+        return (g * mx.sigmoid(g) * u) @ w[q + "down_proj.weight"].T
+
+    s = np.array(mx.sigmoid(z @ w["mlp.gate.weight"].T)[0])
+    top = np.argsort(-(s + np.array(w["mlp.gate.e_score_correction_bias"])))[
+        : args.num_experts_per_tok
+    ]
+    wts = s[top] / s[top].sum() * args.routed_scaling_factor
+    out = sum(float(c) * mlp(f"mlp.experts.{int(i)}.") for i, c in zip(top, wts))
+    x = x + out + mlp("mlp.shared_experts.")
+    return _rms(x, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+
+
+def test_nextn_layer_survives_loading_and_matches_a_reference(deepseek):
+    from mlx.utils import tree_flatten
+
+    model, loaded = deepseek
+    args = model.args
+    assert not any(".61." in k for k, _ in tree_flatten(model.parameters()))  # mlx-lm drops it
+    found = find_nextn_tensors(loaded.path, args.num_hidden_layers)
+    assert "eh_proj.weight" in found and "self_attn.kv_b_proj.weight" in found
+    assert has_native_mtp(loaded.path, model)
+    layer = load_native_mtp(loaded.path, model, loaded.config)
+    assert isinstance(layer, NextNLayer) and type(layer.layers[0].mlp).__name__ == "DeepseekV3MoE"
+    raw = mx.load(str(loaded.path / "model.safetensors"))
+    engine = Engine(model)
+    mx.random.seed(3)
+    for tok in (0, 17, 255):
+        h = mx.random.normal((1, args.hidden_size))
+        e = engine.embed_tokens([tok])[None]
+        got = engine.lm_head(layer(h[None], e, layer.make_cache()))[0]
+        ref = _reference_logits(raw, args, h, tok)
+        np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
+    # several positions in one pass == one at a time through the layer's (MLA) cache
+    hs = mx.random.normal((1, 5, args.hidden_size))
+    es = engine.embed_tokens([3, 9, 27, 81, 243])[None]
+    whole = layer(hs, es, layer.make_cache())
+    cache = layer.make_cache()
+    steps = mx.concatenate([layer(hs[:, i : i + 1], es[:, i : i + 1], cache) for i in range(5)], 1)
+    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_without_nextn_tensors_is_refused(deepseek, tmp_path):
+    model, loaded = deepseek
+    raw = mx.load(str(loaded.path / "model.safetensors"))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), {k: v for k, v in raw.items() if ".61." not in k}
+    )
+    assert not has_native_mtp(tmp_path, model)
+    with pytest.raises(ModelLoadError, match="no nextn tensors"):
+        load_native_mtp(tmp_path, model, {})
+
+
+def _mtp_sweep(deepseek, prompts, n):
+    engine = _engine(deepseek)
+    ntp = _method(engine, "ntp")
+    mtp = _method(engine, "mtp", depth=2)
+    hyb = _method(engine, "hybrid", bc=6, shape="chain")
+    assert "mtp<=3" in hyb.describe() and hyb.masks == 0  # deepseek takes no input embeddings
+    for prompt in prompts:
+        ref, _ = _generate(engine, ntp, prompt, n)
+        out, stats = _generate(engine, mtp, prompt, n)
+        assert out == ref and stats.drafted > 0
+        out, stats = _generate(engine, hyb, prompt, n)
+        assert out == ref and stats.drafted > 0
+    assert hyb.stats.tried.get(("mtp", 1), 0) > 0
+
+
+def test_mtp_and_hybrid_with_nextn_equal_ntp(deepseek):
+    _mtp_sweep(deepseek, [[5, 77, 140, 3, 9]], 8)
+
+
+@pytest.mark.slow
+def test_mtp_and_hybrid_with_nextn_equal_ntp_sweep(deepseek):
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, int(rng.integers(4, 16))).tolist() for _ in range(6)]
+    _mtp_sweep(deepseek, prompts, 24)
+
+
+def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
+    """depth=auto in plain mode (pipelined one-token steps on this attention
+    model) still feeds the layer every committed position: the re-probes'
+    drafts equal those of a fixed depth-2 run at the same positions."""
+    from mlx_mtp.methods.mtp import NativeDrafter
+
+    seen: dict[str, dict[int, list[int]]] = {}
+    real = NativeDrafter.draft
+
+    def record(self, engine, depth):
+        out = real(self, engine, depth)
+        seen.setdefault(self.tag, {})[engine.offset] = out
+        return out
+
+    monkeypatch.setattr(NativeDrafter, "draft", record)
+    prompt = [5, 77, 140, 3, 9]
+    # re-probes every 4 plain steps (c(3) = 1.03), drafts too dear to pay otherwise
+    engine = _engine(deepseek, CostCurve([1, 3, 64], [1.0, 1.03, 2.0]))
+    auto = _method(engine, "mtp", draft_cost=5)
+    auto.drafter.tag = "auto"
+    out, stats = _generate(engine, auto, prompt, 14)
+    assert auto.budget.plain_steps >= 8 and auto.budget.reprobes >= 2
+    engine = _engine(deepseek)  # a fresh cache: the fixed run prefills the prompt too
+    fixed = _method(engine, "mtp", depth=2)
+    fixed.drafter.tag = "fixed"
+    ref, _ = _generate(engine, fixed, prompt, 14)
+    assert out == ref
+    common = sorted(set(seen["auto"]) & set(seen["fixed"]))
+    late = [p for p in common if p > len(prompt) + 4]  # after plain steps
+    assert late, (seen["auto"].keys(), seen["fixed"].keys())
+    for p in common:
+        assert seen["auto"][p][:1] == seen["fixed"][p][:1], p
