@@ -4,10 +4,16 @@ For each family (tiny random ``qwen3_next`` with MoE MLPs, tiny random dense
 ``qwen3_5``; :func:`mlx_mtp.testing.write_tiny_hybrid`, float32), on random
 token prompts, side by side in one process:
 
-* ``ntp``, ``--method mtp`` at depth 1..K, ``pld`` and (qwen3_5)
-  ``probe --opt shape=chain --opt masks=2``: tau (tokens per
-  target forward), acceptance per draft depth, and a check that every output
-  equals ``ntp``'s token for token.
+* ``ntp``, ``--method mtp`` at depth 1..K and at ``depth=auto`` (the default:
+  the cost curve of this device, measured and cached, or ``--curve``),
+  ``pld``, ``hybrid`` (chain-shaped on these recurrent models, drafting from
+  prompt lookup, its prediction pool and the MTP layer) and (qwen3_5)
+  ``probe --opt shape=chain --opt masks=2``: tau (tokens per target forward),
+  acceptance per draft depth, and a check that every output equals ``ntp``'s
+  token for token.
+* The same on a tiny random ``deepseek_v3`` (61 layers, MLA, a MoE nextn layer;
+  :func:`mlx_mtp.testing.write_tiny_deepseek`), ``--deepseek-prompts``
+  prompts (a 61-layer forward is slow on a CPU).
 * The cost of the recurrent-state restore: wall time of
   :meth:`~mlx_mtp.recurrent.RecurrentRollback.rewind` per rejected step
   (snapshot restore + replay of the gated delta-net mixers over the kept
@@ -19,7 +25,8 @@ so its acceptance is chance level (about 1/vocab), and tau reflects that.
 Figures on a real checkpoint need one (none can be downloaded here).
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python examples/native_mtp_bench.py \
-        [--prompts 30] [--tokens 48] [--depth 3]
+        [--prompts 30] [--tokens 48] [--depth 3] [--deepseek-prompts 3] [--deepseek-tokens 16] \
+        [--curve 1:1,2:1.24,4:1.42,8:1.66,16:1.88,32:2.97]
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from tqdm import tqdm
 
+from mlx_mtp.budget import parse_curve
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import HYBRID_FAMILIES, write_tiny_hybrid
+from mlx_mtp.testing import HYBRID_FAMILIES, write_tiny_deepseek, write_tiny_hybrid
 
 
 def run(engine, method, prompt, n):
@@ -72,6 +80,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deepseek-prompts", type=int, default=3)
+    ap.add_argument("--deepseek-tokens", type=int, default=16)
+    ap.add_argument("--curve", default=None, help="pin the cost curve (slots:cost,...)")
     a = ap.parse_args()
     print(
         f"hardware: {platform.machine()} {platform.processor() or ''} CPU, mlx {mx.__version__} "
@@ -80,18 +91,30 @@ def main() -> None:
     )
     rng = np.random.default_rng(a.seed)
     prompts = [rng.integers(0, 256, int(rng.integers(4, 24))).tolist() for _ in range(a.prompts)]
-    for family in HYBRID_FAMILIES:
+    for family in (*HYBRID_FAMILIES, "deepseek_v3"):
         folder = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-"))
-        write_tiny_hybrid(folder, family, seed=1)
+        if family == "deepseek_v3":
+            if a.deepseek_prompts < 1:
+                continue
+            write_tiny_deepseek(folder, seed=1)
+            prompts, a.tokens = prompts[: a.deepseek_prompts], a.deepseek_tokens
+        else:
+            write_tiny_hybrid(folder, family, seed=1)
         model, config = load_model(folder)
         engine = Engine(model)
         engine.loaded = types.SimpleNamespace(path=folder, config=config)
-        names = ["ntp", *[f"mtp{d}" for d in range(1, a.depth + 1)], "pld"]
+        if a.curve:
+            engine.curve = parse_curve(a.curve)
+        names = ["ntp", *[f"mtp{d}" for d in range(1, a.depth + 1)], "mtpauto", "pld", "hybrid"]
         if family == "qwen3_5":  # mlx-lm's qwen3_next takes no input embeddings
             names.append("chainprobe")
         methods = {}
         for name in names:
-            if name.startswith("mtp"):
+            if name == "mtpauto":
+                m = make_method("mtp")
+            elif name == "hybrid":
+                m = make_method("hybrid", shape="chain")
+            elif name.startswith("mtp"):
                 m = make_method("mtp", depth=int(name[3:]))
             elif name == "chainprobe":
                 m = make_method("probe", shape="chain", masks=2)
@@ -106,7 +129,7 @@ def main() -> None:
         for prompt in tqdm(prompts, desc=family):
             ref = None
             for name in names:  # interleaved: one prompt, every method
-                rb = engine.rollback
+                rb = engine.rollback or types.SimpleNamespace(rewinds=0, rewind_seconds=0.0)
                 r0, s0 = rb.rewinds, rb.rewind_seconds
                 out, st = run(engine, methods[name], prompt, a.tokens)
                 ref = out if name == "ntp" else ref
@@ -115,10 +138,16 @@ def main() -> None:
                 acc[name]["forwards"] += st.forward_passes
                 acc[name]["rewinds"] += rb.rewinds - r0
                 acc[name]["rewind_s"] += rb.rewind_seconds - s0
+                if name == "mtpauto":
+                    b = methods[name].budget
+                    acc[name].setdefault("plain", 0)
+                    acc[name]["plain"] += b.plain_steps if b is not None else 0
                 if name == "ntp":
                     fwd_ms.append(st.forward_time / st.forward_passes * 1e3)
         t1 = statistics.median(fwd_ms)
         print(f"\n{family}: one-token forward {t1:.2f} ms (median over prompts, ntp)")
+        curve = getattr(engine, "curve", None)
+        print(f"cost curve: {curve}; mtp draft cost {methods['mtp1'].draft_cost:.3f} forwards")
         print("method     tau    exact  acceptance per depth        restore ms/rejected step")
         for name in names:
             s = acc[name]
@@ -126,8 +155,12 @@ def main() -> None:
             per = ""
             if name.startswith("mtp"):
                 per = " ".join(f"{x:.3f}" for x in methods[name].acceptance_per_depth())
+                if name == "mtpauto":
+                    per = " ".join(per.split()[:4]) + f" plain={s['plain']}"
             rest = f"{s['rewind_s'] / s['rewinds'] * 1e3:.2f}" if s["rewinds"] else "-"
             print(f"{name:10s} {tau:.3f}  {exact[name]!s:5s}  {per:27s} {rest} ({s['rewinds']})")
+        if engine.rollback is None:
+            continue
         kept = 1  # most rejected steps keep just the root (chance-level drafts)
         print(
             f"alternative restore (whole backbone over the kept token): "
