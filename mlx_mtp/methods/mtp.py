@@ -56,6 +56,9 @@ from .base import SpeculativeMethod, parse_int
 #: the longest chain ``depth="auto"`` may draft (the layer is trained for depth
 #: 1; re-fed beyond it, acceptance falls with depth)
 AUTO_MAX_DEPTH = 8
+#: committed positions that may wait for the MTP layer while nothing is drafted
+#: (hybrid whose other sources pay, the layer's do not): fed without drafting beyond
+MAX_PENDING = 64
 
 
 def draft_cost_of(layer: Any, model: Any) -> float:
@@ -175,13 +178,10 @@ class NativeDrafter:
         yet) or ``depth`` is 0 (the pairs then wait for the next draft)."""
         if not self.pending or depth < 1:
             self.clear_tap()
+            if sum(len(ts) for _, ts in self.pending) > MAX_PENDING:  # keep memory bounded
+                engine.timed_eval(self._feed(engine))
             return []
-        h = mx.concatenate([r for r, _ in self.pending], axis=0)
-        toks = [t for _, ts in self.pending for t in ts]
-        self.pending = []
-        o = self.layer(h[None], engine.embed_tokens(toks)[None], self.cache)[0]
-        self.fed += toks
-        last = o[-1:]
+        last = self._feed(engine)[-1:]
         d = mx.argmax(engine.lm_head(last), axis=-1)
         drafts = [d]
         for _ in range(1, depth):
@@ -194,6 +194,14 @@ class NativeDrafter:
                 c.trim(depth - 1)
         self.clear_tap()
         return [int(x.item()) for x in drafts]
+
+    def _feed(self, engine: Engine) -> mx.array:
+        # the pending pairs through the layer (lazy): (P, D) outputs
+        h = mx.concatenate([r for r, _ in self.pending], axis=0)
+        toks = [t for _, ts in self.pending for t in ts]
+        self.pending = []
+        self.fed += toks
+        return self.layer(h[None], engine.embed_tokens(toks)[None], self.cache)[0]
 
     def verified(self, rows: mx.array | None, tokens: list[int]) -> None:
         """A verify pass committed ``tokens`` (accepted drafts and the bonus).
