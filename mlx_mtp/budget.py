@@ -147,7 +147,9 @@ def measure_cost_curve(
     and return the medians relative to one slot.
 
     Runs on the current cache, which is left exactly as it was; the timing
-    passes are not counted in the engine's forward statistics. Sizes the
+    passes are not counted in the engine's forward statistics. On a hybrid
+    recurrent model the passes are causal chains (what its verify passes are)
+    and the recurrent state is rolled back after each (:mod:`mlx_mtp.recurrent`). Sizes the
     cache cannot drop afterwards (a nearly full sliding window) or that do not
     fit in memory are left out.
 
@@ -163,7 +165,13 @@ def measure_cost_curve(
         raise UnsupportedModelError("a cost curve needs a model with the llama-style layout")
     engine._settle()
     cap = engine.max_slots(engine.offset)
-    sizes = [s for s in sorted({1, *map(int, sizes)}) if s <= cap and engine.trimmable(s)]
+    # hybrid recurrent models: causal chains, dropped again through the rollback
+    recurrent = engine.rollback is not None
+    sizes = [
+        s
+        for s in sorted({1, *map(int, sizes)})
+        if s <= cap and engine.trimmable(s, chain=recurrent)
+    ]
     if 1 not in sizes:
         return CostCurve([1], [1.0])
     saved = (engine.forward_passes, engine.forward_slots, engine.forward_seconds)
@@ -172,11 +180,13 @@ def measure_cost_curve(
 
     from .cache_view import install_positional_rope
 
-    try:
-        install_positional_rope(engine.model)
-        tree = True
-    except AttributeError:  # no per-token RoPE: time the causal chain forward
-        tree = False
+    tree = False
+    if not recurrent:  # a recurrent model's verify passes are chains
+        try:
+            install_positional_rope(engine.model)
+            tree = True
+        except AttributeError:  # no per-token RoPE: time the causal chain forward
+            pass
 
     def timed(m: int) -> float:
         parents = np.arange(-1, m - 1, dtype=np.int64)
@@ -186,7 +196,7 @@ def measure_cost_curve(
         if tree:
             engine.forward_tree(emb, parents, [tok] * m)
         else:
-            engine.forward_chain([tok] * m)
+            engine.forward_chain([tok] * m, droppable=recurrent)
         dt = time.perf_counter() - t0
         engine.trim_to(start)
         return dt

@@ -426,7 +426,8 @@ class Engine:
                 :meth:`timed_eval`, one synchronisation per step instead of two.
             droppable: some of these tokens are dropped again after the pass
                 (rejected drafts, mask tokens): refuse before the pass if the
-                cache could not drop them.
+                cache could not drop them; on a hybrid recurrent model the
+                pass is then recorded for the rollback even for one token.
 
         Returns:
             logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
@@ -443,7 +444,7 @@ class Engine:
             self.check_slots(len(tokens))
         t0 = time.perf_counter()
         if self.rollback is not None:  # hybrid model: a multi-token pass may be rolled back
-            if len(tokens) > 1:
+            if len(tokens) > 1 or droppable:
                 self.rollback.arm(self.cache, self.offset, len(tokens))
             else:
                 self.rollback.disarm()

@@ -450,3 +450,21 @@ def test_hybrid_drafts_from_the_mtp_layer_as_a_chain_on_hybrid_models(hybrid, tm
     assert "mtp" not in _method(bare, "hybrid", bc=10).describe()  # auto: no layer, no source
     with pytest.raises(ModelLoadError, match="no mtp"):
         _method(bare, "hybrid", mtp=1)
+
+
+def test_cost_curve_is_measured_on_hybrid_models_and_leaves_the_state(hybrid):
+    """The cost curve behind every ``auto`` is measured on a recurrent model
+    too (chain passes rolled back), not collapsed to one size (a free device)."""
+    from mlx_mtp.budget import measure_cost_curve
+
+    engine = _engine(hybrid)
+    prompt = _prompts(1, seed=51)[0]
+    engine.sync(prompt)
+    before = np.array(engine.forward_chain([7])[0])
+    engine.reset()
+    engine.sync(prompt)
+    curve = measure_cost_curve(engine, sizes=(1, 2, 4, 8), repeats=1)
+    assert curve.sizes == [1, 2, 4, 8]
+    assert engine.offset == len(prompt) and engine.cached == prompt
+    after = np.array(engine.forward_chain([7])[0])
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
