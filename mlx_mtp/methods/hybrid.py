@@ -400,6 +400,7 @@ class Hybrid(SpeculativeMethod):
         self.chain = shape == "chain"
         self.masks_given = masks is not None
         self.masks = parse_int("masks", 1 if masks is None else masks, 0, 3)
+        self._masks_opt = self.masks  # prepare may turn the default off per model
         if str(mtp) == "auto":
             self.mtp_opt: str | int = "auto"
         else:
@@ -432,6 +433,7 @@ class Hybrid(SpeculativeMethod):
 
         recurrent = engine.rollback is not None
         mtype = getattr(engine.model, "model_type", "")
+        self.masks = self._masks_opt
         if recurrent and self.shape == "tree":
             raise UnsupportedModelError(
                 f"--method hybrid shape=tree cannot run model type {mtype!r}: its recurrent "
