@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--deepseek-prompts", type=int, default=3)
     ap.add_argument("--deepseek-tokens", type=int, default=16)
     ap.add_argument("--curve", default=None, help="pin the cost curve (slots:cost,...)")
+    ap.add_argument("--families", default="qwen3_next,qwen3_5,deepseek_v3")
     a = ap.parse_args()
     print(
         f"hardware: {platform.machine()} {platform.processor() or ''} CPU, mlx {mx.__version__} "
@@ -92,6 +93,8 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     prompts = [rng.integers(0, 256, int(rng.integers(4, 24))).tolist() for _ in range(a.prompts)]
     for family in (*HYBRID_FAMILIES, "deepseek_v3"):
+        if family not in a.families.split(","):
+            continue
         folder = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-"))
         if family == "deepseek_v3":
             if a.deepseek_prompts < 1:

@@ -178,10 +178,14 @@ def measure_cost_curve(
     tok = engine.cached[-1] if engine.cached else 0
     start = engine.offset
 
+    from mlx_lm.utils import does_model_support_input_embeddings
+
     from .cache_view import install_positional_rope
 
     tree = False
-    if not recurrent:  # a recurrent model's verify passes are chains
+    # a recurrent model's verify passes are chains; so are those of a model that
+    # takes no input embeddings (deepseek_v3: chain methods only)
+    if not recurrent and does_model_support_input_embeddings(engine.model):
         try:
             install_positional_rope(engine.model)
             tree = True

@@ -168,6 +168,17 @@ def test_mtp_and_hybrid_with_nextn_equal_ntp_sweep(deepseek):
     _mtp_sweep(deepseek, prompts, 24)
 
 
+def test_cost_curve_of_a_model_without_input_embeddings(deepseek):
+    """deepseek_v3 takes no input embeddings: its curve is timed with chain
+    passes (what mtp and pld verify with), and the cache is left as it was."""
+    from mlx_mtp.budget import measure_cost_curve
+
+    engine = _engine(deepseek)
+    engine.sync([5, 77, 140])
+    curve = measure_cost_curve(engine, sizes=(1, 2, 4), repeats=1)
+    assert curve.sizes == [1, 2, 4] and engine.cached == [5, 77, 140]
+
+
 def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
     """depth=auto in plain mode (pipelined one-token steps on this attention
     model) still feeds the layer every committed position: the re-probes'
