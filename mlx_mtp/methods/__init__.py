@@ -38,8 +38,8 @@ DESCRIPTIONS: dict[str, str] = {
     "clp": "CLP heads + span predictor",
     "confadapt": "ConfAdapt decoding of self-distilled MTP checkpoints",
     "lookahead": "lookahead (Jacobi) decoding",
-    "hybrid": "hybrid probe + n-gram draft tree",
-    "mtp": "the checkpoint's native MTP layer (Qwen3.5/3.6, Qwen3-Next) drafting a chain",
+    "hybrid": "hybrid probe + n-gram (+ native MTP) draft tree, a chain on recurrent models",
+    "mtp": "the checkpoint's native MTP layer (Qwen3.5/3.6, Qwen3-Next, DeepSeek nextn): a chain",
 }
 
 
