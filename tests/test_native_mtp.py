@@ -468,3 +468,11 @@ def test_cost_curve_is_measured_on_hybrid_models_and_leaves_the_state(hybrid):
     assert engine.offset == len(prompt) and engine.cached == prompt
     after = np.array(engine.forward_chain([7])[0])
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_chain_probe_fixed_bc_must_match_its_shape():
+    from mlx_mtp.errors import InvalidArgumentError
+
+    assert not make_method("probe", shape="chain", masks=2, bc=5).auto
+    with pytest.raises(InvalidArgumentError, match="block complexity 5"):
+        make_method("probe", shape="chain", masks=2, bc=30)

@@ -247,7 +247,16 @@ class Probe(SpeculativeMethod):
         self.chain_shaped = shape == "chain"
         self.masks = parse_int("masks", masks, 1, 3)
         self.template = parse_template(str(tree), self.masks)
-        if self.template is None:
+        if self.template is None and shape == "chain" and bc is not None and str(bc) != "auto":
+            # a fixed chain: [root, d1..dk, m1..mk], block complexity 2k + 1
+            if parse_int("bc", bc, 1) != 2 * self.masks + 1:
+                raise InvalidArgumentError(
+                    f"probe shape=chain with masks={self.masks} has block complexity "
+                    f"{2 * self.masks + 1}; bc={bc} does not match it. Use bc=auto (the "
+                    "default) or drop bc."
+                )
+            self.auto, self.nodes = False, 0
+        elif self.template is None:
             self.auto, bc = parse_bc("auto" if bc is None else bc, max_bc, 2 * (self.masks + 1))
             self.nodes = bc // (self.masks + 1) - 1
         else:
