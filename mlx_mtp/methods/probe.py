@@ -281,7 +281,8 @@ class Probe(SpeculativeMethod):
 
     def describe(self) -> str:
         if self.shape == "chain":
-            return f"probe(shape=chain, masks={self.masks})"
+            bc = "auto" if self.auto else str(2 * self.masks + 1)
+            return f"probe(shape=chain, masks={self.masks}, bc={bc})"
         tree = "dynamic" if self.template is None else ",".join(map(str, self.template))
         init = "" if self.mask_init == "mean" else ", mask_init=learned"
         bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
