@@ -429,7 +429,7 @@ def test_hybrid_drafts_from_the_mtp_layer_as_a_chain_on_hybrid_models(hybrid, tm
         engine.curve = curve
         m = _method(engine, "hybrid", bc=bc)
         assert "shape=chain" in m.describe() and "mtp<=3" in m.describe()
-        for prompt in _prompts(2, seed=31):
+        for prompt in _prompts(1, seed=31):
             ref, _ = _generate(engine, ntp, prompt, 24)
             out, stats = _generate(engine, m, prompt, 24)
             assert out == ref, (bc, prompt)
