@@ -253,12 +253,15 @@ def device_name() -> str:
 
 
 def curve_key(engine: Engine) -> dict[str, str]:
-    """What a cached curve must match: the model's fingerprint, the device and
-    the dtype the model computes in."""
+    """What a cached curve must match: the model's architecture and fingerprint
+    (two architectures can share a fingerprint: tiny test models built from one
+    seed), the device and the dtype the model computes in."""
     from .fingerprint import model_fingerprint
 
     dtype = str(engine.embed_tokens([0]).dtype).replace("mlx.core.", "")
-    return {"model": model_fingerprint(engine.model), "device": device_name(), "dtype": dtype}
+    arch = getattr(getattr(engine.model, "args", None), "model_type", None)
+    model = model_fingerprint(engine.model)
+    return {"model": f"{arch}-{model}" if arch else model, "device": device_name(), "dtype": dtype}
 
 
 def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
