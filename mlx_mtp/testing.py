@@ -16,14 +16,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
-    """A randomly initialised mlx-lm model (float32) of ``family``.
-
-    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256. Logits are
-    scaled up (embedding init x 8) so greedy decoding is not a flat tie.
-    """
-    from mlx_lm.utils import _get_classes
-
+def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """The ``config.json`` dict of a tiny mlx-lm model of ``family`` (one of
+    :data:`TINY_CONFIGS`): hidden 64, 2 layers, 4 heads / 2 KV heads, vocab
+    256, then the family's entries, then ``overrides``."""
     config: dict[str, Any] = {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -38,6 +34,19 @@ def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> n
     }
     config.update(TINY_CONFIGS[family])
     config.update(overrides)
+    return config
+
+
+def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
+    """A randomly initialised mlx-lm model (float32) of ``family`` built from
+    :func:`tiny_config` (``overrides`` go there).
+
+    Logits are scaled up (embedding init x 8) so greedy decoding is not a flat
+    tie.
+    """
+    from mlx_lm.utils import _get_classes
+
+    config = tiny_config(family, **overrides)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

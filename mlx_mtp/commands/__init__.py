@@ -20,6 +20,8 @@ BASE_DTYPE_HELP = (
     "float32, bfloat16, float16, or auto (the stored weights: a 4-bit model is used as "
     "4-bit, no float copy). Default: float32 on Linux, auto on a Mac."
 )
+#: the --dtype option of those commands
+BASE_DTYPE = typer.Option(None, "--dtype", help=BASE_DTYPE_HELP)
 
 
 def group(name: str) -> typer.Typer:

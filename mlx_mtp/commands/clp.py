@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from . import BASE_DTYPE_HELP, group
+from . import BASE_DTYPE, group
 
 
 def register(app: typer.Typer) -> None:
@@ -48,11 +48,7 @@ def register(app: typer.Typer) -> None:
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..fingerprint import model_fingerprint
@@ -102,11 +98,7 @@ def register(app: typer.Typer) -> None:
             "auto", "--from", help="auto, clp, medusa, mimo-mtp or qwen3-mtp (how to read SRC)."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
         from ..converters.clp_heads import convert

@@ -118,7 +118,7 @@ def run_train_masks(
 
 
 def register(app: typer.Typer) -> None:
-    from . import BASE_DTYPE_HELP, group
+    from . import BASE_DTYPE, group
 
     @group("train").command("masks")
     def train_masks_cmd(
@@ -139,11 +139,7 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
         batch_size: int = typer.Option(
             16,
             "--batch-size",
