@@ -1,9 +1,14 @@
-"""``mlx-mtp`` command line: chat, generate, models (and more as methods land)."""
+"""``mlx-mtp`` command line: ``generate``, ``chat``, ``models`` here; the
+sub-commands of :mod:`mlx_mtp.commands` (bench, serve, train, convert) are
+added automatically."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import os
+import pkgutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +16,10 @@ from typing import Any
 
 import typer
 
+from . import commands, distributed, load
 from .errors import MTPError
+from .loading import ALIASES, cache_home, cached_models
+from .methods import DESCRIPTIONS, available_methods
 from .validation import LIMITS, check_generation_args, typer_range
 
 app = typer.Typer(
@@ -173,8 +181,6 @@ def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callabl
 
 
 def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=False):
-    from . import distributed, load
-
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
     m = load(
@@ -204,8 +210,6 @@ def generate(
     options: dict,
 ):
     """Generate one answer and print statistics."""
-    from . import distributed
-
     if prompt == "-":
         # read on rank 0 only (a launcher gives stdin to rank 0), shared with all
         prompt = distributed.agree(sys.stdin.read() if distributed.is_main() else None)
@@ -233,8 +237,6 @@ def chat(
     options: dict,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
-    from . import distributed
-
     check_generation_args(**sampling)  # before the slow load
     m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
     session = m.chat()
@@ -275,9 +277,6 @@ def _read_line() -> str | None:
 @app.command()
 def models():
     """List model aliases, methods, and converted models in the cache."""
-    from .loading import ALIASES, cache_home, cached_models
-    from .methods import DESCRIPTIONS, available_methods
-
     typer.echo("aliases:")
     for k, v in ALIASES.items():
         typer.echo(f"  {k:18s} {v}")
@@ -293,11 +292,6 @@ def _register_commands() -> None:
     """Add the sub-commands of every module in ``mlx_mtp/commands`` (each
     defines ``register(app)``), so features add commands without editing this
     file."""
-    import importlib
-    import pkgutil
-
-    from . import commands
-
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         importlib.import_module(f"{commands.__name__}.{info.name}").register(app)
     for name, sub in commands.groups().items():
@@ -310,7 +304,8 @@ _register_commands()
 def _click_exceptions() -> tuple[type[BaseException], ...]:
     """Click's exception base classes: typer >= 0.17 raises those of its own
     bundled click copy (``typer._click``), which are not subclasses of
-    ``click.ClickException``; older typer raises click's."""
+    ``click.ClickException``; older typer raises click's. Imported only when
+    an error is reported: typer >= 0.17 does not load click otherwise."""
     import click
 
     found: list[type[BaseException]] = [click.ClickException]
@@ -330,8 +325,6 @@ def main() -> None:
     flag, missing or unparsable value, out-of-range value: click prints the
     usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
     Never a traceback for either."""
-    from . import distributed
-
     if not distributed.is_main():
         _quiet_rank()
     try:
@@ -352,10 +345,6 @@ def _quiet_rank() -> None:
     """On ranks other than 0 of an MLX group (``mlx.launch``): output and
     progress bars go nowhere, so only rank 0 prints; error lines still reach
     the real stderr, marked with the rank."""
-    import os
-
-    from . import distributed
-
     real = sys.__stderr__
 
     class _ErrorsOnly:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from .native_mtp import NativeMTPLayer
 
 #: mlx-lm model families with a tiny config each
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -44,8 +50,6 @@ def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> n
     Logits are scaled up (embedding init x 8) so greedy decoding is not a flat
     tie.
     """
-    from mlx_lm.utils import _get_classes
-
     config = tiny_config(family, **overrides)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
@@ -146,14 +150,6 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     Returns:
         The config written to ``config.json``.
     """
-    import json
-    from pathlib import Path
-
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from .native_mtp import NativeMTPLayer
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = hybrid_config(family)

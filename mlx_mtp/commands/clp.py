@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from ..loading import cache_home, load_model
 from . import BASE_DTYPE, group
 
 
@@ -52,7 +53,6 @@ def register(app: typer.Typer) -> None:
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..fingerprint import model_fingerprint
-        from ..loading import cache_home, load_model
         from ..training.clp import TrainConfig, train_clp
 
         loaded = load_model(model, dtype=dtype)
@@ -102,7 +102,6 @@ def register(app: typer.Typer) -> None:
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
         from ..converters.clp_heads import convert
-        from ..loading import load_model
 
         loaded = load_model(model, dtype=dtype)
         summary = convert(src, dst, loaded, source=source, overwrite=overwrite)

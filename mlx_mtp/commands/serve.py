@@ -6,6 +6,8 @@ import ipaddress
 
 import typer
 
+from .. import distributed
+from ..errors import InvalidArgumentError
 from ..validation import typer_range
 
 #: hosts that only this machine can reach
@@ -24,6 +26,7 @@ def is_loopback(host: str) -> bool:
 
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` command to the CLI."""
+    # here, not at the top: mlx_mtp.cli imports this module while it loads
     from ..cli import LOAD, METHOD_OPTIONS, PIPELINE, TEMP, TOP_P, with_options
 
     @app.command()
@@ -65,7 +68,6 @@ def register(app: typer.Typer) -> None:
         """Serve the model over the OpenAI HTTP API (/v1/chat/completions,
         /v1/completions, /v1/models, /health). A request picks its method with
         an extra field, e.g. {"mtp": {"method": "pld"}}; --method is the default."""
-        from ..errors import InvalidArgumentError
         from ..server import Worker, make_server, require_server_extra
 
         require_server_extra()  # before the slow model load
@@ -96,8 +98,6 @@ def register(app: typer.Typer) -> None:
             pipeline=pipeline,
         )
         worker.start()
-        from .. import distributed
-
         if not distributed.is_main():  # only rank 0 serves HTTP; the others follow it
             worker.wait()
             return
