@@ -55,7 +55,7 @@ def make_checkpoint(
     tok_dir, n_tok = tokenizer_dirs[with_mask]
     vocab = -(-n_tok // 8) * 8  # padded, like Qwen's 151936 > 151670
     config = tiny_config(
-        family, vocab_size=vocab, torch_dtype="bfloat16", **LAYOUTS[family], **sizes
+        family, **{"vocab_size": vocab, "torch_dtype": "bfloat16", **LAYOUTS[family], **sizes}
     )
     model = make_tiny_model(
         family, seed=seed, **{k: v for k, v in config.items() if k != "architectures"}
