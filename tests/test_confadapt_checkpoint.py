@@ -208,12 +208,12 @@ def test_convert_interrupted_leaves_nothing_loadable(tmp_path, tokenizer_dirs, m
 
 
 def test_convert_hub_offline_error(tmp_path, monkeypatch):
-    import huggingface_hub
+    import mlx_mtp.loading
 
     def offline(*a, **k):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setattr(mlx_mtp.loading, "snapshot_download", offline)
     with pytest.raises(ModelNotFoundError, match="offline"):
         _convert("jwkirchenbauer/Qwen3-4B-Inst-2507-MTP", tmp_path / "out")
 
