@@ -1,4 +1,7 @@
-"""Prompt sets shipped with the package.
+"""Prompts: the sets shipped with the package, named data sets
+(:func:`resolve_data`), prompt files (:func:`read_prompts`), and the one
+prompt renderer of the API, the benchmark and the trainers
+(:func:`render_prompt`).
 
 Spec-Bench (Xia et al. 2024; Apache-2.0, see ``assets/spec_bench/LICENSE.spec_bench``): 480
 questions, 80 per task. The six tasks are ``mt_bench`` (the MT-bench categories
