@@ -479,6 +479,10 @@ class Trainer:
         seq = self._conts.get([idx])[0]
         return seq.prompt, seq.generated
 
+    def _prompt_ids(self, i: int) -> list[int]:
+        ids = encode_prompt(self.tokenizer, self.prompts[i], self.prompt_format)
+        return ids[-self.cfg.max_prompt_tokens :]
+
     def sample(self, step: int) -> tuple[list[int], int, RegionLayout]:
         """The sequence and mask regions of ``step`` (deterministic in seed and step)."""
         rng = np.random.default_rng([self.cfg.seed, step])
