@@ -99,4 +99,8 @@ def test_not_a_continuations_file(model, tmp_path):
         with pytest.raises(InvalidArgumentError, match="continuations file"):
             Continuations(model, PROMPTS, 4, set(), path=path)
         assert path.read_text() == text  # left as it was
+    # a trainer's own file in an older format is decoded again instead
+    path.write_text('{"prompt": 0, "tokens": [5, 6]}\n')
+    c = Continuations(model, PROMPTS, 4, set(), path=path, own_file=True, progress=False)
+    assert len(c.all()) == 4 and read_continuations(path, c.meta).keys() == {0, 1, 2, 3}
     assert TrainSequence([1], [2]).tokens == [1, 2]

@@ -204,6 +204,7 @@ def train_clp(
         hidden=True,
         path=ckdir / "continuations.jsonl",
         meta={"model_fingerprint": model_fingerprint(model)},
+        own_file=True,
     )
     if conts.done:
         log(f"resumed {len(conts.done)} generated continuations from {conts.path}")

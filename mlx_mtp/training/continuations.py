@@ -262,9 +262,13 @@ class Continuations:
         path: jsonl file to keep them in (None: memory only).
         meta: what else the continuations depend on (model fingerprint, dtype).
         progress: show a tqdm bar in :meth:`all`.
+        own_file: ``path`` is the caller's own working file (a trainer's
+            checkpoint folder), so one it cannot read (e.g. written by an
+            older version) is started anew instead of refused.
 
     Raises:
-        InvalidArgumentError: ``path`` exists but is not a continuations file.
+        InvalidArgumentError: ``path`` exists but is not a continuations file
+            (and ``own_file`` is False).
     """
 
     def __init__(
@@ -279,6 +283,7 @@ class Continuations:
         path: str | Path | None = None,
         meta: dict | None = None,
         progress: bool = True,
+        own_file: bool = False,
     ):
         self.model, self.prompts, self.max_tokens = model, [list(p) for p in prompts], max_tokens
         self.eos, self.batch_size, self.hidden, self.progress = eos, batch_size, hidden, progress
@@ -292,7 +297,12 @@ class Continuations:
         }
         self.done: dict[int, TrainSequence] = {}
         if self.path is not None:
-            got = read_continuations(self.path, self.meta)
+            try:
+                got = read_continuations(self.path, self.meta)
+            except InvalidArgumentError:
+                if not own_file:
+                    raise
+                got = None
             if got is None:
                 save_continuations(self.path, [], self.meta)
             else:

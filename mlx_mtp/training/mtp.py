@@ -415,6 +415,7 @@ class Trainer:
             path=self.ckpt_dir().with_name(self.ckpt_dir().name + ".continuations.jsonl"),
             meta={"model_fingerprint": self.fingerprint, "prompt_format": prompt_format},
             progress=False,
+            own_file=True,  # a file of an older version is decoded again
         )
 
     # ------------------------------------------------------------ student
