@@ -52,14 +52,9 @@ def main() -> None:
     from mlx_mtp.data import spec_bench_sample
     from mlx_mtp.loading import load_model
     from mlx_mtp.methods.confadapt import confadapt_length
-    from mlx_mtp.mtp_checkpoint import apply_adapter, read_adapter_config
-    from mlx_mtp.training.mtp import (
-        TrainConfig,
-        batch_continuations,
-        encode_prompt,
-        forward_layout,
-        region_layout,
-    )
+    from mlx_mtp.mtp_checkpoint import apply_adapter, read_adapter_config, tokenizer_eos_ids
+    from mlx_mtp.training.continuations import greedy_continuations
+    from mlx_mtp.training.mtp import encode_prompt, forward_layout, region_layout
 
     taus = [float(t) for t in args.taus.split(",")]
     base = load_model(args.model)
@@ -75,9 +70,9 @@ def main() -> None:
     if cached.get("key") == key:
         conts = cached["continuations"]
     else:
-        conts = batch_continuations(
-            base.model, base.tokenizer, prompts, TrainConfig(gen_tokens=args.gen_tokens)
-        )
+        eos = set(tokenizer_eos_ids(base.tokenizer))
+        seqs = greedy_continuations(base.model, prompts, args.gen_tokens, eos)
+        conts = [s.generated for s in seqs]
         if args.cache:
             args.cache.write_text(json.dumps({"key": key, "continuations": conts}))
 

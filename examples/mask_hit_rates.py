@@ -31,7 +31,8 @@ from tqdm import tqdm
 from mlx_mtp.bench.runner import recorded_outputs
 from mlx_mtp.learned_masks import load_learned_masks
 from mlx_mtp.loading import load_model
-from mlx_mtp.training.masks import TrainSequence, eval_masks, mean_prompt_vectors
+from mlx_mtp.training.continuations import TrainSequence
+from mlx_mtp.training.masks import eval_masks, mean_prompt_vectors
 
 
 def main() -> None:

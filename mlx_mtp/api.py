@@ -106,7 +106,7 @@ class MTPModel:
                 ``{"role", "content"}``, or token ids.
 
         A tokenizer without a chat template renders chat messages as plain
-        text turns (``"user: ...\nassistant: "``, see :func:`plain_chat_text`)
+        text turns (``"user: ...\nassistant: "``, see :func:`mlx_mtp.data.role_lines`)
         and warns once; text prompts are then encoded as they are.
 
         Raises:
@@ -128,18 +128,17 @@ class MTPModel:
                         f"A chat message must have string 'role' and 'content', got {m!r}."
                     )
                 _check_text(m["content"], "A chat message")
-            if self.has_chat_template or self.prompt_format == "plain":
-                return render_prompt(
-                    self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
-                )
-            if not self._warned_template:
-                warnings.warn(
-                    f"{self.loaded.name}: the tokenizer has no chat template; chat messages "
-                    "are sent as plain 'role: text' lines.",
-                    stacklevel=2,
-                )
-                self._warned_template = True
-            return list(self.tokenizer.encode(plain_chat_text(prompt)))
+            if not (self.has_chat_template or self.prompt_format == "plain"):
+                if not self._warned_template:
+                    warnings.warn(
+                        f"{self.loaded.name}: the tokenizer has no chat template; chat "
+                        "messages are sent as plain 'role: text' lines.",
+                        stacklevel=2,
+                    )
+                    self._warned_template = True
+            return render_prompt(
+                self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
+            )
         if (
             isinstance(prompt, list)
             and prompt
@@ -329,14 +328,6 @@ def load(
     return MTPModel(
         load_model(model, dtype, pipeline=pipeline), m, max_kv_size=max_kv_size, thinking=thinking
     )
-
-
-def plain_chat_text(messages: list[dict[str, str]]) -> str:
-    """Chat messages as plain text for a tokenizer without a chat template:
-    one ``"role: content"`` line per message, then ``"assistant: "``. A longer
-    conversation renders to an extension of a shorter one, so the KV cache of
-    the previous turn is reused."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`

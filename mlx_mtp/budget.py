@@ -37,6 +37,7 @@ can therefore be a win on one device and a loss on another (DESIGN §6, class
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -51,6 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import does_model_support_input_embeddings
+from tqdm import tqdm
+
+from . import distributed
+from .cache_view import install_positional_rope
+from .errors import InvalidArgumentError, UnsupportedModelError
+from .fingerprint import model_fingerprint
+from .loading import cache_home
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -159,8 +168,6 @@ def measure_cost_curve(
     Raises:
         UnsupportedModelError: the model has no llama-style layout.
     """
-    from .errors import UnsupportedModelError
-
     if engine.backbone is None:
         raise UnsupportedModelError("a cost curve needs a model with the llama-style layout")
     engine._settle()
@@ -177,10 +184,6 @@ def measure_cost_curve(
     saved = (engine.forward_passes, engine.forward_slots, engine.forward_seconds)
     tok = engine.cached[-1] if engine.cached else 0
     start = engine.offset
-
-    from mlx_lm.utils import does_model_support_input_embeddings
-
-    from .cache_view import install_positional_rope
 
     tree = False
     # a recurrent model's verify passes are chains; so are those of a model that
@@ -208,8 +211,6 @@ def measure_cost_curve(
     times: dict[int, list[float]] = {s: [] for s in sizes}
     rounds = range(repeats + 1)
     if progress:
-        from tqdm import tqdm
-
         rounds = tqdm(rounds, desc="cost curve", unit="round", leave=False)
     try:
         for r in rounds:
@@ -256,8 +257,6 @@ def curve_key(engine: Engine) -> dict[str, str]:
     """What a cached curve must match: the model's architecture and fingerprint
     (two architectures can share a fingerprint: tiny test models built from one
     seed), the device and the dtype the model computes in."""
-    from .fingerprint import model_fingerprint
-
     dtype = str(engine.embed_tokens([0]).dtype).replace("mlx.core.", "")
     arch = getattr(getattr(engine.model, "args", None), "model_type", None)
     model = model_fingerprint(engine.model)
@@ -266,10 +265,6 @@ def curve_key(engine: Engine) -> dict[str, str]:
 
 def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
     """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of device>.json``."""
-    import hashlib
-
-    from .loading import cache_home
-
     dev = hashlib.sha256(key["device"].encode()).hexdigest()[:10]
     return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{dev}.json"
 
@@ -317,8 +312,6 @@ def parse_curve(spec: str) -> CostCurve:
     Raises:
         InvalidArgumentError: not such a list, or sizes not increasing from 1.
     """
-    from .errors import InvalidArgumentError
-
     try:
         pairs = [p.split(":") for p in spec.replace(" ", "").split(",") if p]
         return CostCurve([int(n) for n, _ in pairs], [float(c) for _, c in pairs])
@@ -349,7 +342,6 @@ def cost_curve(engine: Engine, measure: bool = True) -> CostCurve:
     if os.environ.get("MLX_MTP_COST_CURVE"):
         engine.curve = parse_curve(os.environ["MLX_MTP_COST_CURVE"])
         return engine.curve
-    from . import distributed
 
     key = curve_key(engine)
     if os.environ.get("MLX_MTP_REMEASURE_COST") != "1":

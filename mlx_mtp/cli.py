@@ -1,12 +1,25 @@
-"""``mlx-mtp`` command line: chat, generate, models (and more as methods land)."""
+"""``mlx-mtp`` command line: ``generate``, ``chat``, ``models`` here; the
+sub-commands of :mod:`mlx_mtp.commands` (bench, serve, train, convert) are
+added automatically."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import os
+import pkgutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import typer
 
+from . import commands, distributed, load
 from .errors import MTPError
+from .loading import ALIASES, cache_home, cached_models
+from .methods import DESCRIPTIONS, available_methods
 from .validation import LIMITS, check_generation_args, typer_range
 
 app = typer.Typer(
@@ -60,6 +73,11 @@ PIPELINE = typer.Option(
 
 
 def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
+    """The method options of the flags and ``--opt key=value`` items.
+
+    Raises:
+        typer.BadParameter: an ``--opt`` that is not key=value, or a key given twice.
+    """
     out = {}
     for key, val in (("bc", bc), ("masks", masks), ("tree", tree), ("k", k), ("tau", tau)):
         if val is not None:
@@ -77,16 +95,99 @@ def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
     return out
 
 
-def _load(model, method, dtype, max_kv, options, pipeline=False, thinking=False):
-    from . import distributed, load
+@dataclass(frozen=True)
+class OptionGroup:
+    """Options that several commands take, handed to a command as one value.
 
+    Attributes:
+        name: the keyword-only parameter of the command that receives the group.
+        options: parameter name -> (type, ``typer.Option``), in ``--help`` order.
+        pack: builds the value from the options given as keyword arguments.
+    """
+
+    name: str
+    options: dict[str, tuple[Any, Any]]
+    pack: Callable[..., Any] = dict
+
+
+#: what to load: passed on as ``load`` (a dict for :func:`_load`)
+LOAD = OptionGroup(
+    "load",
+    {
+        "model": (str, MODEL),
+        "method": (str, METHOD),
+        "dtype": (str | None, DTYPE),
+        "max_kv_size": (int | None, MAX_KV),
+    },
+)
+#: sampling settings: passed on as ``sampling`` (keyword arguments of
+#: :func:`~mlx_mtp.validation.check_generation_args` and ``stream_generate``)
+SAMPLING = OptionGroup(
+    "sampling",
+    {
+        "max_tokens": (int, MAX_TOKENS),
+        "temp": (float, TEMP),
+        "top_p": (float, TOP_P),
+        "top_k": (int, TOP_K),
+        "min_p": (float, MIN_P),
+        "seed": (int | None, SEED),
+    },
+)
+#: method options (flags and --opt): passed on as ``options``, see :func:`_options`
+METHOD_OPTIONS = OptionGroup(
+    "options",
+    {
+        "bc": (str | None, BC),
+        "masks": (int | None, MASKS),
+        "tree": (str | None, TREE),
+        "k": (int | None, K),
+        "tau": (float | None, TAU),
+        "opt": (list[str] | None, OPT),
+    },
+    _options,
+)
+
+
+def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: a command takes the options of ``groups`` after its own.
+
+    The command declares one keyword-only parameter per group (``*, load,
+    sampling``); typer sees the groups' options instead, and the command gets
+    each group packed into one value. So ``generate``, ``chat`` and ``serve``
+    define the shared flags once (apply it under ``@app.command()``).
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        names = {g.name for g in groups}
+        own = [p for p in inspect.signature(func).parameters.values() if p.name not in names]
+        shared = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=tp)
+            for g in groups
+            for name, (tp, opt) in g.options.items()
+        ]
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            for g in groups:
+                kwargs[g.name] = g.pack(**{name: kwargs.pop(name) for name in g.options})
+            return func(**kwargs)
+
+        params = own + shared
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=False):
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
     m = load(
         model,
         method,
         dtype=dtype,
-        max_kv_size=max_kv,
+        max_kv_size=max_kv_size,
         pipeline=pipeline,
         thinking=thinking,
         **options,
@@ -97,42 +198,27 @@ def _load(model, method, dtype, max_kv, options, pipeline=False, thinking=False)
 
 
 @app.command()
+@with_options(LOAD, SAMPLING, METHOD_OPTIONS)
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text ('-' reads stdin)."),
-    model: str = MODEL,
-    method: str = METHOD,
-    dtype: str | None = DTYPE,
-    max_tokens: int = MAX_TOKENS,
-    temp: float = TEMP,
-    top_p: float = TOP_P,
-    top_k: int = TOP_K,
-    min_p: float = MIN_P,
-    seed: int | None = SEED,
-    bc: str | None = BC,
-    masks: int | None = MASKS,
-    tree: str | None = TREE,
-    k: int | None = K,
-    tau: float | None = TAU,
-    opt: list[str] | None = OPT,
-    max_kv_size: int | None = MAX_KV,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     thinking: bool = THINKING,
     pipeline: bool = PIPELINE,
+    *,
+    load: dict,
+    sampling: dict,
+    options: dict,
 ):
     """Generate one answer and print statistics."""
-    from . import distributed
-
     if prompt == "-":
         # read on rank 0 only (a launcher gives stdin to rank 0), shared with all
         prompt = distributed.agree(sys.stdin.read() if distributed.is_main() else None)
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="'--prompt'")
     last = None
-    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    check_generation_args(**sampling, seed=seed)  # before the slow load
-    opts = _options(bc, masks, tree, opt, k, tau)
-    m = _load(model, method, dtype, max_kv_size, opts, pipeline, thinking)
-    for chunk in m.stream_generate(prompt, **sampling, seed=seed, chat_template=not raw):
+    check_generation_args(**sampling)  # before the slow load
+    m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
+    for chunk in m.stream_generate(prompt, **sampling, chat_template=not raw):
         typer.echo(chunk.text, nl=False)
         last = chunk
     typer.echo("")
@@ -141,33 +227,18 @@ def generate(
 
 
 @app.command()
+@with_options(LOAD, SAMPLING, METHOD_OPTIONS)
 def chat(
-    model: str = MODEL,
-    method: str = METHOD,
-    dtype: str | None = DTYPE,
-    max_tokens: int = MAX_TOKENS,
-    temp: float = TEMP,
-    top_p: float = TOP_P,
-    top_k: int = TOP_K,
-    min_p: float = MIN_P,
-    seed: int | None = SEED,
-    bc: str | None = BC,
-    masks: int | None = MASKS,
-    tree: str | None = TREE,
-    k: int | None = K,
-    tau: float | None = TAU,
-    opt: list[str] | None = OPT,
-    max_kv_size: int | None = MAX_KV,
     thinking: bool = THINKING,
     pipeline: bool = PIPELINE,
+    *,
+    load: dict,
+    sampling: dict,
+    options: dict,
 ):
     """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
-    from . import distributed
-
-    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    check_generation_args(**sampling, seed=seed)  # before the slow load
-    opts = _options(bc, masks, tree, opt, k, tau)
-    m = _load(model, method, dtype, max_kv_size, opts, pipeline, thinking)
+    check_generation_args(**sampling)  # before the slow load
+    m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
     session = m.chat()
     typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
     while True:
@@ -185,7 +256,7 @@ def chat(
             continue
         last = None
         try:
-            for chunk in session.send(line, **sampling, seed=seed):
+            for chunk in session.send(line, **sampling):
                 typer.echo(chunk.text, nl=False)
                 last = chunk
         except KeyboardInterrupt:
@@ -206,9 +277,6 @@ def _read_line() -> str | None:
 @app.command()
 def models():
     """List model aliases, methods, and converted models in the cache."""
-    from .loading import ALIASES, cache_home, cached_models
-    from .methods import DESCRIPTIONS, available_methods
-
     typer.echo("aliases:")
     for k, v in ALIASES.items():
         typer.echo(f"  {k:18s} {v}")
@@ -224,11 +292,6 @@ def _register_commands() -> None:
     """Add the sub-commands of every module in ``mlx_mtp/commands`` (each
     defines ``register(app)``), so features add commands without editing this
     file."""
-    import importlib
-    import pkgutil
-
-    from . import commands
-
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         importlib.import_module(f"{commands.__name__}.{info.name}").register(app)
     for name, sub in commands.groups().items():
@@ -241,7 +304,8 @@ _register_commands()
 def _click_exceptions() -> tuple[type[BaseException], ...]:
     """Click's exception base classes: typer >= 0.17 raises those of its own
     bundled click copy (``typer._click``), which are not subclasses of
-    ``click.ClickException``; older typer raises click's."""
+    ``click.ClickException``; older typer raises click's. Imported only when
+    an error is reported: typer >= 0.17 does not load click otherwise."""
     import click
 
     found: list[type[BaseException]] = [click.ClickException]
@@ -261,8 +325,6 @@ def main() -> None:
     flag, missing or unparsable value, out-of-range value: click prints the
     usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
     Never a traceback for either."""
-    from . import distributed
-
     if not distributed.is_main():
         _quiet_rank()
     try:
@@ -283,10 +345,6 @@ def _quiet_rank() -> None:
     """On ranks other than 0 of an MLX group (``mlx.launch``): output and
     progress bars go nowhere, so only rank 0 prints; error lines still reach
     the real stderr, marked with the rank."""
-    import os
-
-    from . import distributed
-
     real = sys.__stderr__
 
     class _ErrorsOnly:

@@ -59,9 +59,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from huggingface_hub import snapshot_download
 from mlx.utils import tree_flatten
 
-from .errors import CheckpointMismatchError, ModelLoadError
+from .errors import CheckpointMismatchError, ModelLoadError, ModelNotFoundError
+from .fingerprint import model_fingerprint, model_signature, same_model
+from .loading import cache_home
+from .native_mtp import text_args
 
 FORMAT = "mlx-mtp-clp-heads"
 FORMAT_VERSION = 1
@@ -286,8 +291,6 @@ def span_labels(head_tokens: Any, true_tokens: Any, valid: Any = None) -> Any:
     Returns:
         (N,) int array with values in 0..k (numpy in, numpy out).
     """
-    import numpy as np
-
     ok = np.asarray(head_tokens) == np.asarray(true_tokens)
     if valid is not None:
         ok &= np.asarray(valid, dtype=bool)
@@ -298,9 +301,6 @@ def span_labels(head_tokens: Any, true_tokens: Any, valid: Any = None) -> Any:
 def base_config(model: nn.Module, name: str, k: int, architecture: str, **sizes: Any) -> dict:
     """Config of heads made for ``model`` (fingerprint, signature, hidden size,
     vocab size)."""
-    from .fingerprint import model_fingerprint, model_signature
-    from .native_mtp import text_args
-
     args = text_args(model)
     return {
         "format": FORMAT,
@@ -408,9 +408,6 @@ def check_compatible(config: dict[str, Any], model: nn.Module, where: str = "") 
             (:func:`~mlx_mtp.fingerprint.same_model`: fingerprint, else
             signature) differ from ``model``'s.
     """
-    from .fingerprint import model_fingerprint, same_model
-    from .native_mtp import text_args
-
     args = text_args(model)
     what = f"CLP heads{f' in {where}' if where else ''} were made for {config.get('base_model')!r}"
     if int(config["hidden_size"]) != int(args.hidden_size):
@@ -465,9 +462,6 @@ def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | Non
     :func:`~mlx_mtp.fingerprint.same_model`): first the user's trained heads
     (``$MLX_MTP_HOME/clp/*``), then the shipped ones (``mlx_mtp/assets/clp/*``).
     None when there is none."""
-    from .fingerprint import same_model
-    from .loading import cache_home
-
     roots = search if search is not None else [cache_home() / "clp", ASSETS]
     for root in roots:
         if not root.is_dir():
@@ -497,8 +491,6 @@ def resolve_heads(spec: str | Path) -> Path:
     Raises:
         ModelNotFoundError: no such folder, or the repo cannot be downloaded.
     """
-    from .errors import ModelNotFoundError
-
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -507,7 +499,6 @@ def resolve_heads(spec: str | Path) -> Path:
         raise ModelNotFoundError(
             f"CLP heads {s!r}: not a folder and not a Hugging Face repo id (org/name)."
         )
-    from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(s, allow_patterns=["*.json", "*.safetensors"]))

@@ -1,4 +1,7 @@
-"""Prompt sets shipped with the package.
+"""Prompts: the sets shipped with the package, named data sets
+(:func:`resolve_data`), prompt files (:func:`read_prompts`), and the one
+prompt renderer of the API, the benchmark and the trainers
+(:func:`render_prompt`).
 
 Spec-Bench (Xia et al. 2024; Apache-2.0, see ``assets/spec_bench/LICENSE.spec_bench``): 480
 questions, 80 per task. The six tasks are ``mt_bench`` (the MT-bench categories
@@ -95,8 +98,8 @@ def render_prompt(
         tokenizer: an mlx-lm/HF tokenizer.
         messages: ``{"role", "content"}`` dicts.
         prompt_format: ``chat``: the tokenizer's chat template with the
-            generation prompt (without a template: the contents joined by
-            blank lines); ``plain``: BOS + each message's content + "\n\n".
+            generation prompt (without a template: :func:`role_lines`);
+            ``plain``: BOS + each message's content + "\n\n".
         thinking: ``enable_thinking`` of hybrid-thinking chat templates
             (Qwen3): off by default (the template then opens and closes an
             empty think block); templates without the switch ignore it.
@@ -119,7 +122,15 @@ def render_prompt(
                 messages, add_generation_prompt=True, enable_thinking=bool(thinking)
             )
         )
-    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
+    return list(tokenizer.encode(role_lines(messages)))
+
+
+def role_lines(messages: list[dict[str, str]]) -> str:
+    """Chat messages as plain text for a tokenizer without a chat template:
+    one ``"role: content"`` line per message, then ``"assistant: "``. A longer
+    conversation renders to an extension of a shorter one, so the KV cache of
+    the previous turn is reused."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 def task_of(category: str) -> str:

@@ -11,6 +11,8 @@ and :meth:`Engine.trim_to` themselves.
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from typing import Any
 
@@ -26,6 +28,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from . import distributed
+from .budget import cost_curve
 from .cache_view import TreeCacheView, install_positional_rope
 from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
@@ -134,9 +137,6 @@ def memory_limit() -> tuple[int, str]:
     """The memory a process may use, in bytes, and where the figure comes from:
     the smallest of physical memory, the GPU's recommended working set (Apple
     silicon) and the address-space limit (``ulimit -v``)."""
-    import os
-    import resource
-
     limits: list[tuple[int, str]] = []
     try:
         limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"))
@@ -527,8 +527,6 @@ class Engine:
         """The forward cost curve of this model on this device
         (:func:`mlx_mtp.budget.cost_curve`: cached on disk per model, device
         and dtype, measured on first use)."""
-        from .budget import cost_curve
-
         return cost_curve(self)
 
     def slot_cost(self, n: int = 32, repeats: int = 3) -> float:

@@ -35,8 +35,9 @@ import mlx.nn as nn
 import numpy as np
 
 from .dims import model_dims
-from .errors import CheckpointMismatchError, MTPError
+from .errors import CheckpointMismatchError, InvalidArgumentError, MTPError
 from .fingerprint import model_fingerprint, model_signature, same_model
+from .loading import cache_home
 
 #: version of the file format written by :func:`save_learned_masks`
 FORMAT_VERSION = 1
@@ -50,8 +51,6 @@ class LearnedMasksNotFoundError(MTPError):
 
 def user_masks_dir() -> Path:
     """``cache_home()/masks``: where ``mlx-mtp train masks`` saves by default."""
-    from .loading import cache_home
-
     return cache_home() / "masks"
 
 
@@ -84,8 +83,6 @@ def save_learned_masks(
         InvalidArgumentError: wrong shape for this model, or the file exists and
             ``overwrite`` is False.
     """
-    from .errors import InvalidArgumentError
-
     arr = np.asarray(mx.array(masks).astype(mx.float32))
     hidden = model_dims(model)[0]
     if arr.ndim != 2 or arr.shape[1] != hidden:

@@ -10,6 +10,7 @@ The cache folder is ``$MLX_MTP_HOME`` or ``~/.cache/mlx-mtp``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -18,9 +19,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from mlx_lm import load as mlx_load
+from mlx_lm.utils import dequantize_model
 
 from . import distributed
-from .errors import ModelLoadError, ModelNotFoundError
+from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -77,8 +81,6 @@ def default_dtype() -> str:
 def _embedded_gguf(rel: str) -> Path:
     pkg, _, fname = rel.partition("/")
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec(pkg)
     except (ImportError, ValueError):
         spec = None
@@ -151,8 +153,6 @@ def resolve_model(spec: str) -> Path:
 
 
 def _download(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-
     patterns = [
         "*.json",
         "*.safetensors",
@@ -218,11 +218,6 @@ def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> L
             fit the architecture.
         InvalidArgumentError: unknown dtype.
     """
-    from mlx_lm import load as mlx_load
-    from mlx_lm.utils import dequantize_model
-
-    from .errors import InvalidArgumentError
-
     dtype = default_dtype() if dtype is None else dtype
     if not isinstance(dtype, str) or (dtype not in DTYPES and dtype != "auto"):
         raise InvalidArgumentError(

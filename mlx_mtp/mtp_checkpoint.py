@@ -35,11 +35,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
 from .data import PROMPT_FORMATS
 from .dims import model_dims, packed_width_factor
 from .errors import CheckpointMismatchError, UnsupportedModelError
+from .fingerprint import model_fingerprint, same_model
+from .loading import cache_home
 
 #: the mask token string of the released checkpoints (Qwen3-4B id 151669, Llama-3.1-8B 128259)
 MASK_TOKEN = "<|mtp_special_token_0|>"
@@ -305,8 +308,6 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
     Raises:
         CheckpointMismatchError: the adapter's tensors do not fit the model.
     """
-    from mlx.utils import tree_unflatten
-
     weights = mx.load(str(adapter / ADAPTER_WEIGHTS))
     clone = clone_modules(model)
     lora = meta.get("lora") or {}
@@ -361,8 +362,6 @@ def adapter_dirs() -> list[Path]:
     plain decoding (see the README); it is only used when asked for with
     ``adapter=<its folder>``.
     """
-    from .loading import cache_home
-
     out = []
     for root in (cache_home() / "confadapt",):
         if root.is_dir():
@@ -391,8 +390,6 @@ def find_adapter(model: nn.Module | str) -> Path | None:
     model: ``model`` itself (fingerprint, else the signature of the same
     weights at another precision, :func:`~mlx_mtp.fingerprint.same_model`) or
     a fingerprint string (exact match only)."""
-    from .fingerprint import same_model
-
     for d in adapter_dirs():
         try:
             cfg = read_adapter_config(d)
@@ -432,8 +429,6 @@ def find_mtp_source(
     Raises:
         MissingMaskTokenError, CheckpointMismatchError.
     """
-    from .fingerprint import model_fingerprint, same_model
-
     tokenizer = getattr(loaded, "tokenizer", None)
     eos = tokenizer_eos_ids(tokenizer) if tokenizer is not None else []
     if adapter is None and loaded is not None:

@@ -63,12 +63,15 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import dequantize_model
 
 from .errors import ModelLoadError, UnsupportedModelError
 
@@ -393,8 +396,6 @@ def load_native_mtp(
         UnsupportedModelError: the model type has no native MTP layer here.
         ModelLoadError: no ``mtp.*`` tensors, or tensors that do not fit.
     """
-    from mlx.utils import tree_flatten
-
     mtype = getattr(model, "model_type", "")
     if mtype not in NATIVE_FAMILIES:
         raise UnsupportedModelError(
@@ -465,8 +466,6 @@ def load_native_mtp(
         strict=True,
     )
     if quantized and not backbone_quantized:
-        from mlx_lm.utils import dequantize_model
-
         layer = dequantize_model(layer)
         layer.set_dtype(dtype)
     layer.eval()
@@ -526,10 +525,6 @@ def save_native_heads(
     Returns:
         The folder.
     """
-    from types import SimpleNamespace
-
-    from mlx.utils import tree_flatten
-
     from .clp_heads import NATIVE_LAYER, base_config, save_heads
 
     moe = any(".switch_mlp." in k for k, _ in tree_flatten(layer.parameters()))

@@ -38,6 +38,7 @@ the parameter tree: the mixer instance's class is swapped for a subclass whose
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -154,8 +155,6 @@ class RecurrentRollback:
         Raises:
             CacheNotTrimmableError: nothing armed, or ``keep`` outside the pass.
         """
-        import time
-
         if self._snapshot is None:
             raise CacheNotTrimmableError(
                 "recurrent layers cannot drop tokens outside a verify pass (no state snapshot)"

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from .native_mtp import NativeMTPLayer
 
 #: mlx-lm model families with a tiny config each
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -16,14 +22,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
-    """A randomly initialised mlx-lm model (float32) of ``family``.
-
-    Defaults: hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256. Logits are
-    scaled up (embedding init x 8) so greedy decoding is not a flat tie.
-    """
-    from mlx_lm.utils import _get_classes
-
+def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """The ``config.json`` dict of a tiny mlx-lm model of ``family`` (one of
+    :data:`TINY_CONFIGS`): hidden 64, 2 layers, 4 heads / 2 KV heads, vocab
+    256, then the family's entries, then ``overrides``."""
     config: dict[str, Any] = {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -38,6 +40,17 @@ def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> n
     }
     config.update(TINY_CONFIGS[family])
     config.update(overrides)
+    return config
+
+
+def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
+    """A randomly initialised mlx-lm model (float32) of ``family`` built from
+    :func:`tiny_config` (``overrides`` go there).
+
+    Logits are scaled up (embedding init x 8) so greedy decoding is not a flat
+    tie.
+    """
+    config = tiny_config(family, **overrides)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -137,14 +150,6 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     Returns:
         The config written to ``config.json``.
     """
-    import json
-    from pathlib import Path
-
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from .native_mtp import NativeMTPLayer
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = hybrid_config(family)

@@ -132,6 +132,24 @@ def sample_runs(model, method, prompt, n: int, max_tokens: int, sampler, seed: i
     return seqs, accepted
 
 
+def sampling_case(family: str, n: int, max_tokens: int):
+    """The set-up of the sampling-distribution tests (failure class 8): a tiny
+    ``family`` model with 32 tokens and flattened logits, a repeating prompt,
+    a temperature 0.8 / top-p 0.9 sampler, and ``n`` plain (NTP) samples of
+    ``max_tokens`` tokens: (model, prompt, sampler, plain sequences)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_mtp.methods.ntp import NTP
+    from mlx_mtp.testing import make_tiny_model
+
+    model = make_tiny_model(family, seed=5, vocab_size=32)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    sampler = make_sampler(0.8, 0.9)
+    plain, _ = sample_runs(model, NTP(), prompt, n, max_tokens, sampler, 0)
+    return model, prompt, sampler, plain
+
+
 def chi2_same(a, b, n: int) -> bool:
     """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
     pooled) at roughly the 99.9% quantile: True if the samples may share one

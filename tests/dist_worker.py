@@ -30,7 +30,7 @@ from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support, check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.sampling import PositionalSampler, random_seed
-from mlx_mtp.testing import make_tiny_model
+from mlx_mtp.testing import make_tiny_model, tiny_config
 
 #: (name, method, options) run on every model
 METHODS = [
@@ -177,20 +177,7 @@ def tiny_folder(out: Path) -> str:
 
     dest = out / "tiny-llama"
     dest.mkdir()
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 49152,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 4096,
-        "rope_traditional": False,
-    }
+    config = tiny_config("llama", vocab_size=49152)
     model = make_tiny_model("llama", seed=0, vocab_size=49152)
     emb = model.model.embed_tokens  # flatter logits: seeded samples vary
     emb.weight = emb.weight * 0.25

@@ -227,8 +227,9 @@ def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
 
     class Tok:
         eos_token_id = 255
+        chat_template = "a stand-in"
 
-        def apply_chat_template(self, msgs, add_generation_prompt=True):
+        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
             return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
 
     loaded = SimpleNamespace(model=model, tokenizer=Tok(), name="tiny")
@@ -241,7 +242,7 @@ def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
     assert res["predictor_params"] == 64 * 3 + 3 and len(res["val_head_top1"]) == 2
     heads = load_heads(out, model)
     assert heads.k == 2 and hasattr(heads, "gate")
-    assert (tmp_path / ".heads.train" / "data.npz").is_file()
+    assert (tmp_path / ".heads.train" / "continuations.jsonl").is_file()
     res2 = train_clp(loaded, out, cfg, resume=True, log=lambda s: None)  # reuses data + ckpt
     assert res2["train_positions"] == res["train_positions"]
     assert len(read_prompts([data])) == 6

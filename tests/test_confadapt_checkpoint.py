@@ -50,25 +50,13 @@ def make_checkpoint(
 ) -> Path:
     """A tiny HF-style checkpoint folder (see the module docstring); ``sizes``
     override config entries (hidden_size, num_hidden_layers, ...)."""
-    from mlx_mtp.testing import make_tiny_model
+    from mlx_mtp.testing import make_tiny_model, tiny_config
 
     tok_dir, n_tok = tokenizer_dirs[with_mask]
     vocab = -(-n_tok // 8) * 8  # padded, like Qwen's 151936 > 151670
-    config = {
-        "model_type": family,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16",
-        **LAYOUTS[family],
-        **sizes,
-    }
+    config = tiny_config(
+        family, **{"vocab_size": vocab, "torch_dtype": "bfloat16", **LAYOUTS[family], **sizes}
+    )
     model = make_tiny_model(
         family, seed=seed, **{k: v for k, v in config.items() if k != "architectures"}
     )
@@ -220,12 +208,12 @@ def test_convert_interrupted_leaves_nothing_loadable(tmp_path, tokenizer_dirs, m
 
 
 def test_convert_hub_offline_error(tmp_path, monkeypatch):
-    import huggingface_hub
+    import mlx_mtp.loading
 
     def offline(*a, **k):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setattr(mlx_mtp.loading, "snapshot_download", offline)
     with pytest.raises(ModelNotFoundError, match="offline"):
         _convert("jwkirchenbauer/Qwen3-4B-Inst-2507-MTP", tmp_path / "out")
 

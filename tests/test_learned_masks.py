@@ -96,7 +96,7 @@ def _tiny_sequences(model, n, seed):
     from mlx_mtp.decoding import generate_steps
     from mlx_mtp.engine import Engine
     from mlx_mtp.methods import make_method
-    from mlx_mtp.training.masks import TrainSequence
+    from mlx_mtp.training.continuations import TrainSequence
 
     rng = np.random.RandomState(seed)
     out = []
@@ -156,7 +156,11 @@ def test_bounded_prefix_cache_gives_the_same_training():
 
 
 def test_continuations_file_roundtrip_and_mismatch(tmp_path):
-    from mlx_mtp.training.masks import TrainSequence, load_continuations, save_continuations
+    from mlx_mtp.training.continuations import (
+        TrainSequence,
+        load_continuations,
+        save_continuations,
+    )
 
     seqs = [TrainSequence([1, 2, 3], [4, 5]), TrainSequence([7], [8, 9, 2])]
     meta = {"model_fingerprint": "abc", "max_tokens": 2, "prompts_sha256": "x"}
@@ -172,13 +176,17 @@ def test_continuations_file_roundtrip_and_mismatch(tmp_path):
 
 
 def test_batched_continuations_equal_greedy(smollm, short_spec_prompts, greedy_reference):
-    """mlx-lm's batched decoding (left-padded, float32) gives the same greedy
+    """Batched decoding (left-padded, float32) gives the same greedy
     continuations as one-by-one decoding on real prompts of different lengths."""
-    from mlx_mtp.data import load_questions
-    from mlx_mtp.training.masks import greedy_continuations
+    from mlx_mtp.data import load_questions, render_prompt
+    from mlx_mtp.mtp_checkpoint import tokenizer_eos_ids
+    from mlx_mtp.training.continuations import greedy_continuations
 
+    tok = smollm.tokenizer
     texts = [q["turns"][0] for q in load_questions()[:3]]
-    seqs = greedy_continuations(smollm.model, smollm.tokenizer, texts, 12, False, batch_size=3)
+    ids = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
+    eos = set(tokenizer_eos_ids(tok))
+    seqs = greedy_continuations(smollm.model, ids, 12, eos, batch_size=3, progress=False)
     assert len({len(s.prompt) for s in seqs}) > 1  # padding really happened
     for s in seqs:
         assert len(s.generated) == 12
@@ -190,7 +198,7 @@ def test_train_masks_command_reuses_continuations(tmp_path, monkeypatch):
     continuations instead of decoding again."""
     import json
 
-    import mlx_mtp.training.masks as tm
+    import mlx_mtp.training.continuations as tc
     from mlx_mtp.commands.masks import run_train_masks
 
     monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path / "home"))
@@ -204,7 +212,7 @@ def test_train_masks_command_reuses_continuations(tmp_path, monkeypatch):
     def no_decoding(*a, **k):
         raise AssertionError("continuations were decoded again")
 
-    monkeypatch.setattr(tm, "greedy_continuations", no_decoding)
+    monkeypatch.setattr(tc, "greedy_continuations", no_decoding)
     second = run_train_masks("smollm2-135m", [data], out=tmp_path / "b", continuations=cont, **kw)
     assert second["heldout_after"] == first["heldout_after"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import chi2_same, sample_runs
+from conftest import chi2_same, sample_runs, sampling_case
 
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
@@ -163,14 +163,8 @@ def test_sampling_keeps_target_distribution():
     candidates are accepted at nearly every step."""
     from collections import Counter
 
-    from mlx_lm.sample_utils import make_sampler
-
-    model = make_tiny_model("qwen2", seed=5, vocab_size=32)
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    sampler = make_sampler(0.8, 0.9)
     n = 600
-    plain, _ = sample_runs(model, NTP(), prompt, n, 4, sampler, 0)
+    model, prompt, sampler, plain = sampling_case("qwen2", n, 4)
     pool = _SeededPool(level=3, window=4, guess=32)
     seqs, accepted = sample_runs(model, pool, prompt, n, 4, sampler, 1)
     assert accepted > n, accepted  # more than one accepted draft per generation

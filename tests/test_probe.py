@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import chi2_same, run_method, sample_runs
+from conftest import chi2_same, run_method, sample_runs, sampling_case
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_mtp.budget import CostCurve
@@ -359,14 +359,8 @@ def test_sampling_keeps_target_distribution():
     token 3), while drafts do get accepted."""
     from collections import Counter
 
-    from mlx_lm.sample_utils import make_sampler
-
-    model = make_tiny_model("llama", seed=5, vocab_size=32)
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    sampler = make_sampler(0.8, 0.9)
     n = 700
-    plain, _ = sample_runs(model, NTP(), prompt, n, 3, sampler, 0)
+    model, prompt, sampler, plain = sampling_case("llama", n, 3)
     # bc=64 with one mask gives 31 depth-1 nodes: nearly the whole 32-token
     # vocabulary, so a draft is accepted almost every step
     for method, seed in ((make_method("probe", bc=64), 1), (make_method("pld", max_draft=3), 2)):

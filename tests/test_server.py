@@ -74,8 +74,9 @@ def ref(smollm):
     return run
 
 
-def raw(base, method, path, body=None, headers=None, key=KEY):
-    """(status, headers, parsed JSON) of one request through http.client."""
+def send(base, method, path, body=None, headers=None, key=KEY) -> http.client.HTTPConnection:
+    """Send one request (``body``: bytes, None or JSON-able) on a connection of
+    its own; returns the connection, the answer not yet read."""
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     hdrs = {"Content-Type": "application/json", **(headers or {})}
@@ -83,6 +84,12 @@ def raw(base, method, path, body=None, headers=None, key=KEY):
         hdrs["Authorization"] = f"Bearer {key}"
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
     conn.request(method, path, body=data, headers=hdrs)
+    return conn
+
+
+def raw(base, method, path, body=None, headers=None, key=KEY):
+    """(status, headers, parsed JSON) of one request through http.client."""
+    conn = send(base, method, path, body, headers, key)
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
@@ -325,14 +332,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server, cli
 def _open_stream(base, body):
     """Start a streaming request and read until its first content event;
     returns the open connection."""
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request(
-        "POST",
-        "/v1/chat/completions",
-        body=json.dumps(dict(body, stream=True)).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
-    )
+    conn = send(base, "POST", "/v1/chat/completions", dict(body, stream=True))
     resp = conn.getresponse()
     assert resp.status == 200
     events = 0
@@ -385,14 +385,7 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
         for t in threads:
             t.start()
         # one more that waits in the queue and then leaves
-        host, port = base.removeprefix("http://").split(":")
-        leaver = http.client.HTTPConnection(host, int(port), timeout=120)
-        leaver.request(
-            "POST",
-            "/v1/chat/completions",
-            body=json.dumps(dict(LONG, stream=False)).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
-        )
+        leaver = send(base, "POST", "/v1/chat/completions", dict(LONG, stream=False))
         deadline = time.time() + 30
         while worker.health()["queue"]["waiting"] < QUEUE:
             assert time.time() < deadline, worker.health()

@@ -11,10 +11,14 @@ is mlx-lm's own loop").
 from __future__ import annotations
 
 import time
+from importlib.metadata import version
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
 
+from ..api import Result
 from ..decoding import GenerationStats
 from ..errors import InvalidArgumentError
 
@@ -56,8 +60,6 @@ class MLXLMPeer:
 
     def describe(self) -> str:
         try:
-            from importlib.metadata import version
-
             ver = version("mlx-lm")
         except Exception:  # pragma: no cover - metadata missing in odd installs
             ver = "?"
@@ -82,11 +84,6 @@ class MLXLMPeer:
         Raises:
             InvalidArgumentError: empty prompt or max_tokens <= 0.
         """
-        from mlx_lm.generate import stream_generate
-        from mlx_lm.sample_utils import make_sampler
-
-        from ..api import Result
-
         if not ids:
             raise InvalidArgumentError("The prompt is empty; give at least one token of input.")
         if max_tokens <= 0:

@@ -14,6 +14,7 @@ from typing import Any
 from . import metrics
 from .config import BenchConfig
 from .peer import PEER_NAME
+from .plots import write_plots
 
 SCHEMA = "mlx-mtp-bench/1"
 
@@ -314,6 +315,4 @@ def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> Non
     tmp.replace(out / "results.json")
     (out / "report.md").write_text(render_markdown(results), encoding="utf-8")
     if plots:
-        from .plots import write_plots
-
         write_plots(results, out)

@@ -17,16 +17,24 @@ import platform
 import time
 import zlib
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .. import distributed
+import mlx.core as mx
+from tqdm import tqdm
+
+from .. import _blas, distributed
+from ..api import MTPModel
 from ..data import TASKS, load_questions, render_prompt
 from ..errors import InvalidArgumentError
+from ..loading import DTYPES, load_model, resolve_model
+from ..methods import make_method
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
 from .peer import PEER_NAME, MLXLMPeer
 from .plots import PLOT_FILES
+from .report import build_results, write_outputs
 
 RECORDS = "records.jsonl"
 SETTINGS = "settings.json"
@@ -264,9 +272,6 @@ def run_bench(
         InvalidArgumentError: bad settings, or a folder with another run.
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
-    from ..api import MTPModel
-    from ..methods import make_method
-
     config.validate()
     methods = {
         s.label: MLXLMPeer(**s.options) if s.name == PEER_NAME else make_method(s.name, **s.options)
@@ -278,7 +283,6 @@ def run_bench(
         raise InvalidArgumentError(f"{out} holds no finished generations to report on.")
     if generate and loaded is None:
         # a bad model spec or dtype fails here, before the output folder is made
-        from ..loading import DTYPES, resolve_model
 
         if config.dtype is not None and config.dtype not in (*DTYPES, "auto"):
             raise InvalidArgumentError(
@@ -309,8 +313,6 @@ def run_bench(
 
     if todo and generate:
         if loaded is None:
-            from ..loading import load_model
-
             loaded = load_model(config.model, config.dtype, pipeline=pipeline)
         models = {
             label: m.bind(loaded) if isinstance(m, MLXLMPeer) else MTPModel(loaded, m)
@@ -329,8 +331,6 @@ def run_bench(
         finally:
             bar.close()
 
-    from .report import build_results, write_outputs
-
     if store is None:  # not rank 0
         return {}
     records = store.load(repair=generate)
@@ -343,8 +343,6 @@ def run_bench(
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="bench", unit="gen", disable=not enabled, dynamic_ncols=True)
 
 
@@ -429,13 +427,7 @@ def _run_one(
 
 
 def _environment() -> dict[str, Any]:
-    import mlx.core as mx
-
-    from .. import _blas
-
     try:
-        from importlib.metadata import version
-
         mlx_ver, lm_ver = version("mlx"), version("mlx-lm")
     except Exception:  # pragma: no cover - metadata missing in odd installs
         mlx_ver = lm_ver = "unknown"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from .. import distributed
 from ..validation import typer_range
 
 
@@ -59,8 +62,6 @@ def register(app: typer.Typer) -> None:
     ):
         """Run methods side by side (interleaved, one process) and write results.json,
         report.md and plots into --out. An interrupted run resumes where it stopped."""
-        from pathlib import Path
-
         from ..bench.config import BenchConfig, parse_methods
         from ..bench.runner import run_bench
 
@@ -89,8 +90,6 @@ def register(app: typer.Typer) -> None:
             generate=not report_only,
             pipeline=pipeline,
         )
-        from .. import distributed
-
         if not distributed.is_main():  # rank 0 wrote the outputs
             return
         report = Path(out) / "report.md"

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from . import BASE_DTYPE_HELP, group
+from ..loading import cache_home, load_model
+from . import BASE_DTYPE, group
 
 
 def register(app: typer.Typer) -> None:
@@ -48,15 +49,10 @@ def register(app: typer.Typer) -> None:
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..fingerprint import model_fingerprint
-        from ..loading import cache_home, load_model
         from ..training.clp import TrainConfig, train_clp
 
         loaded = load_model(model, dtype=dtype)
@@ -102,15 +98,10 @@ def register(app: typer.Typer) -> None:
             "auto", "--from", help="auto, clp, medusa, mimo-mtp or qwen3-mtp (how to read SRC)."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
         from ..converters.clp_heads import convert
-        from ..loading import load_model
 
         loaded = load_model(model, dtype=dtype)
         summary = convert(src, dst, loaded, source=source, overwrite=overwrite)

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import typer
 
-from ..data import resolve_data  # JSONL file or a named data set
+from ..data import (
+    eval_prompts,
+    read_prompts,
+    resolve_data,  # JSONL file or a named data set
+)
+from ..errors import InvalidArgumentError
+from ..loading import cache_home, load_model
+from . import BASE_DTYPE_HELP, group
 
 
 def run_train_mtp(
@@ -30,9 +37,7 @@ def run_train_mtp(
         base model's fingerprint when it lies in ``$MLX_MTP_HOME/confadapt/``)
         or a full model folder with ``mtp_config.json``.
     """
-    from ..data import eval_prompts, read_prompts
     from ..fingerprint import model_fingerprint
-    from ..loading import cache_home, load_model
     from ..training.mtp import TrainConfig, Trainer
 
     prompts = read_prompts(resolve_data(data), exclude=eval_prompts())
@@ -49,8 +54,6 @@ def run_train_mtp(
 
 
 def register(app: typer.Typer) -> None:
-    from . import BASE_DTYPE_HELP, group
-
     @group("convert").command("mtp-checkpoint")
     def convert_mtp_checkpoint(
         src: str = typer.Argument(..., help="Hub repo id or checkpoint folder."),
@@ -118,7 +121,6 @@ def register(app: typer.Typer) -> None:
         prompt_format: str = typer.Option("chat", "--prompt-format", help="chat or plain."),
     ) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
-        from ..errors import InvalidArgumentError
         from ..training.mtp import FORCINGS
 
         if forcing not in FORCINGS:

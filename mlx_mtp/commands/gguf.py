@@ -6,10 +6,11 @@ from pathlib import Path
 
 import typer
 
+from . import group
+
 
 def register(app: typer.Typer) -> None:
     """Add ``convert gguf``."""
-    from . import group
 
     @group("convert").command("gguf")
     def convert_gguf_cmd(

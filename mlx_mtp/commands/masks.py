@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
 from pathlib import Path
 
 import typer
+
+from ..data import eval_prompts, read_prompts, render_prompt
+from ..errors import InvalidArgumentError
+from ..loading import load_model
+from . import BASE_DTYPE, group
 
 
 def run_train_masks(
@@ -32,7 +36,9 @@ def run_train_masks(
 
     ``continuations``: a jsonl file that keeps the generated continuations; a
     later run with the same model, prompts, ``max_tokens`` and ``batch_size``
-    reuses it instead of decoding again (any other file there is replaced).
+    reuses it instead of decoding again (a continuations file written for other
+    settings is replaced). It is extended after every batch, so an interrupted
+    run resumes where it stopped.
 
     Returns:
         A summary dict: path of the saved file, hit rates and losses on the
@@ -41,19 +47,11 @@ def run_train_masks(
     Raises:
         InvalidArgumentError: bad data file or options.
     """
-    from ..data import eval_prompts, read_prompts
-    from ..errors import InvalidArgumentError
     from ..fingerprint import model_fingerprint
     from ..learned_masks import save_learned_masks
-    from ..loading import load_model
-    from ..training.masks import (
-        eval_masks,
-        greedy_continuations,
-        load_continuations,
-        mean_prompt_vectors,
-        save_continuations,
-        train_masks,
-    )
+    from ..mtp_checkpoint import tokenizer_eos_ids
+    from ..training.continuations import Continuations
+    from ..training.masks import eval_masks, mean_prompt_vectors, train_masks
 
     if not 1 <= slots <= 3:
         raise InvalidArgumentError(f"--slots must be 1, 2 or 3, got {slots}")
@@ -75,17 +73,19 @@ def run_train_masks(
     meta = {
         "model_fingerprint": model_fingerprint(lm.model),
         "dtype": lm.dtype,  # continuations of the 4-bit and the float model differ
-        "max_tokens": max_tokens,
-        "batch_size": batch_size,
-        "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+        "batch_size": batch_size,  # batched float32 greedy may differ at near-ties
     }
-    seqs = load_continuations(continuations, meta) if continuations else None
-    if seqs is None:
-        seqs = greedy_continuations(
-            lm.model, lm.tokenizer, prompts, max_tokens, progress, batch_size
-        )
-        if continuations:
-            save_continuations(continuations, seqs, meta)
+    ids = [render_prompt(lm.tokenizer, [{"role": "user", "content": t}]) for t in prompts]
+    seqs = Continuations(
+        lm.model,
+        ids,
+        max_tokens,
+        set(tokenizer_eos_ids(lm.tokenizer)),
+        batch_size=batch_size,
+        path=continuations,
+        meta=meta,
+        progress=progress,
+    ).all()
     val, train = seqs[:n_val], seqs[n_val:]
     gen_s = time.perf_counter() - t0
 
@@ -118,8 +118,6 @@ def run_train_masks(
 
 
 def register(app: typer.Typer) -> None:
-    from . import BASE_DTYPE_HELP, group
-
     @group("train").command("masks")
     def train_masks_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, folder or repo."),
@@ -139,16 +137,12 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
-        dtype: str | None = typer.Option(
-            None,
-            "--dtype",
-            help=BASE_DTYPE_HELP,
-        ),
+        dtype: str | None = BASE_DTYPE,
         batch_size: int = typer.Option(
             16,
             "--batch-size",
             min=1,
-            help="Prompts decoded together for continuations (1: one by one).",
+            help="Prompts decoded together for continuations.",
         ),
         continuations: Path | None = typer.Option(
             None,

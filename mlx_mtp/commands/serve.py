@@ -6,6 +6,8 @@ import ipaddress
 
 import typer
 
+from .. import distributed
+from ..errors import InvalidArgumentError
 from ..validation import typer_range
 
 #: hosts that only this machine can reach
@@ -24,28 +26,12 @@ def is_loopback(host: str) -> bool:
 
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` command to the CLI."""
-    from ..cli import (
-        BC,
-        DTYPE,
-        MASKS,
-        MAX_KV,
-        METHOD,
-        MODEL,
-        OPT,
-        PIPELINE,
-        TAU,
-        TEMP,
-        TOP_P,
-        TREE,
-        K,
-        _options,
-    )
+    # here, not at the top: mlx_mtp.cli imports this module while it loads
+    from ..cli import LOAD, METHOD_OPTIONS, PIPELINE, TEMP, TOP_P, with_options
 
     @app.command()
+    @with_options(LOAD, METHOD_OPTIONS)
     def serve(
-        model: str = MODEL,
-        method: str = METHOD,
-        dtype: str | None = DTYPE,
         max_tokens: int = typer.Option(
             512,
             "--max-tokens",
@@ -55,13 +41,6 @@ def register(app: typer.Typer) -> None:
         ),
         temp: float = TEMP,
         top_p: float = TOP_P,
-        bc: str | None = BC,
-        masks: int | None = MASKS,
-        tree: str | None = TREE,
-        k: int | None = K,
-        tau: float | None = TAU,
-        opt: list[str] | None = OPT,
-        max_kv_size: int | None = MAX_KV,
         host: str = typer.Option(
             "127.0.0.1", "--host", help="Address to bind (default: this machine only)."
         ),
@@ -82,11 +61,13 @@ def register(app: typer.Typer) -> None:
         ),
         log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
         pipeline: bool = PIPELINE,
+        *,
+        load: dict,
+        options: dict,
     ):
         """Serve the model over the OpenAI HTTP API (/v1/chat/completions,
         /v1/completions, /v1/models, /health). A request picks its method with
         an extra field, e.g. {"mtp": {"method": "pld"}}; --method is the default."""
-        from ..errors import InvalidArgumentError
         from ..server import Worker, make_server, require_server_extra
 
         require_server_extra()  # before the slow model load
@@ -101,13 +82,14 @@ def register(app: typer.Typer) -> None:
                 + ". Use the default --host 127.0.0.1 to keep it local.",
                 err=True,
             )
+        model, method = load["model"], load["method"]
         typer.echo(f"loading {model} ({method}) ...", err=True)
         worker = Worker(
             model,
             method,
-            _options(bc, masks, tree, opt, k, tau),
-            dtype=dtype,
-            max_kv_size=max_kv_size,
+            options,
+            dtype=load["dtype"],
+            max_kv_size=load["max_kv_size"],
             max_tokens=max_tokens,
             temp=temp,
             top_p=top_p,
@@ -116,8 +98,6 @@ def register(app: typer.Typer) -> None:
             pipeline=pipeline,
         )
         worker.start()
-        from .. import distributed
-
         if not distributed.is_main():  # only rank 0 serves HTTP; the others follow it
             worker.wait()
             return

@@ -12,6 +12,7 @@ nothing ever falls back to plain decoding silently.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from typing import Any
 
@@ -45,8 +46,6 @@ DESCRIPTIONS: dict[str, str] = {
 
 def available_methods() -> list[str]:
     """Names of the methods whose module is present in this install."""
-    import importlib.util
-
     return [n for n, t in METHODS.items() if importlib.util.find_spec(t.split(":")[0])]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..budget import Budget, DepthAcceptance, PlainSteps, best_prefix, chain_values, cost_curve
 from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..speculative import Draft, Verified, speculative_step
@@ -111,8 +112,6 @@ class SpeculativeMethod(Method):
     def begin_budget(self, engine: Engine, sampler: Sampler | None, on: bool) -> None:
         """Per generation: the :class:`~mlx_mtp.budget.Budget` of an ``auto``
         method (``on``), its pipelined one-token steps, no re-probe due."""
-        from ..budget import Budget, PlainSteps, cost_curve
-
         self.budget = Budget(cost_curve(engine)) if on else None
         self.plain_steps = PlainSteps(sampler)
         self._reprobe = self._reprobe_step = False
@@ -165,7 +164,6 @@ class ChainDraftMethod(SpeculativeMethod):
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        from ..budget import DepthAcceptance
 
         self.begin_budget(engine, sampler, self.auto)
         self.acceptance = DepthAcceptance()
@@ -174,8 +172,6 @@ class ChainDraftMethod(SpeculativeMethod):
         draft = self.draft(engine, root)
         b = self.budget
         if b is not None and draft:
-            from ..budget import best_prefix, chain_values
-
             n, rate = best_prefix(b.curve, chain_values(self.acceptance.qs(len(draft))), 1)
             if self._reprobe or b.cheap(1 + self.REPROBE_DRAFT):  # re-probe, or nearly free
                 n = max(n, min(len(draft), self.REPROBE_DRAFT))

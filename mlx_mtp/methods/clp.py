@@ -42,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..budget import DepthAcceptance, best_prefix, chain_values, cost_curve
 from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
@@ -151,7 +152,6 @@ class CLP(SpeculativeMethod):
         super().begin(engine, prompt, sampler)
         self._root: int | None = None  # root the carried-over state belongs to
         self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
-        from ..budget import DepthAcceptance, cost_curve
 
         self.curve = cost_curve(engine) if self.auto else None
         self.acceptance = DepthAcceptance()
@@ -197,8 +197,6 @@ class CLP(SpeculativeMethod):
         self._root = verified.bonus
         self._carry = toks[m, : int(span[m])].tolist()
         if self.curve is not None:  # k=auto: keep the drafts that pay on this device
-            from ..budget import best_prefix, chain_values
-
             if draft.drafted:
                 self.acceptance.record(draft.drafted, m)
             vals = chain_values(self.acceptance.qs(len(self._carry)))

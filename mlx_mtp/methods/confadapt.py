@@ -43,6 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import distributed
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the split)
@@ -208,8 +209,6 @@ def refuse_sharded_adapter(model: nn.Module, loaded: Any, adapter: Path | None) 
     Raises:
         UnsupportedModelError: naming the sharding and what to use instead.
     """
-    from .. import distributed
-
     how = distributed.sharding(model)
     if how is None:
         return

@@ -56,6 +56,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..budget import best_prefix
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..speculative import Draft, Verified
@@ -552,8 +553,6 @@ class Hybrid(SpeculativeMethod):
         alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
         b = self.budget
         if b is not None:  # bc=auto: the best prefix under the device's cost curve
-            from ..budget import best_prefix
-
             vals = [v for _, v, _ in alloc.order]
             n, rate = best_prefix(b.curve, vals, [sl for _, _, sl in alloc.order])
             reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)

@@ -42,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..budget import MAX_PLAIN_STEPS, DepthAcceptance, best_prefix, chain_values
 from ..engine import Engine, check_tree_support
 from ..speculative import Draft, Verified
 from ..verify import Sampler
@@ -172,7 +173,6 @@ class Lookahead(SpeculativeMethod):
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        from ..budget import DepthAcceptance
 
         self.begin_budget(engine, sampler, self.auto_window or self.auto_guess)
         if self.auto_window:  # the widest window that is nearly free on this device
@@ -190,8 +190,6 @@ class Lookahead(SpeculativeMethod):
     def propose(self, engine: Engine, root: int) -> Draft | None:
         n_lv, w = len(self.levels), self.window
         if w == 0:  # window=auto found no column worth its cost: one-token steps
-            from ..budget import MAX_PLAIN_STEPS
-
             self.budget.plain_left = MAX_PLAIN_STEPS
             return None
         # verification branch: trie of the pool's candidates for the root
@@ -225,8 +223,6 @@ class Lookahead(SpeculativeMethod):
         acceptance (per-depth rates learned online), halved per rank (the
         candidates are alternatives), and costs those nodes' slots; the best
         prefix under the cost curve is kept (:func:`mlx_mtp.budget.best_prefix`)."""
-        from ..budget import best_prefix, chain_values
-
         seen: set[tuple[int, ...]] = set()
         values, slots = [], []
         for i, c in enumerate(cand):

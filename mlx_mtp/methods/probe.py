@@ -26,9 +26,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import does_model_support_input_embeddings
 
+from ..budget import tree_size
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..learned_masks import load_learned_masks
 from ..speculative import Draft, Verified
 from ..tree import block_complexity, build_tree
 from ..verify import Sampler
@@ -150,7 +153,6 @@ class MaskVectors:
         """
         if self.init != "learned":
             return
-        from ..learned_masks import load_learned_masks
 
         learned = load_learned_masks(engine.model)  # (slots, D), checked for this model
         if learned.shape[0] < self.slots:
@@ -290,8 +292,6 @@ class Probe(SpeculativeMethod):
 
     def prepare(self, engine: Engine) -> None:
         if self.shape == "chain" and engine.rollback is not None:
-            from mlx_lm.utils import does_model_support_input_embeddings
-
             if not does_model_support_input_embeddings(engine.model):
                 raise UnsupportedModelError(
                     f"--method probe: model type {engine.model.model_type!r} does not accept "
@@ -384,8 +384,6 @@ class Probe(SpeculativeMethod):
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
         b = self.budget
         if b is not None:
-            from ..budget import tree_size
-
             scale = (self.hits + 1.0) / (self.expected + 1.0)
             n, rate = tree_size(b.curve, node_p, k, scale)
             # no tree pays: one-token steps, unless this is the re-probe (or the

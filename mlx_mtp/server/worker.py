@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..errors import MTPError
+from ..api import MTPModel
+from ..errors import InvalidArgumentError, MTPError
+from ..loading import load_model
+from ..methods import make_method
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
 
 log = logging.getLogger("mlx_mtp.server")
@@ -109,8 +112,6 @@ class Worker:
         pipeline: bool = False,
     ):
         if queue_size < 1 or max_methods < 1:
-            from ..errors import InvalidArgumentError
-
             raise InvalidArgumentError("queue_size and max_methods must be >= 1.")
         self.model_id = model
         self.method = method
@@ -225,8 +226,6 @@ class Worker:
     # --------------------------------------------------------------- thread
     def _run(self) -> None:
         try:
-            from ..loading import load_model
-
             self._build(self.method, self.options, loaded=None)  # validate options first
             self.loaded = load_model(self.model_id, self.dtype, pipeline=self.pipeline)
             self._models[self.default_key] = self._build(self.method, self.options, self.loaded)
@@ -285,9 +284,6 @@ class Worker:
 
     def _build(self, method: str, options: dict[str, Any], loaded: Any) -> Any:
         """A method instance (``loaded`` None: options check only) or an MTPModel."""
-        from ..api import MTPModel
-        from ..methods import make_method
-
         try:
             m = make_method(method, **options)
         except TypeError as e:  # an option the method's __init__ does not take

@@ -13,9 +13,10 @@ Xie & Zhou, *CLP* (arXiv 2606.10935; DESIGN §2.2). Three phases:
    correct head predictions (:func:`mlx_mtp.clp_heads.span_labels`), loss is
    cross-entropy over the k+1 classes, input ``h_n``.
 
-Checkpoints go to ``OUT/.train/`` (generated data after every batch, head
-weights and optimizer state every ``checkpoint_every`` steps); a rerun with
-``resume=True`` continues from them. Everything is seeded.
+Checkpoints go to ``OUT/../.NAME.train/`` (the continuations with their hidden
+states after every batch, :class:`mlx_mtp.training.continuations.Continuations`;
+head weights and optimizer state every ``checkpoint_every`` steps); a rerun
+with ``resume=True`` continues from them. Everything is seeded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from ..clp_heads import (
@@ -42,9 +43,12 @@ from ..clp_heads import (
     save_heads,
     span_labels,
 )
-from ..data import eval_prompts, read_prompts
+from ..data import eval_prompts, read_prompts, render_prompt
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
+from ..fingerprint import model_fingerprint
+from ..mtp_checkpoint import tokenizer_eos_ids
+from .continuations import Continuations, TrainSequence
 
 
 @dataclass
@@ -72,73 +76,18 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------- data
-def greedy_continuations(
-    model: nn.Module,
-    prompts: list[list[int]],
-    max_new: int,
-    eos_ids: set[int],
-    batch: int = 32,
-    progress: tqdm | None = None,
-) -> list[tuple[list[int], np.ndarray]]:
-    """Greedy continuations of token-id prompts, with the hidden state per step.
-
-    Prompts are left-padded into batches (mlx-lm ``BatchKVCache``). For each
-    prompt returns ``(continuation, H)``: ``continuation`` the greedy tokens
-    (up to and including an EOS, at most ``max_new``) and ``H`` (T, D) float16,
-    ``H[i]`` the final-norm hidden state at the position whose argmax is
-    ``continuation[i]``.
-    """
-    from mlx_lm.models.cache import BatchKVCache
-
-    backbone, lm_head, _ = model_parts(model)
-    out: list[tuple[list[int], np.ndarray]] = []
-    for b0 in range(0, len(prompts), batch):
-        group = prompts[b0 : b0 + batch]
-        rows = group if len(group) > 1 else group * 2  # B=1 would hit per-token RoPE
-        width = max(len(p) for p in rows)
-        pad = [width - len(p) for p in rows]
-        x = mx.array([[0] * n + p for n, p in zip(pad, rows)], dtype=mx.int32)
-        cache = [BatchKVCache(pad) for _ in model.layers]
-        h = backbone(x, cache=cache)[:, -1:]
-        toks, hids = [], []
-        done = np.zeros(len(rows), dtype=bool)
-        for _ in range(max_new):
-            y = mx.argmax(lm_head(h), axis=-1)  # (B, 1)
-            mx.eval(y, h)
-            yn = np.array(y)[:, 0]
-            toks.append(yn)
-            hids.append(np.array(h[:, 0].astype(mx.float16)))
-            done |= np.isin(yn, list(eos_ids))
-            if progress is not None:
-                progress.update(0)
-            if done.all():
-                break
-            h = backbone(y, cache=cache)
-        T = np.stack(toks, axis=1)
-        Hs = np.stack(hids, axis=1)
-        for r in range(len(group)):
-            cont = T[r].tolist()
-            for i, t in enumerate(cont):
-                if t in eos_ids:
-                    cont = cont[: i + 1]
-                    break
-            out.append((cont, Hs[r, : len(cont)]))
-        if progress is not None:
-            progress.update(len(group))
-    return out
-
-
 def examples(
-    seqs: list[tuple[list[int], np.ndarray]], k: int
+    seqs: list[TrainSequence], k: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Flatten continuations into training examples.
+    """Flatten continuations (with hidden states) into training examples.
 
     Returns:
         ``H`` (N, D) float16 hidden states h_n, ``nxt`` (N,) the backbone's token
         n+1, ``tgt`` (N, k) tokens n+2..n+1+k (0 where missing), ``valid`` (N, k).
     """
     H, nxt, tgt, valid = [], [], [], []
-    for cont, hs in seqs:
+    for seq in seqs:
+        cont, hs = seq.generated, seq.hidden
         T = len(cont)
         c = np.array(cont + [0] * k, dtype=np.int64)
         for i in range(T - 1):  # the last token has no successor to predict
@@ -191,8 +140,6 @@ def _load_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer) -> dict | N
         return None
     w = mx.load(str(f))
     module.load_weights([(k, v) for k, v in w.items() if not k.startswith("opt.")], strict=False)
-    from mlx.utils import tree_unflatten
-
     opt_items = [(k[4:], v) for k, v in w.items() if k.startswith("opt.")]
     if opt_items:
         opt.state = tree_unflatten(opt_items)
@@ -244,43 +191,24 @@ def train_clp(
         rng.shuffle(part)
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)[
-            -cfg.max_prompt_tokens :
-        ]
-        for t in texts
-    ]
-    eos = set(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
-    data_file = ckdir / "data.npz"
-    seqs: list[tuple[list[int], np.ndarray]] = []
-    if data_file.is_file():
-        d = np.load(data_file)
-        lens = d["lens"].tolist()
-        starts = np.cumsum([0] + lens)
-        seqs = [(d["toks"][a:b].tolist(), d["H"][a:b]) for a, b in zip(starts[:-1], starts[1:])]
-        log(f"resumed {len(seqs)} generated continuations from {data_file}")
-    # generate in order of prompt length (less left padding); seqs[i] <-> prompts[i]
-    by_len = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    prompts = [prompts[i] for i in by_len]
-    todo = list(range(len(seqs), len(prompts)))
-    bar = tqdm(total=len(prompts), initial=len(seqs), desc="greedy continuations", unit="prompt")
-    for b0 in range(0, len(todo), cfg.gen_batch):
-        idx = todo[b0 : b0 + cfg.gen_batch]
-        order = sorted(idx, key=lambda i: len(prompts[i]))
-        got = greedy_continuations(
-            model, [prompts[i] for i in order], cfg.max_new_tokens, eos, len(order), bar
-        )
-        by_idx = dict(zip(order, got))
-        seqs.extend(by_idx[i] for i in idx)
-        lens = [len(c) for c, _ in seqs]
-        np.savez(
-            ckdir / "data.tmp.npz",
-            lens=np.array(lens),
-            toks=np.concatenate([np.array(c, dtype=np.int64) for c, _ in seqs]),
-            H=np.concatenate([h for _, h in seqs]),
-        )
-        (ckdir / "data.tmp.npz").rename(data_file)
-    bar.close()
+    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
+    # by length: the held-out split below permutes this order
+    prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)
+    # kept in the checkpoint folder after every batch
+    conts = Continuations(
+        model,
+        prompts,
+        cfg.max_new_tokens,
+        set(tokenizer_eos_ids(tok)),
+        batch_size=cfg.gen_batch,
+        hidden=True,
+        path=ckdir / "continuations.jsonl",
+        meta={"model_fingerprint": model_fingerprint(model)},
+        own_file=True,
+    )
+    if conts.done:
+        log(f"resumed {len(conts.done)} generated continuations from {conts.path}")
+    seqs = conts.all()
 
     n_val = max(1, int(len(seqs) * cfg.val_fraction)) if len(seqs) > 1 else 0
     split = np.random.default_rng(cfg.seed + 3).permutation(len(seqs))

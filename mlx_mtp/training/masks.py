@@ -16,151 +16,29 @@ layers, so a step costs about ``anchors * slots`` tokens.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from ..cache_view import FixedCache, install_positional_rope
-from ..data import render_prompt
 from ..engine import model_parts
 from ..errors import InvalidArgumentError
-
-
-@dataclass
-class TrainSequence:
-    """A training sequence: prompt ids and the model's greedy continuation."""
-
-    prompt: list[int]
-    generated: list[int]
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
-
-
-# --------------------------------------------------------------------- data
-
-
-def greedy_continuations(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    max_tokens: int = 96,
-    progress: bool = True,
-    batch_size: int = 1,
-) -> list[TrainSequence]:
-    """The model's own greedy continuations of chat-formatted ``prompts``.
-
-    Args:
-        max_tokens: new tokens per prompt (fewer where the model emits EOS; the
-            EOS token is kept as the last generated token).
-        batch_size: 1 decodes each prompt alone with prompt lookup (lossless:
-            in float32 the output equals plain greedy decoding token for token).
-            Larger values decode that many prompts together with mlx-lm's
-            ``batch_generate`` (left-padded batches; about 3x faster on a 2-core
-            CPU at 16). Batched float32 greedy output can differ from the
-            unbatched one where two logits nearly tie; for training targets that
-            does not matter.
-
-    Returns:
-        One :class:`TrainSequence` per prompt, in order.
-    """
-    from ..decoding import generate_steps
-    from ..engine import Engine
-    from ..methods.pld import PLD
-
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(tokenizer.eos_token_id)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in prompts]
-    if batch_size > 1:
-        from mlx_lm.generate import batch_generate
-
-        # batches of similar length: a batch is left-padded to its longest prompt
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        done: dict[int, TrainSequence] = {}
-        with tqdm(total=len(ids), desc="greedy continuations", disable=not progress) as bar:
-            for b in range(0, len(order), batch_size):
-                chunk = order[b : b + batch_size]
-                r = batch_generate(
-                    model,
-                    tokenizer,
-                    [ids[i] for i in chunk],
-                    max_tokens=max_tokens,
-                    return_token_ids=True,
-                    completion_batch_size=batch_size,
-                    prefill_batch_size=batch_size,
-                )
-                for i, gen in zip(chunk, r.token_ids):
-                    gen = [int(t) for t in gen][:max_tokens]
-                    cut = next((j for j, t in enumerate(gen) if t in eos), None)
-                    done[i] = TrainSequence(ids[i], gen if cut is None else gen[: cut + 1])
-                bar.update(len(chunk))
-        return [done[i] for i in range(len(ids))]
-    out = []
-    for p in tqdm(ids, desc="greedy continuations", disable=not progress):
-        engine = Engine(model)
-        method = PLD()
-        method.prepare(engine)
-        gen: list[int] = []
-        for step in generate_steps(engine, method, p, max_tokens=max_tokens, eos_ids=eos):
-            gen.extend(step.tokens)
-        out.append(TrainSequence(p, gen))
-    return out
-
-
-def save_continuations(path: str | Path, seqs: Sequence[TrainSequence], meta: dict) -> None:
-    """Write sequences as jsonl (first line ``{"meta": ...}``), atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"meta": meta}) + "\n")
-        for s in seqs:
-            f.write(json.dumps({"prompt": s.prompt, "generated": s.generated}) + "\n")
-    os.replace(tmp, path)
-
-
-def load_continuations(path: str | Path, meta: dict) -> list[TrainSequence] | None:
-    """Sequences saved by :func:`save_continuations` if the file's ``meta``
-    equals ``meta`` (same model fingerprint, prompts and max_tokens), else None.
-
-    Raises:
-        InvalidArgumentError: the file exists but is not a continuations file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        with open(path) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
-        if not lines or lines[0].get("meta") != meta:
-            return None
-        return [TrainSequence(list(r["prompt"]), list(r["generated"])) for r in lines[1:]]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise InvalidArgumentError(
-            f"--continuations {path}: not a continuations file written by mlx-mtp "
-            f"train masks ({e}); delete it or pass another path"
-        ) from e
+from .continuations import TrainSequence
 
 
 # ------------------------------------------------------------ tree forward
 def prefix_kv(model: nn.Module, tokens: list[int]) -> list[tuple[mx.array, mx.array]]:
     """Per-layer (keys, values) of a causal forward over ``tokens`` (evaluated)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     backbone, _, _ = model_parts(model)
     cache = make_prompt_cache(model)
     backbone(mx.array(tokens)[None], cache=cache)

@@ -48,12 +48,15 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import save_config, save_model
+from tqdm import tqdm
 
 from ..cache_view import FixedCache, install_positional_rope
 from ..data import render_prompt
+from ..dims import dense_weight
 from ..errors import InvalidArgumentError
-from ..fingerprint import model_signature
+from ..fingerprint import model_fingerprint, model_signature
 from ..mtp_checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -69,6 +72,7 @@ from ..mtp_checkpoint import (
     tokenizer_mask_id,
     write_metadata,
 )
+from .continuations import Continuations
 
 #: linears adapted in LoRA mode (llama-style names)
 LORA_KEYS = [
@@ -150,43 +154,8 @@ def encode_prompt(tokenizer: Any, text: str, prompt_format: str) -> list[int]:
     )
 
 
-def greedy_continuation(model: nn.Module, prompt: list[int], n: int, eos: set[int]) -> list[int]:
-    """The model's greedy continuation (up to ``n`` tokens, EOS included)."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
-    out: list[int] = []
-    for _ in range(n):
-        t = int(mx.argmax(logits, axis=-1).item())
-        out.append(t)
-        if t in eos:
-            break
-        logits = model(mx.array([[t]]), cache=cache)[:, -1]
-    return out
-
-
 #: prompts per batched teacher generation
 GEN_BATCH = 16
-
-
-def batch_continuations(
-    model: nn.Module, tokenizer: Any, prompts: list[list[int]], cfg: TrainConfig
-) -> list[list[int]]:
-    """Greedy continuations of several prompts at once (mlx-lm ``batch_generate``),
-    each up to ``cfg.gen_tokens`` tokens, ending with the EOS if one was produced."""
-    from mlx_lm.generate import batch_generate
-
-    r = batch_generate(model, tokenizer, prompts, max_tokens=cfg.gen_tokens, return_token_ids=True)
-    eos = tokenizer_eos_ids(tokenizer)
-    main = getattr(tokenizer, "eos_token_id", None)
-    if main in eos:  # the chat models' end-of-turn token (Qwen <|im_end|>), not min(eos)
-        eos = [main] + [e for e in eos if e != main]
-    out = []
-    for toks in r.token_ids:
-        toks = [int(t) for t in toks]
-        if len(toks) < cfg.gen_tokens and eos:
-            toks.append(eos[0])
-        out.append(toks or ([eos[0]] if eos else [0]))
-    return out
 
 
 # ------------------------------------------------------- mask-region layout
@@ -368,8 +337,6 @@ def add_mask_token(model: nn.Module, tokenizer: Any) -> tuple[int, mx.array]:
 
 
 def _dense_embedding(emb: nn.Module) -> mx.array:
-    from ..dims import dense_weight
-
     return dense_weight(emb)
 
 
@@ -414,8 +381,6 @@ class Trainer:
         config: TrainConfig,
         prompt_format: str = "chat",
     ):
-        from ..fingerprint import model_fingerprint
-
         if config.k_min < 2 or config.k_max < config.k_min:
             raise InvalidArgumentError(
                 f"k range [{config.k_min}, {config.k_max}] is invalid; k_min must be >= 2."
@@ -441,14 +406,22 @@ class Trainer:
         self.student = self._make_student(row)
         self.opt = optim.AdamW(learning_rate=self._schedule(), weight_decay=0.0)
         self.step = 0
-        self._load_continuations()
+        self._conts = Continuations(
+            self.gen_model,
+            [self._prompt_ids(i) for i in range(len(prompts))],
+            config.gen_tokens,
+            self.eos,
+            batch_size=GEN_BATCH,
+            path=self.ckpt_dir().with_name(self.ckpt_dir().name + ".continuations.jsonl"),
+            meta={"model_fingerprint": self.fingerprint, "prompt_format": prompt_format},
+            progress=False,
+            own_file=True,  # a file of an older version is decoded again
+        )
 
     # ------------------------------------------------------------ student
     def _make_student(self, row: mx.array) -> nn.Module:
         cfg = self.cfg
         if cfg.lora:
-            from mlx_lm.tuner.utils import linear_to_lora_layers
-
             student = clone_modules(self.teacher)
             student.freeze()
             self.lora_paths = lora_modules(student, LORA_KEYS, cfg.lora_layers)
@@ -493,41 +466,23 @@ class Trainer:
     def continuation(self, step: int) -> tuple[list[int], list[int]]:
         """Prompt ids and the teacher's greedy continuation for ``step``.
 
-        Continuations are generated in batches of :attr:`GEN_BATCH` prompts with
-        mlx-lm's ``batch_generate`` and kept in the checkpoint folder, so a
-        resumed run does not generate them again.
+        Continuations are generated :data:`GEN_BATCH` prompts at a time (this
+        step's and the next ones in :meth:`order`) and kept next to the
+        checkpoint folder (:class:`~mlx_mtp.training.continuations.Continuations`),
+        so a resumed run does not generate them again.
         """
         order = self.order()
         pos = step // max(self.cfg.reuse, 1)
         idx = int(order[pos % len(order)])
-        if idx not in self._conts:
+        if idx not in self._conts.done:
             b0 = (pos // GEN_BATCH) * GEN_BATCH
-            batch = [int(order[(b0 + i) % len(order)]) for i in range(GEN_BATCH)]
-            batch = [i for i in dict.fromkeys(batch) if i not in self._conts]
-            prompts = [self._prompt_ids(i) for i in batch]
-            conts = batch_continuations(self.gen_model, self.tokenizer, prompts, self.cfg)
-            f = self.ckpt_dir().with_name(self.ckpt_dir().name + ".continuations.jsonl")
-            f.parent.mkdir(parents=True, exist_ok=True)
-            with f.open("a") as fh:
-                for i, c in zip(batch, conts):
-                    self._conts[i] = c
-                    fh.write(json.dumps({"prompt": i, "tokens": c}) + "\n")
-        return self._prompt_ids(idx), self._conts[idx]
+            self._conts.get([int(order[(b0 + i) % len(order)]) for i in range(GEN_BATCH)])
+        seq = self._conts.get([idx])[0]
+        return seq.prompt, seq.generated
 
     def _prompt_ids(self, i: int) -> list[int]:
         ids = encode_prompt(self.tokenizer, self.prompts[i], self.prompt_format)
         return ids[-self.cfg.max_prompt_tokens :]
-
-    def _load_continuations(self) -> None:
-        f = self.ckpt_dir().with_name(self.ckpt_dir().name + ".continuations.jsonl")
-        self._conts: dict[int, list[int]] = {}
-        if f.is_file():
-            for line in f.read_text().splitlines():
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by an interruption
-                    continue
-                self._conts[int(d["prompt"])] = [int(t) for t in d["tokens"]]
 
     def sample(self, step: int) -> tuple[list[int], int, RegionLayout]:
         """The sequence and mask regions of ``step`` (deterministic in seed and step)."""
@@ -625,8 +580,6 @@ class Trainer:
 
         ``stop_after`` ends the run early at that step of the same schedule (the
         checkpoint stays, so a later run with ``resume`` continues to the end)."""
-        from tqdm import tqdm
-
         mx.random.seed(self.cfg.seed)
         if resume and self.resume():
             msg = f"resumed at step {self.step}"
@@ -697,8 +650,6 @@ class Trainer:
         (d / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
     def _export_model(self, d: Path) -> None:
-        from mlx_lm.utils import save_config, save_model
-
         student = self.student
         save_model(d, student, donate_model=False)
         config = dict(self.loaded.config)
