@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 from mlx_lm.utils import _get_classes
 
 from .native_mtp import NativeMTPLayer
@@ -228,12 +229,6 @@ def write_tiny_deepseek(folder: Any, seed: int = 0) -> dict[str, Any]:
     Returns:
         The config written to ``config.json``.
     """
-    import json
-    from pathlib import Path
-
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
-    from mlx_lm.utils import _get_classes
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

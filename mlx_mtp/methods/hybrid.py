@@ -55,10 +55,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import does_model_support_input_embeddings
 
-from ..budget import best_prefix
+from ..budget import best_prefix, chain_values
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..native_mtp import has_native_mtp
 from ..speculative import Draft, Verified
 from ..tree import worth_adding
 from ..verify import Sampler
@@ -430,8 +432,6 @@ class Hybrid(SpeculativeMethod):
         return f"hybrid(bc={bc}, masks={self.masks}, matches={self.matches}{shape}{mtp}{init})"
 
     def prepare(self, engine: Engine) -> None:
-        from mlx_lm.utils import does_model_support_input_embeddings
-
         recurrent = engine.rollback is not None
         mtype = getattr(engine.model, "model_type", "")
         self.masks = self._masks_opt
@@ -465,8 +465,6 @@ class Hybrid(SpeculativeMethod):
 
     def _has_mtp(self, engine: Engine) -> bool:
         """Whether the model's checkpoint (or ``heads``) has a native MTP layer."""
-        from ..native_mtp import has_native_mtp
-
         loaded = getattr(engine, "loaded", None)
         folder = self.heads if self.heads is not None else getattr(loaded, "path", None)
         return folder is not None and has_native_mtp(folder, engine.model)
@@ -521,8 +519,6 @@ class Hybrid(SpeculativeMethod):
         b = self.budget
         if b is None:
             return self.mtp_depth
-        from ..budget import best_prefix, chain_values
-
         qs = [self.stats.q("mtp", d) for d in range(1, self.mtp_depth + 1)]
         n, _ = best_prefix(b.curve, chain_values(qs), 1, item_cost=self.drafter.draft_cost)
         if self._reprobe or b.cheap(1 + self.REPROBE_ITEMS):

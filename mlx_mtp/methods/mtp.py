@@ -45,7 +45,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
+from ..budget import DepthAcceptance, best_prefix, chain_values
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..native_mtp import HIDDEN_STATES, install_hidden_tap, load_native_mtp
@@ -71,8 +73,6 @@ def draft_cost_of(layer: Any, model: Any) -> float:
     Returns:
         The ratio (float >= 0).
     """
-    from mlx.utils import tree_flatten
-
     params = tree_flatten(model.parameters())
     total = sum(v.nbytes for _, v in params)
     emb = sum(v.nbytes for k, v in params if "embed_tokens" in k)
@@ -332,8 +332,6 @@ class MTP(SpeculativeMethod):
 
     def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(engine, prompt, sampler)
-        from ..budget import DepthAcceptance
-
         self.drafter.begin(engine, prompt)
         self.begin_budget(engine, sampler, self.auto)
         self.acceptance = DepthAcceptance()
@@ -344,8 +342,6 @@ class MTP(SpeculativeMethod):
         b = self.budget
         if b is None:
             return self.depth
-        from ..budget import best_prefix, chain_values
-
         values = chain_values(self.acceptance.qs(self.depth))
         n, rate = best_prefix(b.curve, values, 1, item_cost=self.draft_cost)
         if self._reprobe or b.cheap(1 + self.REPROBE_DRAFT):  # re-probe, or nearly free

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import does_model_support_input_embeddings
 
-from ..budget import tree_size
+from ..budget import DepthAcceptance, tree_size
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..learned_masks import load_learned_masks
@@ -322,8 +322,6 @@ class Probe(SpeculativeMethod):
         # accepted / expected drafted nodes (decayed: the calibration follows the text)
         self.begin_budget(engine, sampler, self.auto)
         self.expected, self.hits = 0.0, 0.0
-        from ..budget import DepthAcceptance
-
         #: shape=chain, bc=auto: acceptance per chain depth
         self.acceptance = DepthAcceptance()
         self._reprobe_next = False
