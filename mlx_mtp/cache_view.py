@@ -32,6 +32,9 @@ class TreeCacheView:
         self._cache = cache
         self._mask = mask
         self._positions = positions
+        #: (keys, values) of this pass's slots, (1, KV heads, N, head dim) each,
+        #: as written to the cache (after RoPE); set by :meth:`update_and_fetch`
+        self.new: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -43,6 +46,7 @@ class TreeCacheView:
         return self._mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.new = (keys, values)
         return self._cache.update_and_fetch(keys, values)
 
     def __getattr__(self, name: str) -> Any:  # bits, group_size, ... of the real cache

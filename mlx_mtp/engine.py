@@ -195,6 +195,9 @@ class Engine:
         self.slot_positions = np.zeros(0, dtype=np.int64)
         # a forward pass started with wait=False and not yet waited for: (start, outputs)
         self._pending: tuple[float, list[mx.array]] | None = None
+        # the last tree pass over plain KV caches: (start, slots, views holding the
+        # slots' keys/values), for keep() to move accepted rows without a sync
+        self._tree_rows: tuple[int, int, list[TreeCacheView]] | None = None
 
     def use_model(self, model: nn.Module) -> None:
         """Decode with ``model`` from now on, with an empty cache built the
@@ -206,6 +209,7 @@ class Engine:
         forward passes and time carry on.
         """
         self.model = model
+        self._tree_rows = None
         try:
             self.backbone, self.lm_head, self.embed = model_parts(model)
         except UnsupportedModelError:  # plain decoding still works through model()
@@ -229,6 +233,7 @@ class Engine:
 
     def reset(self) -> None:
         """Drop the whole cache."""
+        self._tree_rows = None
         self.cache = self._new_cache()
         self.cached = []
         if self.rollback is not None:
@@ -287,6 +292,7 @@ class Engine:
             CacheNotTrimmableError: a layer cache cannot be trimmed, or trimmed
                 fewer tokens than asked.
         """
+        self._tree_rows = None  # rows of a tree pass are only moved before any trim
         drop = self.offset - n
         if drop < 0:
             raise ValueError(f"cannot trim {self.offset} cached tokens to {n}")
@@ -329,6 +335,7 @@ class Engine:
             The number of tokens that had to be processed (prefill length).
         """
         self._settle()
+        self._tree_rows = None
         common = 0
         for a, b in zip(self.cached, tokens):
             if a != b:
@@ -438,6 +445,7 @@ class Engine:
                 ``len(tokens)`` tokens (a full sliding window, recurrent layers).
         """
         self._settle()
+        self._tree_rows = None
         if droppable:
             self._require_trimmable(len(tokens), chain=True)
         if len(tokens) > 1:
@@ -488,6 +496,7 @@ class Engine:
             The lazy logits (1, V); the caller evaluates them (``mx.async_eval``).
         """
         self._settle()
+        self._tree_rows = None
         self.cached.append(-1)
         return self._chain(token.reshape(1).astype(mx.int32), count=False)[0]
 
@@ -627,6 +636,8 @@ class Engine:
         views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]
         t0 = time.perf_counter()
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
+        plain = all(type(c) is KVCache for c in self.cache)
+        self._tree_rows = (L, n, views) if plain else None
         self.cached.extend(slot_tokens)
         self.count_forward(n)
         return self._tree_outputs(h, t0, hidden, logit_rows, wait)
@@ -672,6 +683,7 @@ class Engine:
                 f"model type {mtype!r} does not accept input embeddings; use a token-drafting "
                 "method (--method mtp or pld)."
             )
+        self._tree_rows = None
         t0 = time.perf_counter()
         self.rollback.arm(self.cache, self.offset, n)
         self.slot_positions = np.arange(self.offset, self.offset + n)
@@ -684,13 +696,34 @@ class Engine:
         """After a tree forward that began at cache offset ``start``, keep only the
         given slots (in order) at contiguous positions ``start, start+1, ...``.
 
+        Right after :meth:`forward_tree` over plain ``KVCache`` layers the kept
+        slots' keys/values are taken from the pass itself (the cache views keep
+        them) and written lazily, with no synchronisation: the host goes on
+        while the device moves them as part of the next pass. Other caches
+        (quantized, rotating) gather the rows first (:func:`_move_cache_rows`).
+
         Raises:
             CacheNotTrimmableError: the cache could not be trimmed exactly.
         """
         self._settle()
         n_new = self.offset - start
         slots = list(slots)
+        rows, self._tree_rows = self._tree_rows, None
         if slots != list(range(len(slots))):
+            if rows is not None and rows[:2] == (start, n_new):
+                # plain KV caches after a tree pass: write the accepted slots' own
+                # keys/values (kept by the views) at start, start+1, ...; lazy, no
+                # sync, and the cache array is the update's only input, so the next
+                # pass's evaluation updates it in place (DESIGN §7)
+                idx, at = mx.array(slots), mx.array([start])
+                for c, v in zip(self.cache, rows[2]):
+                    k, val = (mx.take(a, idx, axis=2) for a in v.new)
+                    c.keys = mx.slice_update(c.keys, k, at, axes=(2,))
+                    c.values = mx.slice_update(c.values, val, at, axes=(2,))
+                self.cached[start : start + len(slots)] = [self.cached[start + s] for s in slots]
+                if n_new > len(slots):
+                    self.trim_to(start + len(slots))
+                return
             if self.rollback is not None:
                 raise UnsupportedModelError(
                     "recurrent layers can keep only a prefix of a chain pass, not slots "

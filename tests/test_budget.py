@@ -32,6 +32,8 @@ from mlx_mtp.tree import build_tree
 CPU_CURVE = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])
 #: a simulated memory-bound device: flat up to 16 slots, slowly rising after
 GPU_CURVE = CostCurve.flat(knee=16, slope=0.003)
+#: every slot costs a whole forward: no draft ever pays (plain mode)
+STEEP_CURVE = CostCurve.linear(1.0)
 
 
 # --------------------------------------------------------------------- curve
@@ -224,6 +226,8 @@ AUTO_CASES = [
     ("probe", GPU_CURVE),
     ("hybrid", GPU_CURVE),
     ("lookahead", GPU_CURVE),
+    ("clp", STEEP_CURVE),
+    ("clp", GPU_CURVE),
 ]
 
 

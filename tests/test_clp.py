@@ -143,6 +143,50 @@ def test_verified_mode_exact_on_tiny_model(tmp_path, predictor):
             assert stats.drafted > 0  # drafts really go through verification
 
 
+@pytest.mark.parametrize("device", ["steep", "flat"])
+def test_auto_plain_mode_on_a_steep_curve_drafts_on_a_flat_one(tmp_path, monkeypatch, device):
+    """k=auto (issue 22): where every slot costs a whole forward nothing pays,
+    so clp runs one-token steps without the heads, re-probing periodically (a
+    heads step, then a verified draft); on a memory-bound device it drafts
+    every step. Exact vs ntp either way."""
+    from mlx_mtp import budget
+    from mlx_mtp.budget import CostCurve
+
+    monkeypatch.setattr(budget, "MAX_PLAIN_STEPS", 5)  # several plain <-> draft switches
+    model = make_tiny_model("llama", seed=0)
+    _, folder = _tiny_heads(model, tmp_path)
+    prompt = list(range(10, 22))
+    ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 40)
+    m = make_method("clp", heads=str(folder), predictor="all")
+    eng = Engine(model)
+    eng.curve = CostCurve.linear(1.0) if device == "steep" else CostCurve.flat(16, 0.003)
+    m.prepare(eng)
+    heads_runs = []
+    real = m._heads
+    monkeypatch.setattr(m, "_heads", lambda *a: heads_runs.append(1) or real(*a))
+    verified = []  # steps that ran a pass through the shared stage (not one-token steps)
+    propose = m.propose
+
+    def counted_propose(*a):
+        d = propose(*a)
+        if d is not None:
+            verified.append(1)
+        return d
+
+    monkeypatch.setattr(m, "propose", counted_propose)
+    got, stats = _decode(eng, m, prompt, 40)
+    assert got == ref
+    b = m.budget
+    if device == "steep":
+        assert b.plain_steps > 0 and b.reprobes > 1
+        assert len(heads_runs) == len(verified)  # no heads in plain mode
+        assert len(verified) <= 2 * b.reprobes + 1  # each re-probe: a heads step + a check
+        assert 0 < stats.drafted <= 2 * b.reprobes + 2  # re-probes: a few drafts each
+    else:
+        assert b.plain_steps == 0 and len(heads_runs) == stats.steps
+        assert stats.drafted >= 2 * (stats.steps - 1)  # both heads' drafts every step
+
+
 def test_paper_mode_commits_backbone_token_first_and_keeps_cache_consistent(tmp_path):
     model = make_tiny_model("llama", seed=0)
     _, folder = _tiny_heads(model, tmp_path)

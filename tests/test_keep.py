@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlx_mtp.cache_view import install_positional_rope
 from mlx_mtp.engine import _move_cache_rows
 
 
@@ -86,5 +87,73 @@ def test_keep_move_does_not_copy_the_cache():
     base = mx.get_active_memory()
     _move_cache_rows(cache, context, [context + 1, context + 3])
     mx.eval([(c.keys, c.values) for c in cache])
+    grown = mx.get_peak_memory() - base
+    assert grown < 0.1 * one_buffer, (grown, one_buffer)
+
+
+def _tree_step(eng, start_tokens, keep):
+    """Prefill ``start_tokens``, run a 10-slot tree pass (a chain root -> 1..4
+    and a branch 5..9 under the root), keep ``[0, *keep]``."""
+    import numpy as np
+
+    eng.sync(start_tokens)
+    parents = np.array([-1, 0, 1, 2, 3, 0, 5, 6, 7, 8])
+    toks = [7, 11, 12, 13, 14, 21, 22, 23, 24, 25]
+    eng.forward_tree(eng.embed_tokens(toks), parents, toks)
+    start = len(start_tokens)
+    eng.keep(start, [0, *keep])
+    return [t for i, t in enumerate(toks) if i in (0, *keep)]
+
+
+@pytest.mark.parametrize("keep", [[5, 6], [5, 6, 7, 8, 9], [1, 2], [5]])
+def test_keep_after_a_tree_pass_moves_the_slots_own_rows_lazily(keep):
+    """After a tree pass over plain KV caches, keep writes the accepted slots'
+    keys/values from the pass itself, without a synchronisation: the same cache
+    as the evaluated gather (``_move_cache_rows``) and the same next logits."""
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.testing import make_tiny_model
+
+    model = make_tiny_model("llama", seed=1)
+    install_positional_rope(model)  # per-token RoPE positions of a tree pass
+    prompt = list(range(3, 40))
+    lazy, moved = Engine(model), Engine(model)
+    kept = _tree_step(lazy, prompt, keep)
+    # the reference: the same step with the evaluated gather of the cache rows
+    moved.sync(prompt)
+    import numpy as np
+
+    parents = np.array([-1, 0, 1, 2, 3, 0, 5, 6, 7, 8])
+    toks = [7, 11, 12, 13, 14, 21, 22, 23, 24, 25]
+    moved.forward_tree(moved.embed_tokens(toks), parents, toks)
+    moved._tree_rows = None  # force the evaluated gather
+    moved.keep(len(prompt), [0, *keep])
+    assert lazy.cached == moved.cached == prompt + kept
+    for a, b in zip(_flat(lazy.cache), _flat(moved.cache)):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    la, _ = lazy.forward_chain([30])
+    lb, _ = moved.forward_chain([30])
+    assert mx.array_equal(la, lb).item()
+    # and what a plain causal pass over the kept tokens gives
+    ref = Engine(model)
+    ref.sync(prompt + kept)
+    lr, _ = ref.forward_chain([30])
+    assert mx.allclose(la, lr, atol=1e-4).item()
+
+
+def test_lazy_keep_does_not_copy_the_cache():
+    """The lazy move's update takes over the cache buffer: evaluating it grows
+    peak memory by far less than one layer's buffer at 2K tokens."""
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.testing import make_tiny_model
+
+    model = make_tiny_model("llama", seed=1)
+    install_positional_rope(model)
+    eng = Engine(model)
+    _tree_step(eng, [i % 256 for i in range(2048)], [5, 6])
+    one_buffer = eng.cache[0].keys.nbytes
+    mx.eval(mx.zeros(1))
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval([(c.keys, c.values) for c in eng.cache])
     grown = mx.get_peak_memory() - base
     assert grown < 0.1 * one_buffer, (grown, one_buffer)

@@ -18,7 +18,14 @@ from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.methods.pld import lookup_candidates
 from mlx_mtp.testing import make_tiny_model
-from mlx_mtp.tree import block_complexity, build_tree, cost_aware_prefix, worth_adding
+from mlx_mtp.tree import (
+    block_complexity,
+    build_tree,
+    cost_aware_prefix,
+    heavy_path_order,
+    reorder_tree,
+    worth_adding,
+)
 from mlx_mtp.verify import walk_tree
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -45,6 +52,42 @@ def test_build_tree_best_first_with_pruning_and_budget():
     depth = [0 if p < 0 else 1 for p in par]
     assert depth.count(0) == 2 and depth.count(1) == 1
     assert block_complexity(1, 14) == 30 and block_complexity(2, 9) == 30
+
+
+def test_heavy_path_order_puts_the_most_probable_path_first():
+    """Best-first trees (build_tree's order) laid out depth-first, best child
+    first: the greedy-best path is a prefix (keep then only trims), parents
+    still come first, and the tree is the same set of root-to-node paths."""
+    d1 = (np.array([5, 7, 9]), np.array([0.5, 0.3, 0.2]))
+    d2 = (np.array([6, 8, 1]), np.array([0.6, 0.3, 0.1]))
+    d3 = (np.array([2, 3]), np.array([0.9, 0.1]))
+    toks, par, probs = build_tree([d1, d2, d3], budget=12, root_token=0)
+    order = heavy_path_order(par, probs)
+    assert sorted(order) == list(range(len(toks)))
+    npar = reorder_tree(order, par)
+    ntoks = [toks[i] for i in order]
+    assert all(p < i for i, p in enumerate(npar))
+    # the first three nodes are the best child of the root, of it, of that: 5 -> 6 -> 2
+    assert ntoks[:3] == [5, 6, 2] and npar[:3] == [-1, 0, 1]
+
+    def paths(t, p):
+        out = set()
+        for i in range(len(t)):
+            path, j = [], i
+            while j >= 0:
+                path.append(t[j])
+                j = p[j]
+            out.add(tuple(path[::-1]))
+        return out
+
+    assert paths(ntoks, npar) == paths(toks, par)
+    # the most probable child always follows its parent directly
+    for i in range(len(npar)):
+        kids = [j for j, q in enumerate(npar) if q == i]
+        if kids:
+            assert kids[0] == i + 1
+            assert probs[order[i + 1]] == max(probs[order[j]] for j in kids)
+    assert heavy_path_order([], []) == []
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 9, 30, 64, 65, 130])

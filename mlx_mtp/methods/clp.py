@@ -28,7 +28,9 @@ Multi-Token Inference* (arXiv 2606.10935; DESIGN §2.2). Read top to bottom:
 Options (``--opt key=value``; ``--k``):
     mode: ``verified`` (default, lossless) or ``paper`` (no verifier).
     k: heads to use (1..the heads' k), or ``auto`` (default): all heads, each
-        step's drafts cut by the device-aware budget (verified mode, :mod:`mlx_mtp.budget`).
+        step's drafts cut by the device-aware budget, and one-token steps
+        without the heads (with a periodic re-probe) while no draft pays
+        (verified mode, :mod:`mlx_mtp.budget`).
     predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
         parameter MLP gate baseline) or ``all`` (always keep all k heads).
     heads: a heads folder or hub repo id; default: the user's trained heads
@@ -42,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..budget import DepthAcceptance, best_prefix, chain_values, cost_curve
+from ..budget import DepthAcceptance, best_prefix, chain_values
 from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
@@ -62,7 +64,10 @@ class CLP(SpeculativeMethod):
         k: number of heads to use, or ``"auto"`` (default: all heads in the
             file; verified mode cuts each step's drafts to the length that
             maximises expected tokens per unit of time under the device's
-            forward cost curve, from per-depth acceptance learned online,
+            forward cost curve, from per-depth acceptance learned online, and
+            runs pipelined one-token steps without the heads while no draft
+            pays, re-probing periodically: a heads step, then a step that
+            verifies up to ``REPROBE_DRAFT`` of its drafts;
             :mod:`mlx_mtp.budget`).
         predictor: ``"linear"``, ``"gate"`` or ``"all"``.
         heads: heads folder or hub repo id (default: found by fingerprint).
@@ -153,8 +158,13 @@ class CLP(SpeculativeMethod):
         self._root: int | None = None  # root the carried-over state belongs to
         self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
 
-        self.curve = cost_curve(engine) if self.auto else None
+        # k=auto: the device's cost curve and plain mode (mlx_mtp.budget)
+        self.begin_budget(engine, sampler, self.auto)
         self.acceptance = DepthAcceptance()
+        # a re-probe after plain mode takes two steps: a heads step (no drafts:
+        # the heads did not run in plain mode), then a step that verifies at
+        # least REPROBE_DRAFT of their drafts
+        self._probe_next = self._probe_verify = False
 
     # ------------------------------------------------------------- internals
     def _targets(self, logits: mx.array, positions: np.ndarray) -> mx.array:
@@ -180,8 +190,53 @@ class CLP(SpeculativeMethod):
             return self._step_paper(engine, root)
         return super().step(engine, root)  # verified: propose, shared stage, observe
 
-    def propose(self, engine: Engine, root: int) -> Draft:
+    #: drafts a re-probe verifies even when the policy says none pay
+    REPROBE_DRAFT = 2
+
+    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
+        # a one-token step of k=auto's plain mode: the heads did not run, the
+        # carried drafts (if any) no longer follow the committed text
+        self._root, self._carry = None, []
+
+    def _budget_cut(self, drafts: list[int]) -> list[int] | None:
+        """k=auto: the drafts to verify this step, or None for a one-token step
+        in plain mode (no prefix of the heads' drafts pays under the cost curve).
+
+        The rate of a step is judged on the heads' drafts, or, when the span
+        predictor kept none, on ``k`` drafts at the learned acceptance rates: a
+        step without drafts still runs the heads, which only pay if some later
+        step's drafts do.
+        """
+
+        b = self.budget
+        self._probe_verify = False
+        if self._reprobe:  # plain mode ended: a heads step drafts for the next one
+            self._probe_next = True
+            return []
+        if self._probe_next:  # the re-probe proper: verify a few drafts anyway
+            self._probe_next = False
+            n, _ = best_prefix(b.curve, chain_values(self.acceptance.qs(len(drafts))), 1)
+            n = max(n, min(len(drafts), self.REPROBE_DRAFT))
+            if n == 0:  # the span predictor kept nothing: back to plain mode
+                b.go_plain(1 + self.REPROBE_DRAFT)
+                return None
+            self._probe_verify = True
+            return drafts[:n]
+        qs = self.acceptance.qs(len(drafts) or self.k)
+        n, rate = best_prefix(b.curve, chain_values(qs), 1)
+        if b.cheap(1 + self.REPROBE_DRAFT):  # a nearly free device: never plain
+            return drafts[: max(n, min(len(drafts), self.REPROBE_DRAFT))]
+        if not b.pays(rate):
+            b.go_plain(1 + self.REPROBE_DRAFT)
+            return None
+        return drafts[:n]
+
+    def propose(self, engine: Engine, root: int) -> Draft | None:
         drafts = self._carry if self._root == root else []
+        if self.budget is not None:  # k=auto: keep the drafts that pay on this device
+            drafts = self._budget_cut(drafts)
+            if drafts is None:
+                return None
 
         def heads(logits: mx.array, h: mx.array, targets: mx.array) -> tuple[mx.array, ...]:
             # heads + predictor at every row, fed with the backbone's target tokens,
@@ -195,12 +250,11 @@ class CLP(SpeculativeMethod):
         m = len(verified.path)
         toks, span = (np.array(a) for a in verified.extras)
         self._root = verified.bonus
-        self._carry = toks[m, : int(span[m])].tolist()
-        if self.curve is not None:  # k=auto: keep the drafts that pay on this device
-            if draft.drafted:
-                self.acceptance.record(draft.drafted, m)
-            vals = chain_values(self.acceptance.qs(len(self._carry)))
-            self._carry = self._carry[: best_prefix(self.curve, vals, 1)[0]]
+        self._carry = toks[m, : int(span[m])].tolist()  # k=auto: cut in propose
+        if self.budget is not None and draft.drafted:
+            if self._probe_verify and m == draft.drafted:
+                self.acceptance.reset()  # the re-probe was all accepted: the text changed
+            self.acceptance.record(draft.drafted, m)
 
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []

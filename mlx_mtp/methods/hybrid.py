@@ -62,7 +62,7 @@ from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..native_mtp import has_native_mtp
 from ..speculative import Draft, Verified
-from ..tree import worth_adding
+from ..tree import heavy_path_order, reorder_tree, worth_adding
 from ..verify import Sampler
 from .base import SpeculativeMethod, parse_bc, parse_int
 from .pld import lookup_candidates
@@ -119,6 +119,23 @@ class Allocation:
             self.sources[:nodes],
             self.mask_anchors[:masks],
             items,
+        )
+
+    def heavy_first(self) -> Allocation:
+        """The same tree with its nodes laid out most probable path first
+        (:func:`~mlx_mtp.tree.heavy_path_order`), mask anchors renumbered: an
+        accepted most-probable branch is then a prefix of the pass, which the
+        cache keeps by trimming alone."""
+        order = heavy_path_order(self.parents, self.probs)
+        pos = {old + 1: new + 1 for new, old in enumerate(order)}
+        pos[0] = 0
+        return Allocation(
+            [self.tokens[i] for i in order],
+            reorder_tree(order, self.parents),
+            [self.probs[i] for i in order],
+            [self.sources[i] for i in order],
+            [pos[a] for a in self.mask_anchors],
+            self.order,
         )
 
     def slots(self, masks: int) -> int:
@@ -558,6 +575,7 @@ class Hybrid(SpeculativeMethod):
                 b.go_plain(reprobe)
                 return None
             alloc = alloc.prefix(n)
+        alloc = alloc.heavy_first()  # an accepted best branch: no KV-row move in keep
         prev = engine.cached[-1] if engine.cached else -1  # token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]

@@ -33,7 +33,7 @@ from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..learned_masks import load_learned_masks
 from ..speculative import Draft, Verified
-from ..tree import block_complexity, build_tree
+from ..tree import block_complexity, build_tree, heavy_path_order, reorder_tree
 from ..verify import Sampler
 from .base import SpeculativeMethod, parse_bc, parse_int
 
@@ -392,6 +392,9 @@ class Probe(SpeculativeMethod):
             node_toks, node_par = node_toks[:n], node_par[:n]
             if n:
                 self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
+        # the most probable path first: an accepted prefix needs no KV-row move
+        order = heavy_path_order(node_par, node_p[: len(node_toks)])
+        node_toks, node_par = [node_toks[i] for i in order], reorder_tree(order, node_par)
         n_tok = 1 + len(node_toks)
         # slots: [root, nodes...] then k chained masks after every token slot
         parents = [-1] + [p + 1 for p in node_par]
