@@ -627,8 +627,6 @@ class Hybrid(SpeculativeMethod):
         n, use_masks = len(toks), k > 0
         b = self.budget
         if b is not None:  # bc=auto: the best length, with or without the masks
-            from ..budget import best_prefix
-
             n, rate = best_prefix(b.curve, probs, 1)  # without masks
             use_masks = False
             if k:  # masks after node m: worth P(all m accepted) * gain next step

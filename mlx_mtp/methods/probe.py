@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import does_model_support_input_embeddings
 
-from ..budget import DepthAcceptance, tree_size
+from ..budget import DepthAcceptance, best_prefix, chain_values, tree_size
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..learned_masks import load_learned_masks
@@ -334,8 +334,6 @@ class Probe(SpeculativeMethod):
         drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
         b = self.budget
         if b is not None:  # bc=auto: cut the chain where it stops paying
-            from ..budget import best_prefix, chain_values
-
             # the masks ride along on every draft step (they draft the next
             # chain): base slots 1 + k; the rate of a step with the longest
             # chain the estimates can offer also decides a masks-only step
