@@ -46,18 +46,13 @@ from mlx_lm.utils import load_model
 from tqdm import tqdm
 
 from mlx_mtp.budget import parse_curve
-from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import HYBRID_FAMILIES, write_tiny_deepseek, write_tiny_hybrid
+from mlx_mtp.testing import HYBRID_FAMILIES, decode, write_tiny_deepseek, write_tiny_hybrid
 
 
 def run(engine, method, prompt, n):
-    out, stats = [], None
-    for s in generate_steps(engine, method, prompt, max_tokens=n):
-        out += s.tokens
-        stats = s.stats
-    return out, stats
+    return decode(engine, method, prompt, n)
 
 
 def full_reforward_ms(model, prompt, m, repeats=5):

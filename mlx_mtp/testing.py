@@ -8,10 +8,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 from mlx_lm.utils import _get_classes
 
+from .decoding import generate_steps
 from .native_mtp import NativeMTPLayer
 
 #: mlx-lm model families with a tiny config each
@@ -138,6 +140,50 @@ def _to_hf(name: str, w: mx.array, norms: tuple[str, ...], experts: int) -> dict
     return {name: w}
 
 
+def _random_model(folder: Any, config: dict[str, Any], seed: int) -> tuple[Path, dict, nn.Module]:
+    """``(folder as a created Path, config, mlx-lm model of config with weights
+    drawn under mx.random.seed(seed))``: the start of the tiny checkpoint writers."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    return folder, config, model_class(args_class.from_dict(config))
+
+
+def decode(
+    engine: Any, method: Any, prompt: list[int], max_tokens: int, **kwargs: Any
+) -> tuple[list[int], Any]:
+    """``(tokens, stats)`` of one answer: every token of
+    :func:`mlx_mtp.decoding.generate_steps` (same arguments) and its final
+    statistics (``DecodeStats``, None when nothing was generated)."""
+    out: list[int] = []
+    stats = None
+    for s in generate_steps(engine, method, prompt, max_tokens=max_tokens, **kwargs):
+        out += s.tokens
+        stats = s.stats
+    return out, stats
+
+
+def assert_one_pass_equals_steps(
+    layer: Any, hidden: mx.array, embeds: mx.array, atol: float
+) -> None:
+    """Check that an MTP layer (``layer(h, e, cache)``, :mod:`mlx_mtp.native_mtp`)
+    gives the same output for ``hidden`` (1, n, D) and ``embeds`` (1, n, D) in
+    one pass as fed one position at a time through its own cache (float32,
+    rtol 1e-4).
+
+    Raises:
+        AssertionError: where they differ.
+    """
+    whole = layer(hidden, embeds, layer.make_cache())
+    cache = layer.make_cache()
+    n = hidden.shape[1]
+    steps = mx.concatenate(
+        [layer(hidden[:, i : i + 1], embeds[:, i : i + 1], cache) for i in range(n)], 1
+    )
+    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=atol)
+
+
 def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) -> dict[str, Any]:
     """Write a tiny random hybrid checkpoint, in the Hugging Face layout of the
     public Qwen3-Next / Qwen3.5 checkpoints, with a native MTP layer under
@@ -151,12 +197,7 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     Returns:
         The config written to ``config.json``.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = hybrid_config(family)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
+    folder, config, model = _random_model(folder, hybrid_config(family), seed)
     moe = family == "qwen3_next"
     layer = NativeMTPLayer(model, moe)
     experts = _NEXT_MOE["num_experts"] if moe else 0
@@ -229,14 +270,8 @@ def write_tiny_deepseek(folder: Any, seed: int = 0) -> dict[str, Any]:
     Returns:
         The config written to ``config.json``.
     """
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = dict(DEEPSEEK_TINY)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    args = args_class.from_dict(config)
-    model = model_class(args)
+    folder, config, model = _random_model(folder, dict(DEEPSEEK_TINY), seed)
+    args = model.args
     n = args.num_hidden_layers
     heads, nope, vdim = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
     d = args.hidden_size

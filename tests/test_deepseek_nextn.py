@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from mlx_mtp.budget import CostCurve
-from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support
 from mlx_mtp.errors import ModelLoadError
 from mlx_mtp.methods import make_method
 from mlx_mtp.native_mtp import NextNLayer, find_nextn_tensors, has_native_mtp, load_native_mtp
-from mlx_mtp.testing import write_tiny_deepseek
+from mlx_mtp.testing import assert_one_pass_equals_steps, decode, write_tiny_deepseek
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +53,7 @@ def _method(engine, name, **opts):
 
 
 def _generate(engine, method, prompt, n):
-    out, stats = [], None
-    for s in generate_steps(engine, method, prompt, max_tokens=n):
-        out += s.tokens
-        stats = s.stats
-    return out, stats
+    return decode(engine, method, prompt, n)
 
 
 def _rms(x, w, eps=1e-6):  # DeepSeek norms are plain x * w
@@ -125,10 +120,7 @@ def test_nextn_layer_survives_loading_and_matches_a_reference(deepseek):
     # several positions in one pass == one at a time through the layer's (MLA) cache
     hs = mx.random.normal((1, 5, args.hidden_size))
     es = engine.embed_tokens([3, 9, 27, 81, 243])[None]
-    whole = layer(hs, es, layer.make_cache())
-    cache = layer.make_cache()
-    steps = mx.concatenate([layer(hs[:, i : i + 1], es[:, i : i + 1], cache) for i in range(5)], 1)
-    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=1e-4)
+    assert_one_pass_equals_steps(layer, hs, es, atol=1e-4)
 
 
 def test_checkpoint_without_nextn_tensors_is_refused(deepseek, tmp_path):

@@ -17,13 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support
 from mlx_mtp.errors import ModelLoadError, UnsupportedModelError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import ChainDraftMethod
 from mlx_mtp.native_mtp import find_mtp_tensors, load_native_mtp
-from mlx_mtp.testing import HYBRID_FAMILIES, write_tiny_hybrid
+from mlx_mtp.testing import HYBRID_FAMILIES, assert_one_pass_equals_steps, decode, write_tiny_hybrid
 
 N_TOKENS = 48
 
@@ -47,11 +46,7 @@ def _engine(hybrid):
 
 
 def _generate(engine, method, prompt, n=N_TOKENS, sampler=None):
-    out, stats = [], None
-    for s in generate_steps(engine, method, prompt, max_tokens=n, sampler=sampler):
-        out += s.tokens
-        stats = s.stats
-    return out, stats
+    return decode(engine, method, prompt, n, sampler=sampler)
 
 
 def _method(engine, name, **opts):
@@ -135,10 +130,7 @@ def test_mtp_weights_survive_loading_and_match_a_reference(hybrid):
     # several positions in one pass == one at a time through the layer's KV cache
     hs = mx.random.normal((1, 5, args.hidden_size))
     es = engine.embed_tokens([3, 9, 27, 81, 243])[None]
-    whole = layer(hs, es, layer.make_cache())
-    cache = layer.make_cache()
-    steps = mx.concatenate([layer(hs[:, i : i + 1], es[:, i : i + 1], cache) for i in range(5)], 1)
-    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=1e-5)
+    assert_one_pass_equals_steps(layer, hs, es, atol=1e-5)
 
 
 def test_convert_clp_heads_writes_the_layer_and_mtp_loads_it(hybrid, tmp_path):
