@@ -42,7 +42,7 @@ What is mapped, exactly:
     Refused: checkpoints without ``model.mtp_layers.0``, FP8/quantized MTP
     tensors (``*_scale*``), an embedding that does not match M's. Dropped and
     reported: MTP layers beyond the first (they chain on layer 0's output).
-    DeepSeek-V3 MTP layers are not mapped; Qwen3-Next / Qwen3.5 ones are (next).
+    DeepSeek-V3 and Qwen3-Next / Qwen3.5 MTP layers are mapped whole (below).
 
 ``qwen3-mtp`` (a Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint folder with ``mtp.*``
 tensors, which mlx-lm drops)
@@ -52,6 +52,12 @@ tensors, which mlx-lm drops)
     backbone), written as a heads folder of architecture ``native-mtp-layer``
     for ``--method mtp --opt heads=DST``. M must be that checkpoint's model
     (same model type, hidden size and vocabulary; the fingerprint is M's).
+
+``deepseek-nextn`` (a DeepSeek-V3 checkpoint folder with its nextn layer
+``model.layers.{num_hidden_layers}.*``, which mlx-lm drops)
+    The whole nextn layer (enorm, hnorm, eh_proj, the MLA + MoE decoder block,
+    shared_head.norm), as ``qwen3-mtp``: a ``native-mtp-layer`` heads folder
+    marked ``nextn`` for ``--method mtp --opt heads=DST``.
 """
 
 from __future__ import annotations
@@ -78,9 +84,9 @@ from mlx_mtp.clp_heads import (
     save_heads,
 )
 from mlx_mtp.errors import CheckpointMismatchError, MTPError
-from mlx_mtp.native_mtp import find_mtp_tensors
+from mlx_mtp.native_mtp import NEXTN_FAMILIES, find_mtp_tensors, find_nextn_tensors
 
-SOURCES = ("auto", "clp", "medusa", "mimo-mtp", "qwen3-mtp")
+SOURCES = ("auto", "clp", "medusa", "mimo-mtp", "qwen3-mtp", "deepseek-nextn")
 MEDUSA_FILE = "medusa_lm_head.safetensors"
 
 
@@ -113,10 +119,13 @@ def detect(folder: Path) -> str:
         return "mimo-mtp"
     if cfg.is_file() and find_mtp_tensors(folder):
         return "qwen3-mtp"
+    if cfg.is_file() and _has_nextn(folder, cfg):
+        return "deepseek-nextn"
     raise HeadConversionError(
         f"{folder}: not CLP heads ({CONFIG_FILE} + {WEIGHTS_FILE}), not Medusa heads "
         f"({MEDUSA_FILE}), not a MiMo checkpoint with model.mtp_layers.* tensors and not a "
-        "Qwen3.5 / Qwen3-Next checkpoint with mtp.* tensors."
+        "Qwen3.5 / Qwen3-Next checkpoint with mtp.* tensors nor a DeepSeek-V3 checkpoint with "
+        "a nextn layer."
     )
 
 
@@ -156,8 +165,8 @@ def convert(
         check_compatible(config, loaded.model, str(folder))
         _copy_atomic(folder, dst)
         return f"copied CLP heads ({config['architecture']}, k={config['k']}) to {dst}"
-    if kind == "qwen3-mtp":
-        return _from_qwen3_mtp(folder, dst, loaded)
+    if kind in ("qwen3-mtp", "deepseek-nextn"):
+        return _from_native_mtp(folder, dst, loaded, kind)
     if kind == "medusa":
         heads, note = _from_medusa(folder, loaded)
     else:
@@ -408,7 +417,19 @@ def _from_mimo(folder: Path, loaded: Any) -> tuple[CLPHeads, str]:
 
 
 # ---------------------------------------------------------------- qwen3 mtp
-def _from_qwen3_mtp(folder: Path, dst: Path, loaded: Any) -> str:
+def _has_nextn(folder: Path, cfg: Path) -> bool:
+    """A DeepSeek-V3 checkpoint whose nextn layer is stored
+    (``model.layers.{num_hidden_layers}.*``)."""
+    try:
+        c = json.loads(cfg.read_text())
+    except json.JSONDecodeError:
+        return False
+    if c.get("model_type") not in NEXTN_FAMILIES or "num_hidden_layers" not in c:
+        return False
+    return bool(find_nextn_tensors(folder, int(c["num_hidden_layers"])))
+
+
+def _from_native_mtp(folder: Path, dst: Path, loaded: Any, kind: str) -> str:
     from mlx_mtp.native_mtp import load_native_mtp, save_native_heads, text_args
 
     cfg = json.loads((folder / CONFIG_FILE).read_text())
@@ -431,10 +452,16 @@ def _from_qwen3_mtp(folder: Path, dst: Path, loaded: Any) -> str:
         loaded.model,
         loaded.name,
         dst,
-        {"kind": "qwen3-mtp", "model_type": cfg.get("model_type"), "layers": n},
+        {"kind": kind, "model_type": cfg.get("model_type"), "layers": n},
     )
-    moe = "MoE" if getattr(text_args(loaded.model), "num_experts", 0) else "dense"
+    args = text_args(loaded.model)
+    moe = (
+        "MoE"
+        if getattr(args, "num_experts", 0) or getattr(args, "n_routed_experts", 0)
+        else "dense"
+    )
+    what = "nextn" if kind == "deepseek-nextn" else "native MTP"
     return (
-        f"{cfg.get('model_type')} native MTP layer ({n} block, {moe}; its own KV cache) written "
+        f"{cfg.get('model_type')} {what} layer ({n} block, {moe}; its own KV cache) written "
         f"to {dst} as a native-mtp-layer heads folder; use it with --method mtp --opt heads={dst}"
     )

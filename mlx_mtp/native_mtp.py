@@ -410,11 +410,7 @@ def load_native_mtp(
     except (OSError, json.JSONDecodeError):
         on_disk = {}
     layer: nn.Module
-    if mtype in NEXTN_FAMILIES:  # DeepSeek nextn: model.layers.{num_hidden_layers}.*
-        config = on_disk if config is None else config
-        w = read_nextn_weights(folder, model)
-        layer = NextNLayer(model)
-    elif on_disk.get("format") == FORMAT:  # a heads folder (convert clp-heads)
+    if on_disk.get("format") == FORMAT:  # a heads folder (convert clp-heads)
         config, w = read_heads(folder)
         if config["architecture"] != NATIVE_LAYER:
             raise ModelLoadError(
@@ -422,8 +418,19 @@ def load_native_mtp(
                 "use them with --method clp."
             )
         check_compatible(config, model, str(folder))
-        moe, n_layers = bool(config["moe"]), int(config["mtp_layers"])
-        layer = NativeMTPLayer(model, moe, n_layers)
+        if bool(config.get("nextn")) != (mtype in NEXTN_FAMILIES):
+            raise ModelLoadError(
+                f"{folder} holds a {'DeepSeek nextn' if config.get('nextn') else 'Qwen mtp'} "
+                f"layer, which a {mtype} model cannot run; pass the model it was converted for."
+            )
+        if config.get("nextn"):
+            layer = NextNLayer(model)
+        else:
+            layer = NativeMTPLayer(model, bool(config["moe"]), int(config["mtp_layers"]))
+    elif mtype in NEXTN_FAMILIES:  # DeepSeek nextn: model.layers.{num_hidden_layers}.*
+        config = on_disk if config is None else config
+        w = read_nextn_weights(folder, model)
+        layer = NextNLayer(model)
     else:
         config = on_disk if config is None else config
         args = text_args(model)
@@ -529,7 +536,14 @@ def save_native_heads(
 
     moe = any(".switch_mlp." in k for k, _ in tree_flatten(layer.parameters()))
     config = base_config(
-        model, name, 1, NATIVE_LAYER, moe=moe, mtp_layers=len(layer.layers), source=source
+        model,
+        name,
+        1,
+        NATIVE_LAYER,
+        moe=moe,
+        mtp_layers=len(layer.layers),
+        nextn=isinstance(layer, NextNLayer),
+        source=source,
     )
     dtype = layer.fc.weight.dtype
     dtype = dtype if mx.issubdtype(dtype, mx.floating) else mx.float32

@@ -203,3 +203,29 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
     assert late, (seen["auto"].keys(), seen["fixed"].keys())
     for p in common:
         assert seen["auto"][p][:1] == seen["fixed"][p][:1], p
+
+
+def test_convert_clp_heads_writes_the_nextn_layer_and_mtp_loads_it(deepseek, tmp_path):
+    """convert clp-heads finds the nextn layer (as it finds Qwen's mtp.*): the
+    heads folder gives the layer's outputs and mtp decodes exactly with it."""
+    from mlx_mtp.converters.clp_heads import convert, detect
+
+    model, loaded = deepseek
+    assert detect(loaded.path) == "deepseek-nextn"
+    src = types.SimpleNamespace(model=model, name="tiny-deepseek")
+    summary = convert(loaded.path, tmp_path / "heads", src)
+    assert "nextn layer" in summary and "native-mtp-layer" in summary
+    direct = load_native_mtp(loaded.path, model, loaded.config)
+    folder = load_native_mtp(tmp_path / "heads", model)
+    engine = Engine(model)
+    mx.random.seed(5)
+    h = mx.random.normal((1, 3, model.args.hidden_size))
+    e = engine.embed_tokens([1, 2, 3])[None]
+    a = direct(h, e, direct.make_cache())
+    b = folder(h, e, folder.make_cache())
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    eng = _engine(deepseek)
+    ntp, m = _method(eng, "ntp"), _method(eng, "mtp", depth=2, heads=str(tmp_path / "heads"))
+    p = [5, 77, 140, 3]
+    out, stats = _generate(eng, m, p, 6)
+    assert out == _generate(eng, ntp, p, 6)[0] and stats.drafted > 0

@@ -95,7 +95,9 @@ def register(app: typer.Typer) -> None:
             "smollm2-135m", "--model", "-m", help="Base model the heads belong to."
         ),
         source: str = typer.Option(
-            "auto", "--from", help="auto, clp, medusa, mimo-mtp or qwen3-mtp (how to read SRC)."
+            "auto",
+            "--from",
+            help="auto, clp, medusa, mimo-mtp, qwen3-mtp or deepseek-nextn (how to read SRC).",
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
         dtype: str | None = BASE_DTYPE,
