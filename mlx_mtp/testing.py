@@ -140,14 +140,14 @@ def _to_hf(name: str, w: mx.array, norms: tuple[str, ...], experts: int) -> dict
     return {name: w}
 
 
-def _random_model(folder: Any, config: dict[str, Any], seed: int) -> tuple[Path, dict, nn.Module]:
-    """``(folder as a created Path, config, mlx-lm model of config with weights
-    drawn under mx.random.seed(seed))``: the start of the tiny checkpoint writers."""
+def _random_model(folder: Any, config: dict[str, Any], seed: int) -> tuple[Path, nn.Module]:
+    """``(folder as a created Path, mlx-lm model of config with weights drawn
+    under mx.random.seed(seed))``: the start of the tiny checkpoint writers."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    return folder, config, model_class(args_class.from_dict(config))
+    return folder, model_class(args_class.from_dict(config))
 
 
 def decode(
@@ -197,7 +197,8 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     Returns:
         The config written to ``config.json``.
     """
-    folder, config, model = _random_model(folder, hybrid_config(family), seed)
+    config = hybrid_config(family)
+    folder, model = _random_model(folder, config, seed)
     moe = family == "qwen3_next"
     layer = NativeMTPLayer(model, moe)
     experts = _NEXT_MOE["num_experts"] if moe else 0
@@ -270,7 +271,8 @@ def write_tiny_deepseek(folder: Any, seed: int = 0) -> dict[str, Any]:
     Returns:
         The config written to ``config.json``.
     """
-    folder, config, model = _random_model(folder, dict(DEEPSEEK_TINY), seed)
+    config = dict(DEEPSEEK_TINY)
+    folder, model = _random_model(folder, config, seed)
     args = model.args
     n = args.num_hidden_layers
     heads, nope, vdim = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
