@@ -12,10 +12,14 @@ can therefore be a win on one device and a loss on another (DESIGN §6, class
    beyond the last one. :func:`measure_cost_curve` times the engine's own tree
    forward pass at chosen sizes, interleaved (size 1, 2, 4, ... then again),
    and takes medians, so a load change on the machine hits every size alike.
-2. :func:`cost_curve`: measured once per (model fingerprint, device, dtype),
-   kept on the engine and cached as JSON in ``$MLX_MTP_HOME/cost_curves`` so
-   the next run starts calibrated. A corrupt file is ignored with a warning; a
-   file of another model, device or dtype is never read.
+2. :func:`cost_curves`: measured once per (model fingerprint, device, dtype)
+   at two context lengths, the current one and 1024 tokens more
+   (:class:`CostCurves`: every draft slot attends over the whole cache, so a
+   slot costs more on a long prompt), kept on the engine and cached as JSON
+   in ``$MLX_MTP_HOME/cost_curves`` so the next run starts calibrated. A
+   corrupt file is ignored with a warning; a file of another model, device
+   or dtype is never read. Each draft step plans with the curve at the
+   cache's current length (:meth:`Budget.at`).
 3. The policy (not from a paper; the classic speculative-decoding objective of
    Leviathan et al. 2023, §3.4, expected tokens per unit of time, with a
    measured cost instead of a constant ratio): a draft whose items (nodes,
@@ -70,8 +74,13 @@ if TYPE_CHECKING:
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: timing rounds per size (after one warm-up round); the median is kept
 CURVE_REPEATS = 3
-#: version of the cache file layout
-CURVE_FORMAT = 1
+#: version of the cache file layout (2: one curve per measured context length)
+CURVE_FORMAT = 2
+#: tokens added to the cache for the second, long-context curve
+LONG_CONTEXT_EXTRA = 1024
+#: how far beyond the longest measured context a curve is extrapolated, in
+#: multiples of the measured span (longer contexts use the limit)
+MAX_EXTRAPOLATION = 4.0
 #: share of decode time the periodic re-probes may cost
 REPROBE_OVERHEAD = 0.01
 #: bounds of the plain-mode interval (steps)
@@ -86,6 +95,8 @@ class CostCurve:
         costs: the relative cost at each size (``costs[0]`` is 1.0); a
             decreasing measurement (timing noise) is flattened so that ``c``
             never decreases.
+        context: tokens in the cache when it was measured (None: not known,
+            or the same at every context).
 
     ``c(n)`` is linear between measured sizes and extends the last segment's
     slope beyond the largest one; ``c(n) = 1`` for ``n <= 1``.
@@ -94,7 +105,7 @@ class CostCurve:
         ValueError: sizes not increasing from 1, or lengths differ.
     """
 
-    def __init__(self, sizes: Sequence[int], costs: Sequence[float]):
+    def __init__(self, sizes: Sequence[int], costs: Sequence[float], context: int | None = None):
         sizes = [int(s) for s in sizes]
         costs = [float(c) for c in costs]
         if len(sizes) != len(costs) or not sizes or sizes[0] != 1:
@@ -104,7 +115,7 @@ class CostCurve:
         mono = [1.0]
         for c in costs[1:]:
             mono.append(max(mono[-1], c if math.isfinite(c) else mono[-1]))
-        self.sizes, self.costs = sizes, mono
+        self.sizes, self.costs, self.context = sizes, mono, context
 
     @classmethod
     def flat(cls, knee: int = 16, slope: float = 0.01, upto: int = 256) -> CostCurve:
@@ -136,11 +147,85 @@ class CostCurve:
         return (self(n) - 1.0) / (n - 1) if n > 1 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sizes": self.sizes, "costs": [round(c, 4) for c in self.costs]}
+        return {
+            "context": self.context,
+            "sizes": self.sizes,
+            "costs": [round(c, 4) for c in self.costs],
+        }
 
     def __repr__(self) -> str:
         pts = ", ".join(f"{s}:{c:.2f}" for s, c in zip(self.sizes, self.costs))
         return f"CostCurve({pts})"
+
+
+class CostCurves:
+    """The forward cost curve as a function of the context length.
+
+    Every slot of a draft attends over the whole cache, so the marginal cost
+    of a slot grows with the context while a one-token step's grows less
+    (this machine, SmolLM2-135M float32, one core: ``c(16) = 1.61`` at 64
+    tokens of context, ``1.93`` at 1,536; ``c(32)`` 2.36 and 3.27). A budget
+    planned with a short-context curve overspends on long prompts (RAG).
+
+    Args:
+        curves: curves measured at different ``context`` lengths (a curve
+            without a context counts as context 0). One curve: the same cost
+            at every context.
+
+    :meth:`at` interpolates the costs linearly in the context length between
+    the two nearest measured curves (at the first curve's sizes), is constant
+    below the shortest, extrapolates linearly beyond the longest up to
+    ``MAX_EXTRAPOLATION`` times the measured span, and never lets ``c(n)``
+    exceed ``n`` there. Results are kept per 64-token bucket.
+
+    Raises:
+        ValueError: no curve.
+    """
+
+    BUCKET = 64
+
+    def __init__(self, curves: Sequence[CostCurve]):
+        if not curves:
+            raise ValueError("CostCurves needs at least one curve")
+        self.curves = sorted(curves, key=lambda c: c.context or 0)
+        self._at: dict[int, CostCurve] = {}
+
+    def at(self, context: int) -> CostCurve:
+        """The curve for a cache of ``context`` tokens."""
+        if len(self.curves) == 1:
+            return self.curves[0]
+        bucket = max(int(context), 0) // self.BUCKET
+        hit = self._at.get(bucket)
+        if hit is None:
+            hit = self._at[bucket] = self._interpolate(bucket * self.BUCKET)
+        return hit
+
+    def _interpolate(self, context: int) -> CostCurve:
+        cs = self.curves
+        ctx = [c.context or 0 for c in cs]
+        if context <= ctx[0]:
+            return cs[0]
+        i = min(int(np.searchsorted(ctx, context)), len(cs) - 1)
+        lo, hi = cs[i - 1], cs[i]
+        span = max(ctx[i] - ctx[i - 1], 1)
+        w = min((context - ctx[i - 1]) / span, MAX_EXTRAPOLATION)
+        sizes = lo.sizes
+        costs = [
+            min(lo(n) + w * (hi(n) - lo(n)), float(n)) if w > 1.0 else lo(n) + w * (hi(n) - lo(n))
+            for n in sizes
+        ]
+        return CostCurve(sizes, costs, context=context)
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in self.curves]
+
+    def __repr__(self) -> str:
+        return "CostCurves(" + "; ".join(f"{c.context}: {c!r}" for c in self.curves) + ")"
+
+
+def as_curves(curve: CostCurve | CostCurves) -> CostCurves:
+    """A :class:`CostCurves` (a single curve: the same at every context)."""
+    return curve if isinstance(curve, CostCurves) else CostCurves([curve])
 
 
 # ------------------------------------------------------------------ measuring
@@ -223,7 +308,44 @@ def measure_cost_curve(
         if engine.offset > start:
             engine.trim_to(start)
     t1 = float(np.median(times[1]))
-    return CostCurve(sizes, [float(np.median(times[s])) / t1 for s in sizes])
+    return CostCurve(sizes, [float(np.median(times[s])) / t1 for s in sizes], context=start)
+
+
+def measure_cost_curves(engine: Engine, progress: bool = False) -> CostCurves:
+    """The cost curve at the current context and at ``LONG_CONTEXT_EXTRA``
+    more tokens (:class:`CostCurves`), both with :func:`measure_cost_curve`.
+
+    For the second curve the cache is extended by a run of copies of its last
+    token (attention costs the same whatever the tokens) and trimmed back
+    afterwards: the cache, its tokens and the engine's statistics are left
+    as they were. Only the first curve is measured where the cache cannot
+    take and drop that many tokens (a sliding window, a hybrid recurrent
+    model, a model without input embeddings, too little memory).
+    """
+    short = measure_cost_curve(engine, progress=progress)
+    start = engine.offset
+    extra = LONG_CONTEXT_EXTRA
+    top = max(short.sizes)
+    if (
+        engine.backbone is None
+        or engine.rollback is not None
+        or not does_model_support_input_embeddings(engine.model)
+        or not engine.trimmable(extra + top)
+        or engine.max_slots(start + extra) < top
+    ):
+        return CostCurves([short])
+    tok = engine.cached[-1] if engine.cached else 0
+    saved = (engine.forward_passes, engine.forward_slots, engine.forward_seconds)
+    last_prefill = getattr(engine, "last_prefill", None)
+    try:
+        engine.sync([*engine.cached, *([tok] * extra)])
+        long = measure_cost_curve(engine, sizes=short.sizes, progress=progress)
+    finally:
+        engine.trim_to(start)
+        engine.forward_passes, engine.forward_slots, engine.forward_seconds = saved
+        if last_prefill is not None:
+            engine.last_prefill = last_prefill
+    return CostCurves([short, long])
 
 
 def device_name() -> str:
@@ -269,9 +391,10 @@ def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
     return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{dev}.json"
 
 
-def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurve | None:
-    """The cached curve for ``key``, or None: no file, another key in it, or a
-    corrupt file (ignored with a warning, and measured again)."""
+def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | None:
+    """The cached curves for ``key``, or None: no file, another key or an
+    older layout in it, or a corrupt file (ignored with a warning, and
+    measured again)."""
     path = curve_path(key, home)
     if not path.exists():
         return None
@@ -279,7 +402,9 @@ def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurve | Non
         data = json.loads(path.read_text())
         if data.get("format") != CURVE_FORMAT or data.get("key") != key:
             return None
-        return CostCurve(data["curve"]["sizes"], data["curve"]["costs"])
+        return CostCurves(
+            [CostCurve(c["sizes"], c["costs"], context=c["context"]) for c in data["curves"]]
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         warnings.warn(
             f"ignoring the corrupt cost-curve cache {path} ({type(e).__name__}: {e}); the "
@@ -289,12 +414,15 @@ def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurve | Non
         return None
 
 
-def save_curve(key: dict[str, str], curve: CostCurve, home: Path | None = None) -> Path:
-    """Write the curve atomically (a temporary file in the same folder, then
+def save_curve(
+    key: dict[str, str], curve: CostCurve | CostCurves, home: Path | None = None
+) -> Path:
+    """Write the curve(s) atomically (a temporary file in the same folder, then
     ``os.replace``): a reader never sees half a file."""
     path = curve_path(key, home)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": CURVE_FORMAT, "key": key, "curve": curve.to_dict(), "measured": time.time()}
+    curves = as_curves(curve).to_list()
+    data = {"format": CURVE_FORMAT, "key": key, "curves": curves, "measured": time.time()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
@@ -322,48 +450,58 @@ def parse_curve(spec: str) -> CostCurve:
         ) from None
 
 
-def cost_curve(engine: Engine, measure: bool = True) -> CostCurve:
-    """The engine's forward cost curve: set on the engine (``engine.curve``,
-    which a caller may also set to simulate a device), else given by
-    ``$MLX_MTP_COST_CURVE`` (:func:`parse_curve`; to pin a device's curve, or
-    simulate another device), else read from the cache for this (model,
-    device, dtype), else measured with :func:`measure_cost_curve` and cached.
+def cost_curves(engine: Engine, measure: bool = True) -> CostCurves:
+    """The engine's forward cost curves by context length: set on the engine
+    (``engine.curve``, a :class:`CostCurve` or :class:`CostCurves`, which a
+    caller may also set to simulate a device), else given by
+    ``$MLX_MTP_COST_CURVE`` (:func:`parse_curve`, one curve for every
+    context; to pin a device's curve, or simulate another device), else read
+    from the cache for this (model, device, dtype), else measured with
+    :func:`measure_cost_curves` and cached.
 
     ``MLX_MTP_REMEASURE_COST=1`` ignores the cached file (measures again).
-    On a model sharded over several ranks every rank gets rank 0's curve
-    (:func:`mlx_mtp.distributed.agree`).
+    On a model sharded over several ranks every rank gets rank 0's curves
+    (:func:`mlx_mtp.distributed.agree`). With ``measure=False`` and nothing
+    cached: ``CostCurve.linear(1.0)`` (a slot costs a whole forward).
 
     Raises:
         InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
     """
     curve = getattr(engine, "curve", None)
     if curve is not None:
-        return curve
+        return as_curves(curve)
     if os.environ.get("MLX_MTP_COST_CURVE"):
         engine.curve = parse_curve(os.environ["MLX_MTP_COST_CURVE"])
-        return engine.curve
+        return as_curves(engine.curve)
 
     key = curve_key(engine)
+    curves = None
     if os.environ.get("MLX_MTP_REMEASURE_COST") != "1":
-        curve = load_curve(key)
-    # sharded over several ranks (mlx.launch): rank 0's cached curve, or a curve
+        curves = load_curve(key)
+    # sharded over several ranks (mlx.launch): rank 0's cached curves, or curves
     # that every rank measures together (the timing passes are collective) and
     # takes from rank 0, so that all ranks build the same drafts
-    curve = distributed.agree(curve)
-    if curve is None:
+    curves = distributed.agree(curves)
+    if curves is None:
         if not measure:
-            return CostCurve.linear(1.0)
-        curve = distributed.agree(measure_cost_curve(engine))
+            return as_curves(CostCurve.linear(1.0))
+        curves = distributed.agree(measure_cost_curves(engine))
         try:
             if distributed.is_main():
-                save_curve(key, curve)
+                save_curve(key, curves)
         except OSError as e:
             warnings.warn(
                 f"could not cache the cost curve ({e}); it is kept for this run only.",
                 stacklevel=2,
             )
-    engine.curve = curve
-    return curve
+    engine.curve = curves
+    return curves
+
+
+def cost_curve(engine: Engine, measure: bool = True) -> CostCurve:
+    """The engine's forward cost curve at its current context length
+    (:func:`cost_curves` ``.at(engine.offset)``; same sources and errors)."""
+    return cost_curves(engine, measure).at(engine.offset)
 
 
 # --------------------------------------------------------------------- policy
@@ -493,6 +631,14 @@ class Budget:
     plain_left: int = 0
     plain_steps: int = 0
     reprobes: int = 0
+    #: the curves by context length (None: ``curve`` at every context)
+    curves: CostCurves | None = None
+
+    def at(self, context: int) -> None:
+        """Plan the next step for a cache of ``context`` tokens: ``curve``
+        becomes the curve at that length (:meth:`CostCurves.at`)."""
+        if self.curves is not None:
+            self.curve = self.curves.at(context)
 
     def rate_of_plain(self) -> float:
         """Tokens per unit time of a one-token step (the unit)."""

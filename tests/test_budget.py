@@ -14,10 +14,12 @@ import mlx_mtp.budget as budget
 from mlx_mtp.budget import (
     Budget,
     CostCurve,
+    CostCurves,
     DepthAcceptance,
     best_prefix,
     chain_values,
     cost_curve,
+    cost_curves,
     curve_key,
     curve_path,
     tree_size,
@@ -165,37 +167,104 @@ def _engine(model):
 
 def test_curve_cache_reused_per_model_device_dtype(counted, tmp_path):
     model = make_tiny_model("llama", seed=4)
-    first = cost_curve(_engine(model))
-    assert len(counted) == 1
+    first = cost_curves(_engine(model))
+    assert len(counted) == 2  # the current context and 1024 tokens more
     path = curve_path(curve_key(_engine(model)), tmp_path)
     data = json.loads(path.read_text())
-    assert data["key"]["dtype"] == "float32" and data["curve"]["sizes"] == [1, 2, 4]
+    assert data["key"]["dtype"] == "float32" and data["format"] == 2
+    assert [c["context"] for c in data["curves"]] == [12, 12 + budget.LONG_CONTEXT_EXTRA]
+    assert all(c["sizes"] == [1, 2, 4] for c in data["curves"])
     eng = _engine(model)
-    assert cost_curve(eng).costs == pytest.approx(first.costs, abs=1e-4)  # read back
-    assert len(counted) == 1 and eng.offset == 12 and eng.forward_passes == 0
+    again = cost_curves(eng)  # read back
+    for a, b in zip(again.curves, first.curves):
+        assert a.costs == pytest.approx(b.costs, abs=1e-4) and a.context == b.context
+    assert len(counted) == 2 and eng.offset == 12 and eng.forward_passes == 0
     # another dtype, another model: measured again, not read
     model16 = make_tiny_model("llama", seed=4)
     model16.set_dtype(mx.float16)
     cost_curve(_engine(model16))
     cost_curve(_engine(make_tiny_model("llama", seed=5)))
-    assert len(counted) == 3
+    assert len(counted) == 6
     assert len(list(path.parent.glob("*.json"))) == 3
     assert not list(path.parent.glob(".tmp-*"))  # atomic writes leave nothing behind
+    # a file of the older one-curve layout is measured again, not misread
+    path.write_text(json.dumps({"format": 1, "key": data["key"], "curve": data["curves"][0]}))
+    cost_curve(_engine(model))
+    assert len(counted) == 8 and json.loads(path.read_text())["format"] == 2
 
 
 def test_corrupt_curve_cache_is_ignored_with_a_warning(counted, tmp_path):
     model = make_tiny_model("llama", seed=4)
     cost_curve(_engine(model))
     path = curve_path(curve_key(_engine(model)), tmp_path)
-    path.write_text('{"format": 1, "key": ')  # half a file
+    path.write_text('{"format": 2, "key": ')  # half a file
     with pytest.warns(UserWarning, match="corrupt cost-curve cache"):
         curve = cost_curve(_engine(model))
-    assert len(counted) == 2 and curve(1) == 1.0
-    assert json.loads(path.read_text())["curve"]["sizes"] == [1, 2, 4]  # rewritten
+    assert len(counted) == 4 and curve(1) == 1.0
+    assert json.loads(path.read_text())["curves"][0]["sizes"] == [1, 2, 4]  # rewritten
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cost_curve(_engine(model))  # a good file again: no warning, no measuring
-    assert len(counted) == 2
+    assert len(counted) == 4
+
+
+def test_long_context_curve_leaves_the_cache_as_it_was(counted, monkeypatch):
+    """The second curve is timed 1024 tokens further on; the cache, its
+    tokens, the statistics and the next logits are those of before."""
+    model = make_tiny_model("llama", seed=6)
+    eng, ref = _engine(model), _engine(model)
+    curves = cost_curves(eng)
+    assert [c.context for c in curves.curves] == [12, 12 + budget.LONG_CONTEXT_EXTRA]
+    assert eng.offset == 12 and eng.cached == ref.cached and eng.forward_passes == 0
+    a, _ = eng.forward_chain([7, 8])
+    b, _ = ref.forward_chain([7, 8])
+    assert mx.allclose(a, b, atol=1e-5)
+    # a sliding-window cache cannot drop 1024 tokens: one curve only
+    monkeypatch.setenv("MLX_MTP_REMEASURE_COST", "1")
+    win = Engine(model, max_kv_size=64)
+    win.sync(list(range(3, 15)))
+    assert len(cost_curves(win).curves) == 1
+
+
+def test_curves_follow_the_context_length():
+    short = CostCurve([1, 16, 32], [1.0, 1.6, 2.4], context=128)
+    long = CostCurve([1, 16, 32], [1.0, 2.0, 3.2], context=1152)
+    cs = CostCurves([long, short])  # any order
+    assert cs.at(0) is short and cs.at(130) is short
+    assert cs.at(640)(16) == pytest.approx(1.8)  # halfway (64-token buckets)
+    assert cs.at(1152)(32) == pytest.approx(3.2)
+    assert cs.at(2176)(32) == pytest.approx(4.0)  # extrapolated: one more span
+    # far beyond: at most MAX_EXTRAPOLATION spans, and never above n
+    assert cs.at(10**6)(16) == pytest.approx(min(1.6 + budget.MAX_EXTRAPOLATION * 0.4, 16))
+    assert cs.at(10**6)(32) <= 32 and cs.at(10**6)(2) <= 2.0
+    assert CostCurves([GPU_CURVE]).at(5000) is GPU_CURVE  # one curve: every context
+    b = Budget(short, curves=cs)
+    b.at(1152)
+    assert b.curve(32) == pytest.approx(3.2)
+    with pytest.raises(ValueError):
+        CostCurves([])
+
+
+def test_auto_plans_with_the_curve_of_the_current_context():
+    """Free slots at a short context, a whole forward each at a long one:
+    pld drafts every step on the short prompt and goes to one-token steps on
+    the long one (same text at the end, so only the context differs)."""
+    from mlx_mtp.testing import decode
+
+    model = make_tiny_model("llama", seed=2)
+    text = [5, 6, 7, 8, 9] * 4
+    curves = CostCurves(
+        [CostCurve([1, 64], [1.0, 1.0], context=0), CostCurve([1, 64], [1.0, 64.0], context=200)]
+    )
+    plain = {}
+    for name, prompt in (("short", text), ("long", list(range(3, 303)) + text)):
+        eng = Engine(model)
+        eng.curve = curves
+        method = make_method("pld")
+        method.prepare(eng)
+        decode(eng, method, prompt, 24)
+        plain[name] = method.budget.plain_steps
+    assert plain["short"] == 0 and plain["long"] > 0, plain
 
 
 def test_curve_set_on_the_engine_wins_and_measuring_leaves_the_cache(counted, monkeypatch):

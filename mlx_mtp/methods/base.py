@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..budget import Budget, DepthAcceptance, PlainSteps, best_prefix, chain_values, cost_curve
+from ..budget import Budget, DepthAcceptance, PlainSteps, best_prefix, chain_values, cost_curves
 from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..speculative import Draft, Verified, speculative_step
@@ -112,7 +112,11 @@ class SpeculativeMethod(Method):
     def begin_budget(self, engine: Engine, sampler: Sampler | None, on: bool) -> None:
         """Per generation: the :class:`~mlx_mtp.budget.Budget` of an ``auto``
         method (``on``), its pipelined one-token steps, no re-probe due."""
-        self.budget = Budget(cost_curve(engine)) if on else None
+        if on:
+            curves = cost_curves(engine)
+            self.budget = Budget(curves.at(engine.offset), curves=curves)
+        else:
+            self.budget = None
         self.plain_steps = PlainSteps(sampler)
         self._reprobe = self._reprobe_step = False
 
@@ -132,6 +136,7 @@ class SpeculativeMethod(Method):
                 self._reprobe = b.tick()
                 return self._plain(engine, root, queue_next=not self._reprobe)
             self.plain_steps.unqueue(engine, root)
+            b.at(engine.offset)  # the cost of a draft slot grows with the context
         draft = self.propose(engine, root)
         if draft is None:  # the budget found nothing worth drafting: plain mode
             return self._plain(engine, root, queue_next=True)
