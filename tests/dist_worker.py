@@ -26,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_mtp import distributed  # noqa: E402
+from mlx_mtp.budget import as_curves  # noqa: E402
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, check_cache_support, check_tree_support
 from mlx_mtp.methods import make_method
@@ -81,6 +82,8 @@ def run(model, name, opts, prompt, sampler, n, slow=False, measure=False):
         if pinned is not None:
             os.environ["MLX_MTP_COST_CURVE"] = pinned
     curve = getattr(engine, "curve", None)
+    if curve is not None:  # the curve at the shortest measured context
+        curve = as_curves(curve).curves[0]
     return {
         "tokens": toks,
         "accept_lengths": lens,
