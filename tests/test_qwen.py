@@ -216,3 +216,26 @@ def test_qwen_clp_untrained_exact_full_sweep(
     method = _clp_untrained(qwen, tmp_path / "heads")
     for i, p in enumerate(qwen_spec_prompts):
         assert run_method(qwen_engine, method, p, 64) == qwen_greedy(p, 64), f"prompt {i}"
+
+
+def test_qwen_shipped_learned_masks(qwen, qwen_engine, qwen_greedy):
+    """The learned masks shipped for this model (``mlx-mtp train masks``, issue
+    17) are found by fingerprint, predict the model's own greedy continuation of
+    a code prompt at t+2 better than the paper's mean-embedding init, and probe
+    with them still reproduces plain greedy (float32)."""
+    from mlx_mtp.fingerprint import model_fingerprint
+    from mlx_mtp.learned_masks import ASSETS_DIR, load_learned_masks
+    from mlx_mtp.training.continuations import TrainSequence
+    from mlx_mtp.training.masks import eval_masks, mean_prompt_vectors
+
+    assert (ASSETS_DIR / f"{model_fingerprint(qwen.model)}.json").exists()
+    learned = load_learned_masks(qwen.model)
+    assert learned.shape == (2, 896)
+    p = _chat(qwen.tokenizer, CODE_PROMPT)
+    ref = qwen_greedy(p, 24)
+    seq = [TrainSequence(p, ref)]
+    mean = eval_masks(qwen.model, seq, lambda s: mean_prompt_vectors(qwen.model, [s], 2), 2)
+    ours = eval_masks(qwen.model, seq, learned, 2)
+    assert ours["top1_t+2"] > mean["top1_t+2"], (mean, ours)
+    got, _ = _run(qwen_engine, make_method("probe", bc=10, masks=2, mask_init="learned"), p, 24)
+    assert got == ref
