@@ -575,10 +575,16 @@ class DepthAcceptance:
     """Conditional acceptance rate per draft depth, Beta-smoothed and decayed.
 
     ``q(d)``: chance the depth-d draft is accepted given depth d-1 was, from
-    ``(decayed accepted + weight * prior) / (decayed tried + weight)``; every
+    ``(decayed accepted + w * prior) / (decayed tried + w)``; every
     observation multiplies earlier counts at that depth by ``decay``, so the
     estimate follows the text (a repetitive stretch raises it within a few
-    steps).
+    steps). The prior's weight ``w`` decays with the observations too
+    (``weight * decay^k`` after k of them): a prior that kept its weight
+    against decayed counts capped at ``1 / (1 - decay)`` would hold ``q``
+    above ``prior * weight / (weight + 1 / (1 - decay))`` (1/7 with the
+    defaults) however often drafts fail, and on a device where a second slot
+    costs less than that (``c(2) = 1.08``: Qwen2.5-0.5B on this CPU) a
+    one-token draft would always look worth it.
 
     Args:
         prior: prior rate (before any observation).
@@ -593,10 +599,12 @@ class DepthAcceptance:
         self.prior, self.weight, self.decay, self.max_depth = prior, weight, decay, max_depth
         self.acc = np.zeros(max_depth + 1)
         self.tried = np.zeros(max_depth + 1)
+        self.prior_weight = np.full(max_depth + 1, float(weight))
 
     def q(self, depth: int) -> float:
         d = min(depth, self.max_depth)
-        return float((self.acc[d] + self.weight * self.prior) / (self.tried[d] + self.weight))
+        w = self.prior_weight[d]
+        return float((self.acc[d] + w * self.prior) / (self.tried[d] + w))
 
     def qs(self, n: int) -> list[float]:
         """``[q(1), ..., q(n)]``."""
@@ -607,6 +615,7 @@ class DepthAcceptance:
         the text has changed, the old rates no longer apply)."""
         self.acc[:] = 0.0
         self.tried[:] = 0.0
+        self.prior_weight[:] = self.weight
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verified chain: depths 1..accepted accepted, depth accepted+1
@@ -615,6 +624,7 @@ class DepthAcceptance:
             b = min(d, self.max_depth)
             self.acc[b] = self.acc[b] * self.decay + (1.0 if d <= accepted else 0.0)
             self.tried[b] = self.tried[b] * self.decay + 1.0
+            self.prior_weight[b] *= self.decay
 
 
 @dataclass

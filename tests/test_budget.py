@@ -69,7 +69,10 @@ def test_depth_acceptance_follows_the_text():
     assert a.q(1) == 0.5
     for _ in range(20):
         a.record(drafted=4, accepted=0)
-    assert a.q(1) < 0.15 and a.q(2) == 0.5  # depth 2 never tried
+    assert a.q(1) < 0.01 and a.q(2) == 0.5  # depth 2 never tried
+    # the prior fades with the observations: a depth that always fails drops
+    # below the cost of a second slot on any device (here c(2) = 1.08)
+    assert best_prefix(CostCurve([1, 2], [1.0, 1.08]), chain_values(a.qs(4)), 1)[0] == 0
     for _ in range(5):  # a repetitive stretch: whole chains accepted
         a.record(drafted=4, accepted=4)
     assert a.q(1) > 0.55 and a.q(4) > 0.7
