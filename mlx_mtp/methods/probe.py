@@ -321,7 +321,11 @@ class Probe(SpeculativeMethod):
         # bc=auto: the device's cost curve and plain mode (mlx_mtp.budget), and
         # accepted / expected drafted nodes (decayed: the calibration follows the text)
         self.begin_budget(engine, sampler, self.auto)
-        self.expected, self.hits = 0.0, 0.0
+        # accepted / expected draft tokens, decayed; the prior (scale 1) has a
+        # weight that decays with them, so that a tree whose nodes keep failing
+        # is scaled down to what they really get (a fixed +1 kept the scale
+        # about 3x too high at 6% acceptance: probe drafted on every step)
+        self.expected, self.hits, self.prior_weight = 0.0, 0.0, 1.0
         #: shape=chain, bc=auto: acceptance per chain depth
         self.acceptance = DepthAcceptance()
         self._reprobe_next = False
@@ -380,16 +384,23 @@ class Probe(SpeculativeMethod):
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
         b = self.budget
         if b is not None:
-            scale = (self.hits + 1.0) / (self.expected + 1.0)
+            w = self.prior_weight
+            scale = (self.hits + w) / (self.expected + w)
             n, rate = tree_size(b.curve, node_p, k, scale)
             # no tree pays: one-token steps, unless this is the re-probe (or the
-            # first step), whose root masks give the next step's candidates
-            if self.dists and not (self._reprobe or b.pays(rate) or b.cheap(k + 1)):
+            # first step), whose root masks give the next step's candidates;
+            # the step after a re-probe drafts one node anyway (fresh evidence
+            # for the calibration, which no longer falls back to its prior)
+            explore = self._reprobe_step and self.dists
+            if self.dists and not (self._reprobe or explore or b.pays(rate) or b.cheap(k + 1)):
                 b.go_plain(k + 1)
                 return None
+            if explore:
+                n = max(n, min(1, len(node_toks)))
             node_toks, node_par = node_toks[:n], node_par[:n]
             if n:
                 self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
+                self.prior_weight *= 0.95
         # the most probable path first: an accepted prefix needs no KV-row move
         order = heavy_path_order(node_par, node_p[: len(node_toks)])
         node_toks, node_par = [node_toks[i] for i in order], reorder_tree(order, node_par)
