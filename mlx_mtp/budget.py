@@ -664,16 +664,18 @@ class Budget:
         costs no more than a periodic re-probe, so no plain mode is needed."""
         return self.curve(slots) <= 1.0 + REPROBE_OVERHEAD
 
-    def interval(self, reprobe_slots: int) -> int:
-        """Plain steps between re-probes of ``reprobe_slots`` slots: their extra
-        cost ``c(s) - 1`` spread over the interval is ``REPROBE_OVERHEAD``."""
-        extra = max(self.curve(reprobe_slots) - 1.0, 0.0)
+    def interval(self, reprobe_slots: int, *more_steps: int) -> int:
+        """Plain steps between re-probes of ``reprobe_slots`` slots (and, for a
+        re-probe of several steps, ``more_steps`` slots after it): their extra
+        cost ``sum(c(s) - 1)`` spread over the interval is ``REPROBE_OVERHEAD``."""
+        extra = sum(max(self.curve(s) - 1.0, 0.0) for s in (reprobe_slots, *more_steps))
         n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
         return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
 
-    def go_plain(self, reprobe_slots: int) -> None:
-        """Enter plain mode (a step found nothing worth drafting)."""
-        self.plain_left = self.interval(reprobe_slots)
+    def go_plain(self, reprobe_slots: int, *more_steps: int) -> None:
+        """Enter plain mode (a step found nothing worth drafting); the
+        arguments as :meth:`interval`."""
+        self.plain_left = self.interval(reprobe_slots, *more_steps)
 
     @property
     def plain(self) -> bool:

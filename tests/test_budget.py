@@ -87,6 +87,12 @@ def test_plain_mode_interval_pays_for_the_reprobe():
     assert b.plain and b.plain_left == 33
     assert [b.tick() for _ in range(33)][-2:] == [False, True]
     assert not b.plain and b.reprobes == 1
+    # a two-step re-probe (probe: root masks, then one node) pays for both
+    b.go_plain(2, 4)  # (c(2) - 1) + (c(4) - 1) = 0.66 -> capped at 64
+    assert b.plain_left == budget.MAX_PLAIN_STEPS
+    cheap = Budget(CostCurve([1, 2, 4], [1.0, 1.07, 1.27]))
+    cheap.go_plain(2, 4)
+    assert cheap.plain_left == 34 and cheap.interval(2) == 7
     flat = Budget(GPU_CURVE)
     flat.go_plain(3)
     assert flat.plain_left == budget.MIN_PLAIN_STEPS

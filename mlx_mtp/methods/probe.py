@@ -393,7 +393,7 @@ class Probe(SpeculativeMethod):
             # for the calibration, which no longer falls back to its prior)
             explore = self._reprobe_step and self.dists
             if self.dists and not (self._reprobe or explore or b.pays(rate) or b.cheap(k + 1)):
-                b.go_plain(k + 1)
+                b.go_plain(k + 1, 2 * (k + 1))  # the re-probe and its one-node step
                 return None
             if explore:
                 n = max(n, min(1, len(node_toks)))
