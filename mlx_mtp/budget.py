@@ -296,7 +296,12 @@ def measure_cost_curve(
     times: dict[int, list[float]] = {s: [] for s in sizes}
     rounds = range(repeats + 1)
     if progress:
-        rounds = tqdm(rounds, desc="cost curve", unit="round", leave=False)
+        rounds = tqdm(
+            rounds,
+            desc=f"timing forward passes at {start} tokens of context (once per model, device)",
+            unit="round",
+            leave=False,
+        )
     try:
         for r in rounds:
             for s in sizes:
@@ -485,7 +490,8 @@ def cost_curves(engine: Engine, measure: bool = True) -> CostCurves:
     if curves is None:
         if not measure:
             return as_curves(CostCurve.linear(1.0))
-        curves = distributed.agree(measure_cost_curves(engine))
+        # the first auto run on a device: seconds on Metal, a minute or two on a CPU
+        curves = distributed.agree(measure_cost_curves(engine, progress=distributed.is_main()))
         try:
             if distributed.is_main():
                 save_curve(key, curves)
