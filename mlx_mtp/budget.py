@@ -209,12 +209,10 @@ class CostCurves:
         lo, hi = cs[i - 1], cs[i]
         span = max(ctx[i] - ctx[i - 1], 1)
         w = min((context - ctx[i - 1]) / span, MAX_EXTRAPOLATION)
-        sizes = lo.sizes
-        costs = [
-            min(lo(n) + w * (hi(n) - lo(n)), float(n)) if w > 1.0 else lo(n) + w * (hi(n) - lo(n))
-            for n in sizes
-        ]
-        return CostCurve(sizes, costs, context=context)
+        costs = [lo(n) + w * (hi(n) - lo(n)) for n in lo.sizes]
+        if w > 1.0:  # extrapolated: never above n one-token passes
+            costs = [min(c, float(n)) for c, n in zip(costs, lo.sizes)]
+        return CostCurve(lo.sizes, costs, context=context)
 
     def to_list(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.curves]
@@ -331,9 +329,8 @@ def measure_cost_curves(engine: Engine, progress: bool = False) -> CostCurves:
     start = engine.offset
     extra = LONG_CONTEXT_EXTRA
     top = max(short.sizes)
-    if (
-        engine.backbone is None
-        or engine.rollback is not None
+    if (  # (measure_cost_curve has refused a model without the llama layout)
+        engine.rollback is not None
         or not does_model_support_input_embeddings(engine.model)
         or not engine.trimmable(extra + top)
         or engine.max_slots(start + extra) < top
