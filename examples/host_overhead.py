@@ -14,7 +14,7 @@ output equals plain greedy decoding token for token.
         --trees /tmp/base . --methods "probe:bc=30;hybrid:bc=30" --rounds 3
 
 Prints one line per (tree, method): the median over rounds of the per-round
-host ms/step (steps of all prompts pooled).
+host ms/step (steps of all prompts pooled) and decode tok/s.
 """
 
 from __future__ import annotations
@@ -66,16 +66,18 @@ for spec in args["methods"]:
     name, _, rest = spec.partition(":")
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     run(name, opts, prompts[0][:20])  # warm-up
-    host = dev = steps = toks = fw = 0.0
+    host = dec = steps = toks = fw = 0.0
     exact = True
     for p, ref in zip(prompts, refs):
         out, s = run(name, opts, p)
         host += s.decode_time - s.forward_time
+        dec += s.decode_time
         steps += s.steps
         toks += s.generated_tokens
         fw += s.forward_passes
         exact &= out == ref
-    res[spec] = {"host_ms": 1000 * host / steps, "tau": toks / fw, "exact": exact}
+    res[spec] = {"host_ms": 1000 * host / steps, "tau": toks / fw, "tok_s": toks / dec,
+                 "exact": exact}
 print("RESULT " + json.dumps(res))
 """
 
@@ -123,9 +125,11 @@ def main() -> None:
     )
     for (tree, spec), vs in got.items():
         ms = [v["host_ms"] for v in vs]
+        tps = statistics.median(v["tok_s"] for v in vs)
         print(
             f"{tree:30s} {spec:16s} host {statistics.median(ms):6.2f} ms/step "
             f"(rounds {', '.join(f'{x:.2f}' for x in ms)}) tau {vs[0]['tau']:.2f} "
+            f"{tps:.2f} tok/s "
             f"exact {all(v['exact'] for v in vs)}"
         )
 

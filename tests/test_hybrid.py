@@ -3,6 +3,7 @@ and float32 exactness against plain greedy decoding on the real model."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -244,3 +245,40 @@ def test_hybrid_exact_float32(smollm, short_spec_prompts):
 @pytest.mark.slow
 def test_hybrid_exact_float32_long(smollm, spec_prompts):
     _check_exact(smollm, spec_prompts[:30], 64)
+
+
+def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, short_spec_prompts):
+    """The next step's probe candidates are the top-k of the deepest accepted
+    node's mask rows, whichever way they are computed: the first mask set's
+    top-k built during the pass, or another set's hidden rows through the LM
+    head after it (the pass computes logits only for token slots and the
+    first mask set)."""
+    from mlx_mtp.decoding import generate_steps
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods import make_method
+
+    meth = make_method("hybrid", bc=30, masks=2)
+    seen = {"first": 0, "other": 0}
+    observe = meth.observe
+
+    def checked(engine, draft, verified):
+        observe(engine, draft, verified)
+        r0 = draft.info[2].get(verified.deepest)
+        if r0 is None:
+            return
+        assert draft.logit_rows == draft.n_verify + 2  # token slots + the first mask set
+        seen["first" if r0 == draft.n_verify else "other"] += 1
+        full = engine.lm_head(verified.hidden[r0 : r0 + 2]).astype(mx.float32)
+        logp = full - mx.logsumexp(full, axis=-1, keepdims=True)
+        for (toks, ps), row in zip(meth.dists, np.array(logp)):
+            want = np.argsort(-row, kind="stable")[: len(toks)]
+            assert set(toks.tolist()) == set(want.tolist())
+            np.testing.assert_allclose(ps, np.exp(row[toks]), rtol=1e-4, atol=1e-6)
+
+    meth.observe = checked
+    for prompt in short_spec_prompts[:3]:
+        e = Engine(smollm.model)
+        meth.prepare(e)
+        for _ in generate_steps(e, meth, prompt, max_tokens=32):
+            pass
+    assert seen["first"] > 0 and seen["other"] > 0, seen

@@ -66,7 +66,7 @@ from ..tree import heavy_path_order, reorder_tree, worth_adding
 from ..verify import Sampler
 from .base import SpeculativeMethod, parse_bc, parse_int
 from .pld import lookup_candidates
-from .probe import MaskVectors, mask_candidates
+from .probe import MaskVectors, candidate_lists, mask_candidates, top_candidates
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
 PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3, "mtp": 0.5}
@@ -590,12 +590,34 @@ class Hybrid(SpeculativeMethod):
         if n_mask:
             emb = mx.concatenate([emb, self.vectors.sets(len(alloc.mask_anchors), emb.dtype)])
         info = (alloc, levels, mask_row, prev)
+        if not n_mask:
+            return Draft(
+                slot_tokens,
+                np.array(parents, dtype=np.int64),
+                emb,
+                n_tok,
+                hidden=self.drafter is not None,
+                info=info,
+            )
+        m = self.bc
+
+        def first_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
+            # the first mask set (the most valuable anchor, usually the root) is
+            # the one the next step reads most often: its top-k is built while
+            # the pass runs and evaluated with the target tokens
+            return top_candidates(logits[n_tok : n_tok + k], m)
+
+        # logits only for the token slots and the first mask set; another mask
+        # set goes through the LM head in observe() when its anchor is the
+        # deepest accepted node (rows of the pass's hidden states)
         return Draft(
             slot_tokens,
             np.array(parents, dtype=np.int64),
             emb,
             n_tok,
-            hidden=self.drafter is not None,
+            logit_rows=n_tok + k,
+            hidden=True,
+            extras=first_masks_top,
             info=info,
         )
 
@@ -666,8 +688,14 @@ class Hybrid(SpeculativeMethod):
         self.dists = []
         r0 = mask_row.get(verified.deepest)
         if r0 is not None:
-            rows = verified.logits[r0 : r0 + self.masks].astype(mx.float32)
-            self.dists = mask_candidates(rows, self.bc, engine)
+            k = self.masks
+            if draft.extras is not None and r0 == draft.n_verify:  # the first mask set
+                self.dists = candidate_lists(*verified.extras)
+            elif r0 + k <= verified.logits.shape[0]:
+                self.dists = mask_candidates(verified.logits[r0 : r0 + k], self.bc, engine)
+            else:  # a mask set outside the pass's logit rows
+                rows = engine.lm_head(verified.hidden[r0 : r0 + k])
+                self.dists = mask_candidates(rows, self.bc, engine)
         tgt = dict(enumerate(verified.targets.tolist()))
         parents = draft.parents
         if parents is None:  # a chain
