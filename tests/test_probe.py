@@ -126,6 +126,34 @@ def test_lookup_candidates():
     assert lookup_candidates(ctx, 3, 3) == [[4, 7, 2]]  # most recent match of (2, 3)
     assert lookup_candidates(ctx, 3, 3, limit=2) == [[4, 7, 2], [4, 5, 9]]
     assert lookup_candidates(np.array([1, 2, 3]), 3, 5) == []
+    assert lookup_candidates(np.array([7]), 3, 5) == []
+
+
+def _lookup_by_brute_force(context, window, max_draft, limit):
+    """Every earlier n-gram compared with the suffix, longest n first."""
+    T, out = len(context), []
+    for n in range(min(window, T - 1), 0, -1):
+        suffix = list(context[T - n :])
+        for s in range(T - 1 - n, -1, -1):  # windows ending before the suffix's last token
+            if list(context[s : s + n]) == suffix:
+                follow = list(context[s + n : s + n + max_draft])
+                if follow not in out:
+                    out.append(follow)
+                if len(out) >= limit:
+                    return out
+        if out:
+            return out
+    return out
+
+
+def test_lookup_candidates_match_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        T = int(rng.integers(1, 60))
+        ctx = rng.integers(0, int(rng.integers(2, 8)), T)  # small vocabularies: many matches
+        window, max_draft, limit = (int(x) for x in rng.integers(1, 5, 3))
+        want = _lookup_by_brute_force(ctx.tolist(), window, max_draft, limit)
+        assert lookup_candidates(ctx, window, max_draft, limit) == want, (ctx, window, limit)
 
 
 def test_bad_options():

@@ -29,14 +29,23 @@ def lookup_candidates(
     """
     T = len(context)
     out: list[list[int]] = []
-    for n in range(min(window, T - 1), 0, -1):
-        suffix = context[T - n :]
-        # windows ending before the suffix itself
-        view = np.lib.stride_tricks.sliding_window_view(context[: T - 1], n)
-        hits = np.flatnonzero((view == suffix).all(axis=1))
-        for start in hits[::-1]:
-            follow = context[start + n : start + n + max_draft].tolist()
-            if follow and follow not in out:
+    if T < 2:
+        return out
+    # ends[n - 1]: last positions e <= T - 2 of the earlier n-grams equal to the
+    # suffix of length n (one vectorised compare for n = 1, then each longer
+    # n-gram filters the shorter one's matches by one more token)
+    ends = [np.flatnonzero(context[: T - 1] == context[T - 1])]
+    for j in range(1, min(window, T - 1)):
+        e = ends[-1]
+        e = e[e >= j]
+        e = e[context[e - j] == context[T - 1 - j]]
+        if not len(e):
+            break
+        ends.append(e)
+    for e_n in reversed(ends):  # the longest n-gram with a match first
+        for e in e_n[::-1]:  # most recent match first
+            follow = context[e + 1 : e + 1 + max_draft].tolist()
+            if follow not in out:
                 out.append(follow)
                 if len(out) >= limit:
                     return out
