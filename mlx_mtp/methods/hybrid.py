@@ -589,36 +589,28 @@ class Hybrid(SpeculativeMethod):
         emb = engine.embed_tokens(slot_tokens[:n_tok])
         if n_mask:
             emb = mx.concatenate([emb, self.vectors.sets(len(alloc.mask_anchors), emb.dtype)])
-        info = (alloc, levels, mask_row, prev)
-        if not n_mask:
-            return Draft(
-                slot_tokens,
-                np.array(parents, dtype=np.int64),
-                emb,
-                n_tok,
-                hidden=self.drafter is not None,
-                info=info,
-            )
-        m = self.bc
+        first_masks_top = None
+        if n_mask:
+            m = self.bc
 
-        def first_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
-            # the first mask set (the most valuable anchor, usually the root) is
-            # the one the next step reads most often: its top-k is built while
-            # the pass runs and evaluated with the target tokens
-            return top_candidates(logits[n_tok : n_tok + k], m)
+            def first_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple:
+                # the first mask set (the most valuable anchor, usually the root)
+                # is the one the next step reads most often: its top-k is built
+                # while the pass runs and evaluated with the target tokens
+                return top_candidates(logits[n_tok : n_tok + k], m)
 
-        # logits only for the token slots and the first mask set; another mask
-        # set goes through the LM head in observe() when its anchor is the
-        # deepest accepted node (rows of the pass's hidden states)
+        # with masks, logits only for the token slots and the first mask set;
+        # another mask set goes through the LM head in observe() when its
+        # anchor is the deepest accepted node (rows of the pass's hidden states)
         return Draft(
             slot_tokens,
             np.array(parents, dtype=np.int64),
             emb,
             n_tok,
-            logit_rows=n_tok + k,
-            hidden=True,
+            logit_rows=n_tok + k if n_mask else None,
+            hidden=bool(n_mask) or self.drafter is not None,
             extras=first_masks_top,
-            info=info,
+            info=(alloc, levels, mask_row, prev),
         )
 
     def _propose_chain(
