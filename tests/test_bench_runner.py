@@ -270,3 +270,68 @@ def test_mlx_lm_peer_emits_the_stopping_eos_like_ntp(smollm):
     assert got.stats.prefill_tokens == len(ids) - 1 and got.stats.decode_time > 0
     short = MLXLMPeer().bind(smollm).generate(ids, max_tokens=3)
     assert short.tokens == ref.tokens[:3] and short.finish_reason == "length"
+
+
+def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
+    """``--interleave``: the methods of a prompt advance one decoding step each in
+    turn, every step timed alone. Same tokens as the prompt-by-prompt run (float32
+    greedy: exact), the peer generated alone, and a method's decode time holds
+    its own steps only: pld's steps are slowed by a sleep, which must show in
+    pld's time and not in ntp's, and ntp's pipelined forward pass (queued at the
+    end of its step) must not be charged to the next method."""
+    import time as _time
+
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+    from mlx_mtp.methods.pld import PLD
+
+    runner.run_bench(
+        _cfg(tmp_path, methods=parse_methods("ntp,pld"), out=str(tmp_path / "plain")),
+        smollm,
+        progress=False,
+        plots=False,
+    )
+    nap = 0.25
+    real_step = PLD.step
+
+    def slow_step(self, engine, root):
+        _time.sleep(nap)
+        return real_step(self, engine, root)
+
+    monkeypatch.setattr(PLD, "step", slow_step)
+    cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"), interleave=True)
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    out = tmp_path / "out"
+    recs = [json.loads(x) for x in (out / runner.RECORDS).read_text().splitlines()]
+    assert [r["method"] for r in recs] == ["ntp", "mlx_lm", "pld"] * 2
+    plain_recs = (tmp_path / "plain" / runner.RECORDS).read_text().splitlines()
+    ref = {r["qid"]: r["tokens"] for r in map(json.loads, plain_recs) if r["method"] == "ntp"}
+    assert all(r["tokens"] == ref[r["qid"]] for r in recs)
+    for m in res["methods"][1:]:
+        assert m["exactness"]["exact"] == m["exactness"]["checked"] == 2, m["label"]
+    for r in recs:
+        assert r["decode_time"] > 0 and 0 <= r["forward_time"] <= r["decode_time"]
+    by = {(r["qid"], r["method"]): r for r in recs}
+    for qid in ref:
+        ntp, pld = by[(qid, "ntp")], by[(qid, "pld")]
+        slept = nap * pld["steps"]
+        assert pld["decode_time"] >= slept
+        # ntp's time would hold about half of pld's naps if the steps were not
+        # timed apart (its step is idle while pld sleeps)
+        assert ntp["decode_time"] < pld["decode_time"] - 0.8 * slept
+    assert json.loads((out / runner.SETTINGS).read_text())["interleave"] is True
+    assert "interleave" not in json.loads((tmp_path / "plain" / runner.SETTINGS).read_text())
+    assert "step by step" in (out / "report.md").read_text()
+    # the CLI flag is part of the settings: the same run resumes only with it
+    args = ["bench", "--methods", "ntp,mlx_lm,pld", "--categories", "qa,translation",
+            "--limit", "1", "-n", "8", "--dtype", "float32", "--out", str(out),
+            "--report-only", "--no-plots"]  # fmt: skip
+    r = CliRunner().invoke(app, [*args, "--interleave"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, args)
+    assert isinstance(r.exception, InvalidArgumentError)
+    assert "differs in: interleave" in str(r.exception)
+    monkeypatch.setattr(runner.distributed, "size", lambda: 2)
+    with pytest.raises(InvalidArgumentError, match="--interleave runs on one process"):
+        runner.run_bench(cfg, smollm, progress=False, plots=False)

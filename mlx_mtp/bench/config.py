@@ -105,6 +105,10 @@ class BenchConfig:
         seed: base random seed (sampling and method seeds).
         repeats: how many times each prompt is run per method.
         dtype: compute dtype (None: the platform default).
+        interleave: run all methods of a prompt at once, one decoding step of
+            each in turn (see :func:`mlx_mtp.bench.runner._run_interleaved`),
+            for speed ratios on a machine whose speed drifts; peak memory is
+            then that of all methods together.
         out: output folder.
     """
 
@@ -121,6 +125,7 @@ class BenchConfig:
     seed: int = 0
     repeats: int = 1
     dtype: str | None = None
+    interleave: bool = False
     out: str = "bench-out"
 
     def validate(self) -> None:
@@ -152,5 +157,7 @@ class BenchConfig:
         """The settings that must match for a run to resume (``out`` excluded)."""
         d = asdict(self)
         d.pop("out")
+        if not self.interleave:  # folders written before the option existed stay resumable
+            d.pop("interleave")
         d["methods"] = [m.label for m in self.methods]
         return d

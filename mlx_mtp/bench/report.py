@@ -191,8 +191,14 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{env.get('mlx_lm')}, device {env.get('device')}, BLAS {env.get('blas')}, "
         f"{env.get('date')}",
         f"- reference: `{results['reference']}`; speedup = aggregate decode tokens/s "
-        "ratio vs the reference over the same prompts (methods interleaved prompt by prompt, "
-        "same process, after a warm-up); tau = tokens per forward pass (bonus included).",
+        "ratio vs the reference over the same prompts (methods interleaved "
+        + (
+            "step by step: each method's decoding steps timed alone, device synchronised "
+            "between them"
+            if s.get("interleave")
+            else "prompt by prompt"
+        )
+        + ", same process, after a warm-up); tau = tokens per forward pass (bonus included).",
         "",
     ]
     prog = results.get("progress") or {}

@@ -5,9 +5,11 @@ One process, one loaded model shared by every method (each method gets its own
 warm-up generation per method, methods run interleaved prompt by prompt: for
 each prompt (and turn, and repeat) every method in turn, ``ntp`` first, with
 the engine's cache reset before each generation so no method reuses another's
-prefill. Every finished generation is appended to ``records.jsonl`` in the
-output folder; a rerun with the same settings skips the (prompt, turn, repeat,
-method) entries found there and recomputes the aggregates.
+prefill. With ``--interleave`` the methods of one prompt run at once, one
+decoding step of each in turn (:func:`_run_interleaved`). Every finished
+generation is appended to ``records.jsonl`` in the output folder; a rerun with
+the same settings skips the (prompt, turn, repeat, method) entries found there
+and recomputes the aggregates.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import platform
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,9 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from .. import _blas, distributed
-from ..api import MTPModel
+from ..api import MTPModel, Result
 from ..data import TASKS, load_questions, render_prompt
+from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
 from ..loading import DTYPES, load_model, resolve_model
 from ..methods import make_method
@@ -184,7 +187,8 @@ class ResultStore:
         old = json.loads(spath.read_text()) if spath.is_file() else None
         if old != settings and (old is not None or self.path.exists()):
             if not overwrite:
-                diff = sorted(k for k in settings if (old or {}).get(k) != settings[k])
+                keys = set(settings) | set(old or {})
+                diff = sorted(k for k in keys if (old or {}).get(k) != settings.get(k))
                 raise InvalidArgumentError(
                     f"{out} holds a benchmark run with different settings "
                     f"(differs in: {', '.join(diff) or 'unknown'}). Use another --out, or "
@@ -273,6 +277,10 @@ def run_bench(
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
+    if config.interleave and distributed.size() > 1:
+        raise InvalidArgumentError(
+            "--interleave runs on one process; drop it for a sharded (mlx.launch) benchmark."
+        )
     methods = {
         s.label: MLXLMPeer(**s.options) if s.name == PEER_NAME else make_method(s.name, **s.options)
         for s in config.methods
@@ -319,15 +327,24 @@ def run_bench(
             for label, m in methods.items()
         }
         _warm_up(models, loaded.tokenizer)
+        tok = loaded.tokenizer
         bar = _progress(len(todo), progress)
         try:
-            for p, turn, rep, label in todo:
-                bar.set_postfix_str(f"{p.task} {label}", refresh=False)
-                rec = _run_one(config, models[label], label, p, turn, rep, done, loaded.tokenizer)
-                if store is not None:
-                    store.append(rec)
-                done[entry_key(p.qid, turn, rep, label)] = rec
-                bar.update(1)
+            for p, turn, rep, labels in _groups(todo, config.interleave):
+                bar.set_postfix_str(f"{p.task} {' '.join(labels)}", refresh=False)
+                if config.interleave:
+                    recs = _run_interleaved(config, models, labels, p, turn, rep, done, tok)
+                else:
+                    recs = {
+                        labels[0]: _run_one(
+                            config, models[labels[0]], labels[0], p, turn, rep, done, tok
+                        )
+                    }
+                for label in labels:
+                    if store is not None:
+                        store.append(recs[label])
+                    done[entry_key(p.qid, turn, rep, label)] = recs[label]
+                bar.update(len(labels))
         finally:
             bar.close()
 
@@ -363,16 +380,24 @@ def _reset(m: Any) -> None:
         m.engine.reset()
 
 
-def _run_one(
-    config: BenchConfig,
-    m: Any,
-    label: str,
-    p: BenchPrompt,
-    turn: int,
-    rep: int,
-    done: dict,
-    tokenizer: Any,
-) -> dict[str, Any]:
+def _groups(
+    todo: list[tuple[BenchPrompt, int, int, str]], interleave: bool
+) -> list[tuple[BenchPrompt, int, int, list[str]]]:
+    """The generations to run together: one per entry, or with ``interleave``
+    all methods of one (prompt, turn, repeat) at once (in ``todo`` order)."""
+    out: list[tuple[BenchPrompt, int, int, list[str]]] = []
+    for p, turn, rep, label in todo:
+        if interleave and out and (out[-1][0].qid, out[-1][1], out[-1][2]) == (p.qid, turn, rep):
+            out[-1][3].append(label)
+        else:
+            out.append((p, turn, rep, [label]))
+    return out
+
+
+def _prompt_ids(
+    config: BenchConfig, m: Any, p: BenchPrompt, turn: int, rep: int, done: dict, tokenizer: Any
+) -> list[int]:
+    """The token ids of one (prompt, turn) as ``m`` renders them."""
     messages = [{"role": "user", "content": p.turns[0]}]
     if config.mode == "gsm8k":
         messages = [{"role": "user", "content": p.turns[0] + GSM8K_INSTRUCTION}]
@@ -384,11 +409,101 @@ def _run_one(
         ]
     # an MTPModel renders in its method's prompt format (a self-distilled MTP
     # checkpoint's "plain"); the mlx_lm peer with the chat template
-    ids = render_prompt(tokenizer, messages) if isinstance(m, MLXLMPeer) else m.encode(messages)
-    seed = (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
+    return render_prompt(tokenizer, messages) if isinstance(m, MLXLMPeer) else m.encode(messages)
+
+
+def _seed(config: BenchConfig, p: BenchPrompt, turn: int, rep: int) -> int:
+    return (config.seed + zlib.crc32(f"{p.qid}/{turn}/{rep}".encode())) % (2**31)
+
+
+def _run_one(
+    config: BenchConfig,
+    m: Any,
+    label: str,
+    p: BenchPrompt,
+    turn: int,
+    rep: int,
+    done: dict,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    ids = _prompt_ids(config, m, p, turn, rep, done, tokenizer)
     _reset(m)
-    res = m.generate(ids, max_tokens=config.max_tokens, temp=config.temp, seed=seed)
+    res = m.generate(
+        ids, max_tokens=config.max_tokens, temp=config.temp, seed=_seed(config, p, turn, rep)
+    )
     _reset(m)
+    return _record(p, turn, rep, label, res)
+
+
+def _run_interleaved(
+    config: BenchConfig,
+    models: dict[str, Any],
+    labels: list[str],
+    p: BenchPrompt,
+    turn: int,
+    rep: int,
+    done: dict,
+    tokenizer: Any,
+) -> dict[str, dict[str, Any]]:
+    """Generate one (prompt, turn, repeat) with every method in ``labels`` at once,
+    one decoding step of each in turn (``--interleave``).
+
+    A drift of the machine's speed (other tenants, clocks) then slows every
+    method alike, where prompt-by-prompt interleaving leaves each method's
+    generation of a prompt seconds apart. Each step is timed on its own and the
+    device is synchronised before the next method's step starts, so no method's
+    queued work runs in another's time; a method's decode time is the sum of
+    its steps (the first one from the decoding loop's own clock, which starts
+    after prefill). The device wait after a step counts as forward time. The
+    mlx_lm peer runs its own loop and is generated alone, before the others.
+
+    Returns:
+        label -> record (as :func:`_run_one` writes it); peak memory there is
+        that of all the methods' caches together.
+    """
+    recs: dict[str, dict[str, Any]] = {}
+    live: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        m = models[label]
+        if isinstance(m, MLXLMPeer):
+            recs[label] = _run_one(config, m, label, p, turn, rep, done, tokenizer)
+            continue
+        ids = _prompt_ids(config, m, p, turn, rep, done, tokenizer)
+        _reset(m)
+        it = m.stream_generate(
+            ids, max_tokens=config.max_tokens, temp=config.temp, seed=_seed(config, p, turn, rep)
+        )
+        live[label] = {"it": it, "text": [], "tokens": [], "decode": 0.0, "wait": 0.0, "last": None}
+    while live:
+        for label in list(live):
+            g = live[label]
+            t0 = time.perf_counter()
+            chunk = next(g["it"])
+            t1 = time.perf_counter()
+            _synchronize_streams()
+            t2 = time.perf_counter()
+            # the first call also prefills: take its decode part from the loop's clock
+            g["decode"] += t2 - t0 if g["last"] is not None else chunk.stats.decode_time + t2 - t1
+            g["wait"] += t2 - t1
+            g["text"].append(chunk.text)
+            g["tokens"].extend(chunk.tokens)
+            g["last"] = chunk
+            if chunk.finish_reason is not None:
+                g["it"].close()  # the loop's cleanup (cache trim), untimed
+                _reset(models[label])
+                stats = replace(
+                    chunk.stats,
+                    decode_time=g["decode"],
+                    forward_time=chunk.stats.forward_time + g["wait"],
+                )
+                res = Result("".join(g["text"]), g["tokens"], stats, chunk.finish_reason)
+                recs[label] = _record(p, turn, rep, label, res)
+                del live[label]
+    return recs
+
+
+def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[str, Any]:
+    """The ``records.jsonl`` entry of one finished generation."""
     s = res.stats
     rep_n, rep_total = metrics.repetition_counts(res.tokens)
     rec: dict[str, Any] = {

@@ -45,6 +45,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", **typer_range("seed"), help="Base random seed."),
         repeats: int = typer.Option(1, "--repeats", min=1, help="Runs per prompt and method."),
         dtype: str | None = typer.Option(None, "--dtype", help="float32, bfloat16, float16, auto."),
+        interleave: bool = typer.Option(
+            False,
+            "--interleave",
+            help="Run all methods of a prompt at once, one decoding step of each in turn: "
+            "speed ratios that a drifting machine speed does not blur (peak memory is then "
+            "that of all methods together).",
+        ),
         out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Discard an earlier run with other settings in --out."
@@ -81,6 +88,7 @@ def register(app: typer.Typer) -> None:
             seed=seed,
             repeats=repeats,
             dtype=dtype,
+            interleave=interleave,
             out=out,
         )
         run_bench(
