@@ -151,6 +151,14 @@ def test_acceptance_stats_learn_online():
     for _ in range(10):
         s.record_gain(0)
     assert s.gain < g0
+    # bc=auto's check of the sum: accepted per predicted token, recent steps first
+    assert s.calibration == pytest.approx(1.0)
+    for _ in range(30):
+        s.record_step(0.4, 0)  # hopeful estimates, nothing accepted
+    assert s.calibration < 0.3
+    for _ in range(30):
+        s.record_step(0.4, 1)  # the text turned repetitive: more than predicted
+    assert s.calibration == pytest.approx(1.5)  # capped
 
 
 def test_options():
