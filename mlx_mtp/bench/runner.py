@@ -474,31 +474,37 @@ def _run_interleaved(
             ids, max_tokens=config.max_tokens, temp=config.temp, seed=_seed(config, p, turn, rep)
         )
         live[label] = {"it": it, "text": [], "tokens": [], "decode": 0.0, "wait": 0.0, "last": None}
-    while live:
-        for label in list(live):
-            g = live[label]
-            t0 = time.perf_counter()
-            chunk = next(g["it"])
-            t1 = time.perf_counter()
-            _synchronize_streams()
-            t2 = time.perf_counter()
-            # the first call also prefills: take its decode part from the loop's clock
-            g["decode"] += t2 - t0 if g["last"] is not None else chunk.stats.decode_time + t2 - t1
-            g["wait"] += t2 - t1
-            g["text"].append(chunk.text)
-            g["tokens"].extend(chunk.tokens)
-            g["last"] = chunk
-            if chunk.finish_reason is not None:
-                g["it"].close()  # the loop's cleanup (cache trim), untimed
-                _reset(models[label])
-                stats = replace(
-                    chunk.stats,
-                    decode_time=g["decode"],
-                    forward_time=chunk.stats.forward_time + g["wait"],
+    try:
+        while live:
+            for label in list(live):
+                g = live[label]
+                t0 = time.perf_counter()
+                chunk = next(g["it"])
+                t1 = time.perf_counter()
+                _synchronize_streams()
+                t2 = time.perf_counter()
+                # the first call also prefills: take its decode part from the loop's clock
+                g["decode"] += (
+                    t2 - t0 if g["last"] is not None else chunk.stats.decode_time + t2 - t1
                 )
-                res = Result("".join(g["text"]), g["tokens"], stats, chunk.finish_reason)
-                recs[label] = _record(p, turn, rep, label, res)
-                del live[label]
+                g["wait"] += t2 - t1
+                g["text"].append(chunk.text)
+                g["tokens"].extend(chunk.tokens)
+                g["last"] = chunk
+                if chunk.finish_reason is not None:
+                    g["it"].close()  # the loop's cleanup (cache trim), untimed
+                    _reset(models[label])
+                    stats = replace(
+                        chunk.stats,
+                        decode_time=g["decode"],
+                        forward_time=chunk.stats.forward_time + g["wait"],
+                    )
+                    res = Result("".join(g["text"]), g["tokens"], stats, chunk.finish_reason)
+                    recs[label] = _record(p, turn, rep, label, res)
+                    del live[label]
+    finally:  # an interrupted group: close the rest (their loops trim the caches)
+        for g in live.values():
+            g["it"].close()
     return recs
 
 
