@@ -733,7 +733,7 @@ class Hybrid(SpeculativeMethod):
     ) -> None:
         """Update acceptance statistics and the table of the model's predictions."""
         on_path = {0, *path}
-        if alloc.tokens:
+        if self.budget is not None and alloc.tokens:  # only bc=auto reads it
             self.stats.record_step(sum(alloc.probs), len(path))
         probe_acc = 0
         for i, srcs in enumerate(alloc.sources):
