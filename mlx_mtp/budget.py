@@ -41,6 +41,7 @@ can therefore be a win on one device and a loss on another (DESIGN §6, class
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -136,7 +137,7 @@ class CostCurve:
         s, c = self.sizes, self.costs
         if len(s) == 1:
             return 1.0
-        i = int(np.searchsorted(s, n))
+        i = bisect.bisect_left(s, n)  # on the list: called per draft item, every step
         if i >= len(s):
             i = len(s) - 1
         a, b = i - 1, i
