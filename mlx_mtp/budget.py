@@ -565,6 +565,75 @@ def tree_size(
     return best_prefix(curve, values, masks + 1, base_slots=masks + 1)
 
 
+class PrefixBound:
+    """:func:`best_prefix` run online, with an early stop: while a best-first
+    allocation takes items one by one, whether any longer prefix could still
+    beat the best one so far.
+
+    Not from a paper. The allocation's remaining items are worth at most ``u``
+    expected tokens per slot (the caller's bound), and ``c`` rises at least as
+    fast as ``m(s)``, its least average slope from ``s`` slots on (over whole
+    slots up to ``max_slots``). Adding ``d`` slots to a prefix of value ``A``
+    (1 + expected tokens) at ``s`` slots therefore yields at most
+    ``(A + u d) / (c(s) + m(s) d)``, which is monotone in ``d``: it cannot
+    beat the best rate when both ends (``d = 0`` and ``d = max_slots - s``)
+    do not. Stopping there leaves :func:`best_prefix` of the items taken with
+    the same answer as of all items (ties included).
+
+    Args:
+        curve: the device's forward cost.
+        max_slots: the most slots a prefix may take (BC).
+        base_slots: slots present anyway (the root).
+    """
+
+    def __init__(self, curve: CostCurve, max_slots: int, base_slots: int = 1):
+        self.curve, self.max_slots = curve, int(max_slots)
+        self.total, self.used = 1.0, int(base_slots)
+        self.best_cost = curve(self.used)
+        self.best = self.total / self.best_cost
+        self._slopes = _least_slopes(curve, self.max_slots)
+
+    def add(self, value: float, slots: int) -> None:
+        """Take the next item: ``value`` expected tokens over ``slots`` slots
+        (the rule of :func:`best_prefix`)."""
+        v = max(float(value), 0.0)
+        self.total += v
+        self.used += int(slots)
+        cost = self.curve(self.used)
+        r = self.total / cost
+        if r > self.best or (v > 0.0 and cost <= self.best_cost):
+            self.best, self.best_cost = r, cost
+
+    def exhausted(self, per_slot: float) -> bool:
+        """Whether items worth at most ``per_slot`` expected tokens per slot can
+        no longer give a better prefix (or no slot is left)."""
+        s = self.used
+        if s >= self.max_slots:
+            return True
+        u, a, c, m = max(per_slot, 0.0), self.total, self.curve(s), self._slopes[s]
+        if u == 0.0 or u * c < m * a * (1.0 - 1e-9):  # the bound falls with every slot
+            return True
+        d = self.max_slots - s  # a margin for rounding: stop only when clearly done
+        return (a + u * d) / (c + m * d) < self.best * (1.0 - 1e-9)
+
+
+def _least_slopes(curve: CostCurve, max_slots: int) -> list[float]:
+    # m[s] = min over s < t <= max_slots of (c(t) - c(s)) / (t - s); kept on the
+    # curve (curves are immutable and shared per context bucket)
+    cache = curve.__dict__.setdefault("_least_slopes", {})
+    hit = cache.get(max_slots)
+    if hit is None:
+        n = np.arange(1, max_slots + 1)
+        c = np.array([curve(int(x)) for x in n])
+        dc = c[None, :] - c[:, None]
+        dn = (n[None, :] - n[:, None]).astype(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            avg = np.where(dn > 0, dc / np.where(dn > 0, dn, 1.0), np.inf)
+        least = np.maximum(avg.min(axis=1), 0.0)
+        hit = cache[max_slots] = [0.0, *least.tolist()]  # index by slots (1..max)
+    return hit
+
+
 def chain_values(q: Sequence[float]) -> list[float]:
     """Expected-accept value of each chain position: ``prod(q[:d+1])``, the
     chance that the first d+1 drafts are all accepted."""

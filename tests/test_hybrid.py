@@ -114,6 +114,71 @@ def test_allocate_with_slot_cost_stops_when_a_slot_is_not_worth_it():
     assert len(a.tokens) == 5
 
 
+def _random_tree(rng, fanout=4, depth=6):
+    table, frontier, tok = {}, [()], 100
+    while frontier:
+        path = frontier.pop()
+        if len(path) >= depth:
+            continue
+        kids = []
+        for _ in range(int(rng.integers(0, fanout + 1))):
+            kids.append((tok, float(rng.choice([rng.uniform(0, 1), rng.uniform(0, 0.05)]))))
+            frontier.append(path + (tok,))
+            tok += 1
+        table[path] = kids
+    return table
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
+    """bc=auto's early stop (PrefixBound) allocates fewer items but cuts at the
+    same prefix as best_prefix over a full allocation: CPU-like, flat (GPU-like)
+    and linear curves, masks on and off, calibration above and below 1."""
+    from mlx_mtp.budget import CostCurve, PrefixBound, best_prefix
+
+    rng = np.random.default_rng(seed)
+    table = _random_tree(rng)
+    curve = [
+        CostCurve([1, 2, 4, 8, 16, 32, 64], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97, 5.0]),
+        CostCurve.flat(16, 0.01),
+        CostCurve.linear(float(rng.uniform(0.01, 0.3))),
+        CostCurve([1, 2, 3, 24, 64], [1.0, 1.3, 1.3, 1.3, 3.0]),  # flat stretch after a rise
+    ][seed % 4]
+    masks = int(rng.integers(0, 3))
+    gain = float(rng.uniform(0, 2.5)) if masks else 0.0
+    cal = float(rng.uniform(0.3, 1.5))
+    budget = int(rng.choice([10, 30, 64]))
+    children = _fixed_children(table)
+
+    def cut(a):
+        vals = [v if m else v * cal for m, v, _ in a.order]
+        return best_prefix(curve, vals, [sl for _, _, sl in a.order])
+
+    full = allocate(children, 1, budget, masks, gain)
+    bound = PrefixBound(curve, budget)
+    short = allocate(children, 1, budget, masks, gain, 0.0, bound, cal, 2)
+    assert short.order == full.order[: len(short.order)]  # the same items, fewer
+    assert len(short.order) >= min(2, len(full.order))
+    n_full, r_full = cut(full)
+    n_short, r_short = cut(short)
+    assert (n_short, r_short) == (n_full, r_full)
+
+
+def test_allocation_bound_stops_early_on_a_rising_curve():
+    from mlx_mtp.budget import CostCurve, PrefixBound, best_prefix
+
+    # a 63-node chain of q = 0.6 on this CPU's curve: only the first few pay
+    table = {tuple(range(100, 100 + d)): [(100 + d, 0.6)] for d in range(63)}
+    curve = CostCurve([1, 2, 4, 8, 16, 32, 64], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97, 5.0])
+    a = allocate(_fixed_children(table), 1, 64, 0, 0.0, 0.0, PrefixBound(curve, 64), 1.0, 2)
+    n, _ = best_prefix(curve, [v for _, v, _ in a.order], 1)
+    assert 1 <= n <= 5 and len(a.order) < 10
+    # on a flat (memory-bound) curve the same chain is taken much further
+    flat = CostCurve.flat(16, 0.01)
+    a = allocate(_fixed_children(table), 1, 64, 0, 0.0, 0.0, PrefixBound(flat, 64), 1.0, 2)
+    assert len(a.order) >= 15
+
+
 def test_allocate_attaches_masks_where_the_path_likely_ends():
     # one strong chain: the deepest node is the likely end of the accepted path
     table = {(): [(10, 0.9)], (10,): [(11, 0.9)], (10, 11): [(12, 0.1)]}

@@ -57,7 +57,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import does_model_support_input_embeddings
 
-from ..budget import best_prefix, chain_values
+from ..budget import PrefixBound, best_prefix, chain_values
 from ..engine import Engine, check_tree_support
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..native_mtp import has_native_mtp
@@ -172,13 +172,15 @@ def merge_chains(
     per: dict[tuple[int, ...], dict[int, dict[str, float]]] = {}
     srcs: dict[tuple[int, ...], dict[int, list[Source]]] = {}
     for name, toks, qs in chains:
+        path: tuple[int, ...] = ()
         for d, (t, q) in enumerate(zip(toks, qs)):
-            path = tuple(int(x) for x in toks[:d])
-            slot = per.setdefault(path, {}).setdefault(int(t), {})
-            slot[name] = max(slot.get(name, 0.0), float(q))
-            lst = srcs.setdefault(path, {}).setdefault(int(t), [])
+            t, q = int(t), float(q)
+            slot = per.setdefault(path, {}).setdefault(t, {})
+            slot[name] = max(slot.get(name, 0.0), q)
+            lst = srcs.setdefault(path, {}).setdefault(t, [])
             if all(s[0] != name for s in lst):
-                lst.append((name, d + 1, float(q)))
+                lst.append((name, d + 1, q))
+            path += (t,)
     return {
         path: {t: Child(t, combine(by_src), srcs[path][t]) for t, by_src in kids.items()}
         for path, kids in per.items()
@@ -229,6 +231,9 @@ def allocate(
     masks: int,
     mask_gain: float,
     slot_cost: float = 0.0,
+    bound: PrefixBound | None = None,
+    node_scale: float = 1.0,
+    min_items: int = 0,
 ) -> Allocation:
     """Spend ``budget`` slots (root included) best-first by value per slot.
 
@@ -246,6 +251,14 @@ def allocate(
         slot_cost: marginal cost of a slot as a fraction of a one-token forward
             (``bc=auto``); an item is taken only if it raises expected tokens
             per unit time (:func:`mlx_mtp.tree.worth_adding`). 0 fills the budget.
+        bound: ``bc=auto``'s cut (:class:`~mlx_mtp.budget.PrefixBound` over the
+            device's cost curve): allocation stops, after ``min_items`` items,
+            once no longer prefix can beat the best one, so that
+            :func:`~mlx_mtp.budget.best_prefix` of the items taken (node values
+            times ``node_scale``) is the same as of a full allocation. It saves
+            the host time of items that would be cut anyway.
+        node_scale: factor on node values in ``bound`` (hybrid's calibration).
+        min_items: items to take before ``bound`` may stop the allocation.
 
     Returns:
         The :class:`Allocation` (``slots(masks) <= budget``).
@@ -273,7 +286,13 @@ def allocate(
 
     offer(0, 1.0)
     total = 0.0  # value taken so far
+    # per slot, no item not taken yet is worth more than the heap's top times this
+    # (children are worth at most their parent; a mask set gain / masks of it)
+    lift = max(node_scale, 1.0, mask_gain / masks if masks else 0.0)
     while heap and left > 0:
+        if bound is not None and len(out.order) >= min_items:
+            if bound.exhausted(-heap[0][0] * lift):
+                break
         neg, _, item = heapq.heappop(heap)
         cost = masks if item[0] == "masks" else 1
         used = budget - 1 - left
@@ -285,6 +304,8 @@ def allocate(
                 out.mask_anchors.append(item[1])
                 out.order.append((True, -neg * masks, masks))
                 left -= masks
+                if bound is not None:
+                    bound.add(-neg * masks, masks)
             continue
         _, parent_slot, c, prob = item
         if prob <= 0.0:
@@ -297,6 +318,8 @@ def allocate(
         paths.append(paths[parent_slot] + (c.token,))
         total += prob
         left -= 1
+        if bound is not None:
+            bound.add(prob * node_scale, 1)
         offer(len(out.tokens), prob)
     return out
 
@@ -586,10 +609,14 @@ class Hybrid(SpeculativeMethod):
         if self.chain:
             return self._propose_chain(engine, root, children, levels)
 
-        alloc = allocate(children, root, self.bc, k, self.stats.gain if k else 0.0)
         b = self.budget
-        if b is not None:  # bc=auto: the best prefix under the device's cost curve
+        gain = self.stats.gain if k else 0.0
+        if b is None:
+            alloc = allocate(children, root, self.bc, k, gain)
+        else:  # bc=auto: the best prefix under the device's cost curve
             cal = self.stats.calibration  # node values as recent steps bore them out
+            bound = PrefixBound(b.curve, self.bc)  # allocates no further than it can pay
+            alloc = allocate(children, root, self.bc, k, gain, 0.0, bound, cal, self.REPROBE_ITEMS)
             vals = [v if mask else v * cal for mask, v, _ in alloc.order]
             n, rate = best_prefix(b.curve, vals, [sl for _, _, sl in alloc.order])
             reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)
