@@ -198,6 +198,19 @@ def test_allocate_attaches_masks_where_the_path_likely_ends():
     assert a.mask_anchors == [] and isinstance(a, Allocation)
 
 
+def test_chain_depth_floor_and_per_depth_estimates():
+    from mlx_mtp.methods.hybrid import CHAIN_FLOOR, MAX_STAT_DEPTH, _worth
+
+    # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: nine nodes are offered
+    assert CHAIN_FLOOR == 1e-3 and _worth([0.5] * 40) == 9
+    assert _worth([0.99] * 40) == 40 and _worth([]) == 0 and _worth([1e-4, 1.0]) == 0
+    st = AcceptanceStats()
+    st.record([("pld", MAX_STAT_DEPTH, 1.0)], True)
+    qs = st.qs("pld", MAX_STAT_DEPTH + 3)
+    assert qs == [st.q("pld", d) for d in range(1, MAX_STAT_DEPTH + 4)]
+    assert qs[-1] == qs[MAX_STAT_DEPTH - 1] > qs[0] and st.qs("pool", 0) == []
+
+
 def test_acceptance_stats_learn_online():
     s = AcceptanceStats()
     q0 = s.q("pld", 1)

@@ -77,6 +77,9 @@ MAX_STAT_DEPTH = 12
 #: ``bc=auto``'s check of the node estimates: prior weight (in tokens) of the
 #: ratio accepted / predicted, and its decay per draft step
 CALIBRATION_WEIGHT, CALIBRATION_DECAY = 1.0, 0.9
+#: ``bc=auto``: chain nodes whose own path estimate falls below this (expected
+#: accepted tokens) are not offered: host time for nothing the cut would keep
+CHAIN_FLOOR = 1e-3
 
 Source = tuple[str, int, float]  # (source name, depth 1.., raw score: mask prob or q)
 
@@ -324,6 +327,17 @@ def allocate(
     return out
 
 
+def _worth(qs: Sequence[float]) -> int:
+    """Length of the chain prefix whose nodes are each worth at least
+    ``CHAIN_FLOOR`` expected tokens on their own (product of q down to them)."""
+    p = 1.0
+    for i, q in enumerate(qs):
+        p *= q
+        if p < CHAIN_FLOOR:
+            return i
+    return len(qs)
+
+
 class AcceptanceStats:
     """Online acceptance estimates of one generation (Beta-smoothed).
 
@@ -351,6 +365,12 @@ class AcceptanceStats:
         k = self._key(source, depth)
         p0 = self.priors.get(source, 0.3)
         return (self.acc.get(k, 0.0) + PRIOR_WEIGHT * p0) / (self.tried.get(k, 0.0) + PRIOR_WEIGHT)
+
+    def qs(self, source: str, n: int) -> list[float]:
+        """``[q(source, 1), ..., q(source, n)]`` (depths past
+        ``MAX_STAT_DEPTH`` share its estimate)."""
+        out = [self.q(source, d) for d in range(1, min(n, MAX_STAT_DEPTH) + 1)]
+        return out + out[-1:] * (n - len(out))
 
     def probe_scale(self, depth: int) -> float:
         k = self._key("probe", depth)
@@ -551,28 +571,32 @@ class Hybrid(SpeculativeMethod):
     # ------------------------------------------------------------ candidates
     def _chains(self, engine: Engine, root: int) -> list[tuple[str, list[int], list[float]]]:
         depth = self.max_draft or self.bc - 1
+        qs = {src: self.stats.qs(src, depth) for src in ("pld", "pld_alt", "pool")}
+        if self.budget is not None:  # bc=auto: no node worth next to nothing
+            qs = {src: q[: _worth(q)] for src, q in qs.items()}
         chains: list[tuple[str, list[int], list[float]]] = []
         if self.matches > 0:
             context = np.array([*engine.cached, root], dtype=np.int64)
-            conts = lookup_candidates(context, self.window, depth, self.matches)
+            most = max(len(qs["pld"]), len(qs["pld_alt"]))
+            conts = lookup_candidates(context, self.window, most, self.matches) if most else []
             for r, toks in enumerate(conts):
                 src = "pld" if r == 0 else "pld_alt"
-                chains.append((src, toks, [self.stats.q(src, d + 1) for d in range(len(toks))]))
+                toks = toks[: len(qs[src])]
+                if toks:
+                    chains.append((src, toks, qs[src][: len(toks)]))
         if self.use_pool and self.table:
             prev = engine.cached[-1] if engine.cached else -1
             toks, a, b = [], prev, root
-            while len(toks) < depth and (a, b) in self.table:
+            while len(toks) < len(qs["pool"]) and (a, b) in self.table:
                 nxt = self.table[(a, b)]
                 toks.append(nxt)
                 a, b = b, nxt
             if toks:
-                chains.append(
-                    ("pool", toks, [self.stats.q("pool", d + 1) for d in range(len(toks))])
-                )
+                chains.append(("pool", toks, qs["pool"][: len(toks)]))
         if self.drafter is not None:
-            toks = self.drafter.draft(engine, min(self._mtp_depth(), depth))
+            toks = self.drafter.draft(engine, min(self._mtp_depth(), depth))  # sized by auto
             if toks:
-                chains.append(("mtp", toks, [self.stats.q("mtp", d + 1) for d in range(len(toks))]))
+                chains.append(("mtp", toks, self.stats.qs("mtp", len(toks))))
         return chains
 
     def _mtp_depth(self) -> int:
@@ -582,7 +606,7 @@ class Hybrid(SpeculativeMethod):
         b = self.budget
         if b is None:
             return self.mtp_depth
-        qs = [self.stats.q("mtp", d) for d in range(1, self.mtp_depth + 1)]
+        qs = self.stats.qs("mtp", self.mtp_depth)
         n, _ = best_prefix(b.curve, chain_values(qs), 1, item_cost=self.drafter.draft_cost)
         if self._reprobe or b.cheap(1 + self.REPROBE_ITEMS):
             n = max(n, 1)
