@@ -75,10 +75,49 @@ def test_merged_children_adds_probe_levels_prunes_parent_token():
 
 # --------------------------------------------------------------- allocation
 def _fixed_children(table):
-    def children(path, tok):
-        return [Child(t, q, [("x", len(path) + 1, q)]) for t, q in table.get(path, [])]
+    def children(path, tok):  # most probable first, as allocate() expects
+        kids = [Child(t, q, [("x", len(path) + 1, q)]) for t, q in table.get(path, [])]
+        return sorted(kids, key=lambda c: -c.q)
 
     return children
+
+
+def _reference_allocate(children, budget, masks, gain):
+    # allocate() by exhaustive search: every step takes the available item of the
+    # highest value per slot (ties: the node offered first, then the child listed
+    # first; a node's mask set after its children) until the budget is spent
+    taken, probs, tokens, paths, offered = [], [1.0], [1], [()], []
+    left = budget - 1
+
+    def offer(slot):  # slots are offered in the order they are taken
+        kids = children(paths[slot], tokens[slot])
+        n = slot
+        for r, c in enumerate(kids):
+            offered.append(((n, r), probs[slot] * c.q, 1, ("node", slot, c)))
+        if masks and gain > 0:
+            v = probs[slot] * max(0.0, 1.0 - sum(c.q for c in kids)) * gain
+            if v > 0:
+                offered.append(((n, len(kids)), v, masks, ("masks", slot)))
+
+    offer(0)
+    while offered and left > 0:
+        best = max(offered, key=lambda it: (it[1] / it[2], [-x for x in it[0]]))
+        offered.remove(best)
+        _, v, cost, item = best
+        if item[0] == "masks":
+            if cost <= left:
+                taken.append((True, v, cost, item[1]))
+                left -= cost
+            continue
+        if v <= 0:
+            continue
+        taken.append((False, v, 1, item[2].token))
+        probs.append(v)
+        tokens.append(item[2].token)
+        paths.append(paths[item[1]] + (item[2].token,))
+        left -= 1
+        offer(len(tokens) - 1)
+    return taken
 
 
 def test_allocate_best_first_parents_first_within_budget():
@@ -122,7 +161,9 @@ def _random_tree(rng, fanout=4, depth=6):
             continue
         kids = []
         for _ in range(int(rng.integers(0, fanout + 1))):
-            kids.append((tok, float(rng.choice([rng.uniform(0, 1), rng.uniform(0, 0.05)]))))
+            # some exact ties (0.5, 1.0) between siblings and across nodes
+            q = rng.choice([rng.uniform(0, 1), rng.uniform(0, 0.05), 0.5, 1.0])
+            kids.append((tok, float(q)))
             frontier.append(path + (tok,))
             tok += 1
         table[path] = kids
@@ -155,6 +196,10 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
         return best_prefix(curve, vals, [sl for _, _, sl in a.order])
 
     full = allocate(children, 1, budget, masks, gain)
+    ref = _reference_allocate(children, budget, masks, gain)
+    assert [(m, sl) for m, _, sl, _ in ref] == [(m, sl) for m, _, sl in full.order]
+    assert [v for _, v, _, _ in ref] == pytest.approx([v for _, v, _ in full.order])
+    assert [t for m, _, _, t in ref if not m] == full.tokens
     bound = PrefixBound(curve, budget)
     short = allocate(children, 1, budget, masks, gain, 0.0, bound, cal, 2)
     assert short.order == full.order[: len(short.order)]  # the same items, fewer

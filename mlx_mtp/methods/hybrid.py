@@ -198,7 +198,8 @@ def merged_children(
     probe_scale: Sequence[float] = (),
 ) -> list[Child]:
     """Children of the node at ``path``: chain children from ``trie`` plus the
-    probe candidates of depth ``len(path) + 1`` (merged by noisy-or).
+    probe candidates of depth ``len(path) + 1`` (merged by noisy-or), most
+    probable first. One node's worth of :class:`CandidateChildren`.
 
     Args:
         path: tokens from below the root to this node (empty for the root).
@@ -207,24 +208,58 @@ def merged_children(
         probe_levels: per depth, (tokens, mask probabilities).
         probe_scale: per depth, calibration factor for mask probabilities.
     """
-    kids = {t: Child(c.token, c.q, list(c.sources)) for t, c in trie.get(path, {}).items()}
-    d = len(path)
-    if d < len(probe_levels):
-        scale = probe_scale[d] if d < len(probe_scale) else 1.0
-        toks, ps = probe_levels[d]
-        for t, p in zip(toks.tolist(), ps.tolist()):
-            if t == parent_token:
+    return CandidateChildren(trie, probe_levels, probe_scale)(path, parent_token)
+
+
+class CandidateChildren:
+    """:func:`merged_children` for every node of one draft step: the probe
+    levels are read into :class:`Child` lists once (per depth, q descending),
+    shared by every node without chain children at that depth.
+
+    Args:
+        trie: chain candidates (:func:`merge_chains`).
+        probe_levels: per depth, (tokens (m,) int, mask probabilities (m,)).
+        probe_scale: per depth, calibration factor for mask probabilities.
+
+    Calling it with ``(path, parent_token)`` returns the children of that node,
+    most probable first; the returned :class:`Child` objects must not be changed.
+    """
+
+    def __init__(
+        self,
+        trie: dict[tuple[int, ...], dict[int, Child]],
+        probe_levels: Sequence[tuple[np.ndarray, np.ndarray]],
+        probe_scale: Sequence[float] = (),
+    ):
+        self.trie = trie
+        self.levels: list[list[Child]] = []
+        for d, (toks, ps) in enumerate(probe_levels):
+            scale = probe_scale[d] if d < len(probe_scale) else 1.0
+            row = []
+            for t, p in zip(toks.tolist(), ps.tolist()):
+                q = min(scale * p, 1.0)
+                if q > 0.0:
+                    row.append(Child(t, q, [("probe", d + 1, p)]))
+            row.sort(key=lambda c: -c.q)  # stable: ties keep the level's order
+            self.levels.append(row)
+
+    def __call__(self, path: tuple[int, ...], parent_token: int) -> list[Child]:
+        d = len(path)
+        probe = self.levels[d] if d < len(self.levels) else []
+        chain = self.trie.get(path)
+        if not chain:
+            return [c for c in probe if c.token != parent_token]
+        kids = {t: Child(c.token, c.q, list(c.sources)) for t, c in chain.items()}
+        for c in probe:
+            if c.token == parent_token:
                 continue
-            q = min(scale * p, 1.0)
-            if q <= 0.0:
-                continue
-            c = kids.get(t)
-            if c is None:
-                kids[t] = Child(t, q, [("probe", d + 1, p)])
+            k = kids.get(c.token)
+            if k is None:
+                kids[c.token] = c
             else:
-                c.q = 1.0 - (1.0 - c.q) * (1.0 - q)
-                c.sources.append(("probe", d + 1, p))
-    return sorted(kids.values(), key=lambda c: -c.q)
+                k.q = 1.0 - (1.0 - k.q) * (1.0 - c.q)
+                k.sources.append(c.sources[0])
+        return sorted(kids.values(), key=lambda c: -c.q)
 
 
 def allocate(
@@ -246,7 +281,8 @@ def allocate(
     are offered only once their parent is chosen, so parents come first.
 
     Args:
-        children: ``(path, token of the node at path) -> candidate children``.
+        children: ``(path, token of the node at path) -> candidate children``,
+            most probable first (q descending, as :func:`merged_children`).
         root_token: the root's token.
         budget: BC, total slots of the forward pass (>= 1).
         masks: mask slots per mask set (0 = never attach masks).
@@ -268,24 +304,26 @@ def allocate(
     """
     out = Allocation()
     left = budget - 1
-    heap: list[tuple[float, int, Any]] = []
-    tie = 0
+    # (-value per slot, (offer number, rank), item): a node's children are pushed
+    # one at a time, the next sibling when one is popped (they come best first),
+    # and the (offer, rank) tie-break pops them in the order of pushing them all
+    heap: list[tuple[float, tuple[int, int], Any]] = []
+    offers = 0
     paths: list[tuple[int, ...]] = [()]  # by slot index
 
     def offer(slot: int, prob: float) -> None:
-        nonlocal tie
+        nonlocal offers
         path = paths[slot]
         tok = root_token if slot == 0 else out.tokens[slot - 1]
         kids = children(path, tok)
-        for c in kids:
-            heapq.heappush(heap, (-prob * c.q, tie, ("node", slot, c, prob * c.q)))
-            tie += 1
+        if kids:
+            heapq.heappush(heap, (-prob * kids[0].q, (offers, 0), ("node", slot, kids, 0, prob)))
         if masks > 0 and mask_gain > 0:
             stay = max(0.0, 1.0 - sum(c.q for c in kids))
             value = prob * stay * mask_gain
             if value > 0:
-                heapq.heappush(heap, (-value / masks, tie, ("masks", slot)))
-                tie += 1
+                heapq.heappush(heap, (-value / masks, (offers, len(kids)), ("masks", slot)))
+        offers += 1
 
     offer(0, 1.0)
     total = 0.0  # value taken so far
@@ -296,12 +334,13 @@ def allocate(
         if bound is not None and len(out.order) >= min_items:
             if bound.exhausted(-heap[0][0] * lift):
                 break
-        neg, _, item = heapq.heappop(heap)
+        neg, (seq, rank), item = heap[0]
         cost = masks if item[0] == "masks" else 1
         used = budget - 1 - left
         if slot_cost > 0 and not worth_adding(-neg * cost, cost, slot_cost, total, used):
             break  # best remaining value per slot is not worth a slot
         if item[0] == "masks":
+            heapq.heappop(heap)
             if masks <= left:
                 total += -neg * masks
                 out.mask_anchors.append(item[1])
@@ -310,7 +349,13 @@ def allocate(
                 if bound is not None:
                     bound.add(-neg * masks, masks)
             continue
-        _, parent_slot, c, prob = item
+        _, parent_slot, kids, i, parent_prob = item
+        c, prob = kids[i], -neg
+        if i + 1 < len(kids):  # the next sibling takes this one's place
+            nxt = ("node", parent_slot, kids, i + 1, parent_prob)
+            heapq.heapreplace(heap, (-parent_prob * kids[i + 1].q, (seq, i + 1), nxt))
+        else:
+            heapq.heappop(heap)
         if prob <= 0.0:
             continue
         out.tokens.append(c.token)
@@ -626,9 +671,7 @@ class Hybrid(SpeculativeMethod):
         trie = merge_chains(self._chains(engine, root))
         levels = self.dists
         scale = [self.stats.probe_scale(d + 1) for d in range(len(levels))]
-
-        def children(path: tuple[int, ...], tok: int) -> list[Child]:
-            return merged_children(path, tok, trie, levels, scale)
+        children = CandidateChildren(trie, levels, scale)
 
         if self.chain:
             return self._propose_chain(engine, root, children, levels)
