@@ -117,6 +117,7 @@ class CostCurve:
         for c in costs[1:]:
             mono.append(max(mono[-1], c if math.isfinite(c) else mono[-1]))
         self.sizes, self.costs, self.context = sizes, mono, context
+        self._least: dict[int, list[float]] = {}
 
     @classmethod
     def flat(cls, knee: int = 16, slope: float = 0.01, upto: int = 256) -> CostCurve:
@@ -142,6 +143,22 @@ class CostCurve:
             i = len(s) - 1
         a, b = i - 1, i
         return c[a] + (c[b] - c[a]) * (n - s[a]) / (s[b] - s[a])
+
+    def least_slopes(self, max_slots: int) -> list[float]:
+        """``m[s]``, the least average slope ``(c(t) - c(s)) / (t - s)`` over
+        ``s < t <= max_slots``, for ``s = 1 .. max_slots`` (index by slots;
+        0 at ``max_slots``), computed once per curve and size."""
+        hit = self._least.get(max_slots)
+        if hit is None:
+            n = np.arange(1, max_slots + 1)
+            c = np.array([self(int(x)) for x in n])
+            dc = c[None, :] - c[:, None]
+            dn = (n[None, :] - n[:, None]).astype(float)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                avg = np.where(dn > 0, dc / np.where(dn > 0, dn, 1.0), np.inf)
+            least = np.maximum(avg.min(axis=1), 0.0)
+            hit = self._least[max_slots] = [0.0, *least.tolist()]
+        return hit
 
     def slot_cost(self, n: int = 32) -> float:
         """Mean marginal cost of a slot up to ``n``: ``(c(n) - 1) / (n - 1)``."""
@@ -535,19 +552,10 @@ def best_prefix(
         ``(n, rate)``: items to keep (0 = none) and the rate
         ``(1 + base_value + sum(values[:n])) / (c(base_slots + slots[:n]) + n * item_cost)``.
     """
-    total, used = 1.0 + base_value, base_slots
-    best_cost = curve(used)
-    best_n, best = 0, total / best_cost
+    p = PrefixBound(curve, None, base_slots, base_value, item_cost)
     for i, v in enumerate(values):
-        v = max(float(v), 0.0)
-        total += v
-        used += slots if isinstance(slots, int) else slots[i]
-        cost = curve(used) + item_cost * (i + 1)
-        r = total / cost
-        # a free item of any value is taken (1 + 1e-19 rounds to 1 in a ratio)
-        if r > best or (v > 0.0 and cost <= best_cost):
-            best_n, best, best_cost = i + 1, r, cost
-    return best_n, best
+        p.add(v, slots if isinstance(slots, int) else slots[i])
+    return p.best_n, p.best
 
 
 def tree_size(
@@ -582,56 +590,53 @@ class PrefixBound:
 
     Args:
         curve: the device's forward cost.
-        max_slots: the most slots a prefix may take (BC).
-        base_slots: slots present anyway (the root).
+        max_slots: the most slots a prefix may take (BC); needed only by
+            :meth:`exhausted`.
+        base_slots, base_value, item_cost: as :func:`best_prefix`.
+
+    Attributes:
+        best_n, best: the best prefix of the items added so far and its rate
+            (what :func:`best_prefix` of them returns).
     """
 
-    def __init__(self, curve: CostCurve, max_slots: int, base_slots: int = 1):
-        self.curve, self.max_slots = curve, int(max_slots)
-        self.total, self.used = 1.0, int(base_slots)
+    def __init__(
+        self,
+        curve: CostCurve,
+        max_slots: int | None,
+        base_slots: int = 1,
+        base_value: float = 0.0,
+        item_cost: float = 0.0,
+    ):
+        self.curve, self.max_slots, self.item_cost = curve, max_slots, item_cost
+        self.total, self.used, self.items = 1.0 + base_value, base_slots, 0
         self.best_cost = curve(self.used)
-        self.best = self.total / self.best_cost
-        self._slopes = _least_slopes(curve, self.max_slots)
+        self.best_n, self.best = 0, self.total / self.best_cost
 
     def add(self, value: float, slots: int) -> None:
-        """Take the next item: ``value`` expected tokens over ``slots`` slots
-        (the rule of :func:`best_prefix`)."""
+        """Take the next item: ``value`` expected tokens over ``slots`` slots."""
         v = max(float(value), 0.0)
         self.total += v
-        self.used += int(slots)
-        cost = self.curve(self.used)
+        self.used += slots
+        self.items += 1
+        cost = self.curve(self.used) + self.item_cost * self.items
         r = self.total / cost
+        # a free item of any value is taken (1 + 1e-19 rounds to 1 in a ratio)
         if r > self.best or (v > 0.0 and cost <= self.best_cost):
-            self.best, self.best_cost = r, cost
+            self.best_n, self.best, self.best_cost = self.items, r, cost
 
     def exhausted(self, per_slot: float) -> bool:
         """Whether items worth at most ``per_slot`` expected tokens per slot can
         no longer give a better prefix (or no slot is left)."""
-        s = self.used
-        if s >= self.max_slots:
+        s, top = self.used, self.max_slots
+        if top is None:
+            raise ValueError("PrefixBound.exhausted needs max_slots")
+        if s >= top:
             return True
-        u, a, c, m = max(per_slot, 0.0), self.total, self.curve(s), self._slopes[s]
+        u, a, c, m = max(per_slot, 0.0), self.total, self.curve(s), self.curve.least_slopes(top)[s]
         if u == 0.0 or u * c < m * a * (1.0 - 1e-9):  # the bound falls with every slot
             return True
-        d = self.max_slots - s  # a margin for rounding: stop only when clearly done
+        d = top - s  # a margin for rounding: stop only when clearly done
         return (a + u * d) / (c + m * d) < self.best * (1.0 - 1e-9)
-
-
-def _least_slopes(curve: CostCurve, max_slots: int) -> list[float]:
-    # m[s] = min over s < t <= max_slots of (c(t) - c(s)) / (t - s); kept on the
-    # curve (curves are immutable and shared per context bucket)
-    cache = curve.__dict__.setdefault("_least_slopes", {})
-    hit = cache.get(max_slots)
-    if hit is None:
-        n = np.arange(1, max_slots + 1)
-        c = np.array([curve(int(x)) for x in n])
-        dc = c[None, :] - c[:, None]
-        dn = (n[None, :] - n[:, None]).astype(float)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            avg = np.where(dn > 0, dc / np.where(dn > 0, dn, 1.0), np.inf)
-        least = np.maximum(avg.min(axis=1), 0.0)
-        hit = cache[max_slots] = [0.0, *least.tolist()]  # index by slots (1..max)
-    return hit
 
 
 def chain_values(q: Sequence[float]) -> list[float]:

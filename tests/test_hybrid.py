@@ -207,6 +207,7 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     n_full, r_full = cut(full)
     n_short, r_short = cut(short)
     assert (n_short, r_short) == (n_full, r_full)
+    assert (bound.best_n, bound.best) == (n_full, r_full)  # what propose() reads
 
 
 def test_allocation_bound_stops_early_on_a_rising_curve():

@@ -375,12 +375,7 @@ def allocate(
 def _worth(qs: Sequence[float]) -> int:
     """Length of the chain prefix whose nodes are each worth at least
     ``CHAIN_FLOOR`` expected tokens on their own (product of q down to them)."""
-    p = 1.0
-    for i, q in enumerate(qs):
-        p *= q
-        if p < CHAIN_FLOOR:
-            return i
-    return len(qs)
+    return sum(v >= CHAIN_FLOOR for v in chain_values(qs))
 
 
 class AcceptanceStats:
@@ -684,11 +679,10 @@ class Hybrid(SpeculativeMethod):
             cal = self.stats.calibration  # node values as recent steps bore them out
             bound = PrefixBound(b.curve, self.bc)  # allocates no further than it can pay
             alloc = allocate(children, root, self.bc, k, gain, 0.0, bound, cal, self.REPROBE_ITEMS)
-            vals = [v if mask else v * cal for mask, v, _ in alloc.order]
-            n, rate = best_prefix(b.curve, vals, [sl for _, _, sl in alloc.order])
+            n, rate = bound.best_n, bound.best  # best_prefix of the items allocated
             reprobe = 1 + self.REPROBE_ITEMS * max(k, 1)
             if self._reprobe or b.cheap(reprobe):  # a re-probe (or a nearly free one)
-                n = max(n, min(len(vals), self.REPROBE_ITEMS))  # drafts a little anyway
+                n = max(n, min(len(alloc.order), self.REPROBE_ITEMS))  # drafts a little anyway
             elif not b.pays(rate):
                 b.go_plain(reprobe)
                 return None
