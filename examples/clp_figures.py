@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from mlx_mtp.context import Context
 from mlx_mtp.data import spec_bench_sample
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
@@ -87,7 +88,7 @@ def accuracy_from_bench(bench_dir: str, heads_folder: str | None) -> dict:
     rows = recorded_outputs(bench_dir, lm.tokenizer, "ntp")
     engine = Engine(lm.model)
     m = make_method("clp", **({"heads": heads_folder} if heads_folder else {}))
-    m.prepare(engine)
+    m.prepare(Context(engine, lm))
     acc = np.zeros((m.heads.k, 2))
     for prompt, out, _ in tqdm(rows, desc="head accuracy"):
         acc += head_accuracy(engine, m.heads, prompt, out)
@@ -127,7 +128,8 @@ def main() -> None:
     ]
     eos = {tok.eos_token_id}
     names = args.settings.split(",")
-    engine = Engine(lm.model)  # shared: each prompt is prefilled once, then reused by prefix
+    # shared: each prompt is prefilled once, then reused by prefix
+    engine = Context(Engine(lm.model), lm)
     runs = {}
     for name in names:
         mname, opts = SETTINGS[name]

@@ -31,9 +31,8 @@ from pathlib import Path
 WORKER = r"""
 import json, sys
 import mlx_mtp  # first: preloads OpenBLAS before mlx on Linux
+from mlx_mtp.api import MTPModel
 from mlx_mtp.data import TASKS, load_questions
-from mlx_mtp.decoding import generate_steps
-from mlx_mtp.engine import Engine
 from mlx_mtp.loading import load_model
 from mlx_mtp.methods import make_method
 
@@ -47,17 +46,11 @@ for t in TASKS:  # the first questions of each task under max_prompt tokens
                                    add_generation_prompt=True) for q in qs if q["task"] == t]
     short = [p for p in ids if len(p) < args["max_prompt"]] or sorted(ids, key=len)
     prompts.append(short[min(args["index"], len(short) - 1)])
-eos = set(tok.eos_token_ids)
 
 def run(name, opts, ids):
-    m = make_method(name, **opts)
-    e = Engine(lm.model)
-    m.prepare(e)
-    out, last = [], None
-    for st in generate_steps(e, m, ids, max_tokens=args["max_tokens"], eos_ids=eos):
-        out += st.tokens
-        last = st.stats
-    return out, last
+    # MTPModel(loaded, method): the same public call in every tree compared
+    r = MTPModel(lm, make_method(name, **opts)).generate(ids, max_tokens=args["max_tokens"])
+    return r.tokens, r.stats
 
 run("ntp", {}, prompts[0][:20])  # warm-up
 refs = [run("ntp", {}, p)[0] for p in prompts]

@@ -46,7 +46,9 @@ from mlx_lm.utils import load_model
 from tqdm import tqdm
 
 from mlx_mtp.budget import parse_curve
-from mlx_mtp.engine import Engine, check_cache_support
+from mlx_mtp.context import Context
+from mlx_mtp.engine import Engine
+from mlx_mtp.families import check_cache_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.testing import HYBRID_FAMILIES, decode, write_tiny_deepseek, write_tiny_hybrid
 
@@ -100,9 +102,8 @@ def main() -> None:
             write_tiny_hybrid(folder, family, seed=1)
         model, config = load_model(folder)
         engine = Engine(model)
-        engine.loaded = types.SimpleNamespace(path=folder, config=config)
-        if a.curve:
-            engine.curve = parse_curve(a.curve)
+        curves = parse_curve(a.curve) if a.curve else None
+        ctx = Context(engine, types.SimpleNamespace(path=folder, config=config), curves)
         names = ["ntp", *[f"mtp{d}" for d in range(1, a.depth + 1)], "mtpauto", "pld", "hybrid"]
         if family == "qwen3_5":  # mlx-lm's qwen3_next takes no input embeddings
             names.append("chainprobe")
@@ -119,7 +120,7 @@ def main() -> None:
             else:
                 m = make_method(name)
             check_cache_support(engine, m)
-            m.prepare(engine)
+            m.prepare(ctx)
             methods[name] = m
         acc = {n: {"tokens": 0, "forwards": 0, "rewinds": 0, "rewind_s": 0.0} for n in names}
         exact = dict.fromkeys(names, True)
@@ -129,7 +130,7 @@ def main() -> None:
             for name in names:  # interleaved: one prompt, every method
                 rb = engine.rollback or types.SimpleNamespace(rewinds=0, rewind_seconds=0.0)
                 r0, s0 = rb.rewinds, rb.rewind_seconds
-                out, st = run(engine, methods[name], prompt, a.tokens)
+                out, st = run(ctx, methods[name], prompt, a.tokens)
                 ref = out if name == "ntp" else ref
                 exact[name] &= out == ref
                 acc[name]["tokens"] += st.generated_tokens
@@ -137,14 +138,13 @@ def main() -> None:
                 acc[name]["rewinds"] += rb.rewinds - r0
                 acc[name]["rewind_s"] += rb.rewind_seconds - s0
                 if name == "mtpauto":
-                    b = methods[name].budget
                     acc[name].setdefault("plain", 0)
-                    acc[name]["plain"] += b.plain_steps if b is not None else 0
+                    acc[name]["plain"] += st.plain_steps
                 if name == "ntp":
                     fwd_ms.append(st.forward_time / st.forward_passes * 1e3)
         t1 = statistics.median(fwd_ms)
         print(f"\n{family}: one-token forward {t1:.2f} ms (median over prompts, ntp)")
-        curve = getattr(engine, "curve", None)
+        curve = ctx.planner.curve if ctx.planner is not None else None
         print(f"cost curve: {curve}; mtp draft cost {methods['mtp1'].draft_cost:.3f} forwards")
         print("method     tau    exact  acceptance per depth        restore ms/rejected step")
         for name in names:

@@ -5,6 +5,11 @@ m = mlx_mtp.load("smollm2-135m", method="probe", bc=30, masks=1)
 print(m.generate("What is the capital of France?").text)
 for chunk in m.stream_generate("Tell me a story", max_tokens=200):
     print(chunk.text, end="", flush=True)
+
+Several methods on one model (loaded once):
+
+lm = mlx_mtp.load_model("smollm2-135m")
+probe, pld = lm.bind("probe"), lm.bind("pld", max_draft=10)
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from . import distributed
+from .context import Context
 from .data import render_prompt
 from .decoding import GenerationStats, generate_steps
-from .engine import Engine, check_cache_support
+from .engine import Engine
 from .errors import InvalidArgumentError
+from .families import check_cache_support
 from .loading import EMBEDDED_MODEL, LoadedModel, load_model
 from .methods import Method, make_method
 from .sampling import PositionalSampler, random_seed
@@ -53,7 +60,8 @@ class Result:
 class MTPModel:
     """A loaded model, a method and one KV cache (reused across calls by prefix).
 
-    Not thread-safe: use one instance per conversation thread.
+    Made by :meth:`LoadedModel.bind <mlx_mtp.loading.LoadedModel.bind>` or
+    :func:`load`. Not thread-safe: use one instance per conversation thread.
 
     Raises:
         InvalidArgumentError: ``max_kv_size`` out of range or too small for the
@@ -88,9 +96,10 @@ class MTPModel:
         self.thinking = bool(thinking)
         self._warned_template = False
         self.engine = Engine(self.model, max_kv_size=max_kv_size)
-        self.engine.loaded = loaded  # the folder and tokenizer, for methods (confadapt)
+        #: what the method receives: the engine and the checkpoint it came from
+        self.ctx = Context(self.engine, loaded)
         check_cache_support(self.engine, method)
-        method.prepare(self.engine)
+        method.prepare(self.ctx)
         self.engine.check_slots(method.block_complexity, what=method.describe())
 
     @property
@@ -222,7 +231,7 @@ class MTPModel:
         detok.reset()
         eos = self.eos_ids
         for step in generate_steps(
-            self.engine,
+            self.ctx,
             self.method,
             tokens,
             max_tokens=max_tokens,
@@ -325,8 +334,8 @@ def load(
         check_value("max_kv_size", max_kv_size)
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
-    return MTPModel(
-        load_model(model, dtype, pipeline=pipeline), m, max_kv_size=max_kv_size, thinking=thinking
+    return load_model(model, dtype, pipeline=pipeline).bind(
+        m, max_kv_size=max_kv_size, thinking=thinking
     )
 
 

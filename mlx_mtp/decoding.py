@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from .context import Context
+from .costs import device_curves
 from .engine import Engine
 from .errors import InvalidArgumentError
-from .methods.base import Method
+from .methods.base import DraftMethod, Method
+from .planner import Planner
 from .verify import Sampler
 
 #: tokens between ``mx.clear_cache()`` calls in the decoding loop (mlx-lm: 256)
@@ -54,6 +57,10 @@ class GenerationStats:
     #: input slots over all forward passes (tokens + masks); slots / forward_passes
     #: is the mean tree size actually sent, at most the BC
     slots: int = 0
+    #: one-token steps the planner ran in plain mode (``auto``: no draft paid)
+    plain_steps: int = 0
+    #: re-probes after plain mode
+    reprobes: int = 0
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -134,7 +141,7 @@ class Step:
 
 
 def generate_steps(
-    engine: Engine,
+    ctx: Context | Engine,
     method: Method,
     prompt: list[int],
     *,
@@ -145,9 +152,10 @@ def generate_steps(
     """Decode with ``method`` after ``prompt`` and yield each step's tokens.
 
     Args:
-        engine: model + cache; a cache from an earlier turn is reused up to the
-            longest common prefix with ``prompt``.
-        method: a prepared method.
+        ctx: the method's context (an engine alone: no checkpoint folder, this
+            device's cost curves); the engine's cache from an earlier turn is
+            reused up to the longest common prefix with ``prompt``.
+        method: a method prepared on this context.
         prompt: token ids (at least one).
         max_tokens: hard limit on generated tokens (> 0); never exceeded.
         sampler: None for greedy, else an mlx-lm sampler.
@@ -162,6 +170,8 @@ def generate_steps(
         raise InvalidArgumentError("The prompt is empty; give at least one token of input.")
     if max_tokens <= 0:
         raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}.")
+    ctx = ctx if isinstance(ctx, Context) else Context(ctx)
+    engine = ctx.engine
     _synchronize_streams()
     stats = GenerationStats(
         method=method.describe(),
@@ -172,7 +182,13 @@ def generate_steps(
     t0 = time.perf_counter()
     stats.prefill_tokens = engine.sync(prompt[:-1])
     stats.prefill_time = time.perf_counter() - t0
-    method.begin(engine, prompt, sampler)
+    planner = None
+    if isinstance(method, DraftMethod):
+        curves = ctx.curves
+        if method.auto and curves is None:
+            curves = device_curves(engine)
+        planner = Planner(ctx, method, sampler, curves)
+    method.begin(ctx, prompt, sampler)
     root, n, finish = prompt[-1], 0, None
     f0, s0 = engine.forward_seconds, engine.forward_slots
     # mlx-lm's generation hygiene: wired memory for large models (Metal), buffer
@@ -186,7 +202,7 @@ def generate_steps(
             if n - cleared >= CLEAR_CACHE_EVERY:
                 mx.clear_cache()
                 cleared = n
-            out = method.step(engine, root)
+            out = planner.step(root) if planner is not None else method.step(ctx, root)
             tokens = out.tokens[: max_tokens - n]
             for i, t in enumerate(tokens):
                 if t in eos_ids:
@@ -205,6 +221,8 @@ def generate_steps(
             stats.forward_time = engine.forward_seconds - f0
             stats.slots = engine.forward_slots - s0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            if planner is not None:
+                stats.plain_steps, stats.reprobes = planner.plain_steps, planner.reprobes
             root = tokens[-1]
             yield Step(tokens, stats, finish)
     finally:
@@ -213,3 +231,5 @@ def generate_steps(
         wired.__exit__(None, None, None)
         if engine.offset > expected:
             engine.trim_to(expected)
+        if planner is not None:
+            planner.finish()

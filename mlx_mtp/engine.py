@@ -11,9 +11,8 @@ and :meth:`Engine.trim_to` themselves.
 
 from __future__ import annotations
 
-import os
-import resource
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -27,145 +26,15 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import does_model_support_input_embeddings
 
-from . import distributed
-from .budget import cost_curve
-from .cache_view import TreeCacheView, install_positional_rope
-from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
+from . import memory
+from .cache_view import TreeCacheView
+from .errors import CacheNotTrimmableError, UnsupportedModelError
+from .families import model_parts
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
-
-#: Model families whose tree forward pass is tested (DESIGN §3): the one list of
-#: the families multi-token methods and MTP checkpoints support
-TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+from .timing import DeviceClock
 
 #: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
 PREFILL_STEP = 2048
-
-
-def model_parts(model: nn.Module) -> tuple[nn.Module, Any, nn.Module]:
-    """Split an mlx-lm causal LM into (backbone, lm_head, embed_tokens).
-
-    ``backbone(inputs, cache, input_embeddings)`` returns the final-norm hidden
-    states (B, L, D); ``lm_head(h)`` maps them to logits (B, L, V).
-
-    Raises:
-        UnsupportedModelError: the model does not have the llama-style layout
-            (``model.model.embed_tokens``, tied embeddings or ``lm_head``).
-    """
-    inner = getattr(model, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    if inner is None or embed is None:
-        raise UnsupportedModelError(
-            f"model type {getattr(model, 'model_type', type(model).__name__)!r} does not have "
-            "the llama-style layout (model.embed_tokens) that multi-token methods need."
-        )
-    # a vision-language wrapper (qwen3_5) keeps the text model and its LM head
-    # under language_model
-    owner = model["language_model"] if "language_model" in model else model
-    args = getattr(owner, "args", None)
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(owner, "lm_head"):
-        head = embed.as_linear
-    else:
-        head = owner.lm_head
-    return inner, head, embed
-
-
-def check_tree_support(model: nn.Module, method: str) -> None:
-    """Refuse a model whose architecture cannot run a tree forward pass.
-
-    Raises:
-        UnsupportedModelError: naming the model type and the reason.
-    """
-    mtype = getattr(model, "model_type", type(model).__name__)
-    if mtype not in TREE_FAMILIES:
-        raise UnsupportedModelError(
-            f"--method {method} cannot run model type {mtype!r}: its draft-tree forward pass "
-            f"is supported for {', '.join(sorted(TREE_FAMILIES))}. Use --method ntp for this "
-            "model."
-        )
-    if not does_model_support_input_embeddings(model):
-        raise UnsupportedModelError(
-            f"--method {method}: model type {mtype!r} does not accept input embeddings."
-        )
-    try:
-        install_positional_rope(model)
-    except AttributeError as e:
-        raise UnsupportedModelError(
-            f"--method {method}: model type {mtype!r} has layers without self_attn.rope ({e})."
-        ) from e
-
-
-def check_cache_support(engine: Engine, method: Any) -> None:
-    """Refuse, at load, a method that drops tokens from the KV cache (rejected
-    drafts, mask slots) on a model whose cache cannot: recurrent or hybrid
-    layers (mamba, gated delta-net, short convolutions) keep state that no trim
-    can roll back (DESIGN §6, class 3).
-
-    Raises:
-        UnsupportedModelError: naming the model type and its cache kinds.
-    """
-    if not getattr(method, "needs_trimmable_cache", True):
-        return
-    chain = getattr(method, "chain_shaped", False) and engine.rollback is not None
-    fixed = [
-        c
-        for c in engine.cache
-        if not (hasattr(c, "is_trimmable") and c.is_trimmable()) and not (chain and is_recurrent(c))
-    ]
-    if fixed:
-        mtype = getattr(engine.model, "model_type", type(engine.model).__name__)
-        kinds = ", ".join(sorted({type(c).__name__ for c in fixed}))
-        raise UnsupportedModelError(
-            f"--method {method.name} cannot run model type {mtype!r}: {len(fixed)} of its "
-            f"{len(engine.cache)} layers keep recurrent state ({kinds}) that cannot drop "
-            "rejected draft tokens"
-            + (
-                "; only chain-drafting methods (mtp, pld, probe shape=chain, hybrid "
-                "shape=chain) can roll it back, a branching draft tree cannot run through a "
-                "recurrent layer"
-                if engine.rollback is not None
-                else ""
-            )
-            + (
-                ". Use --method ntp, mtp, pld, hybrid or probe shape=chain for this model."
-                if engine.rollback is not None
-                else ". Use --method ntp for this model."
-            )
-        )
-
-
-def memory_limit() -> tuple[int, str]:
-    """The memory a process may use, in bytes, and where the figure comes from:
-    the smallest of physical memory, the GPU's recommended working set (Apple
-    silicon) and the address-space limit (``ulimit -v``)."""
-    limits: list[tuple[int, str]] = []
-    try:
-        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "memory"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    try:
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        ws = int(info.get("max_recommended_working_set_size", 0))
-        if ws > 0:
-            limits.append((ws, "GPU working set"))
-    except Exception:  # no Metal device (CPU backend): nothing to add
-        pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        limits.append((int(soft), "address-space limit (ulimit -v)"))
-    limit = min(limits) if limits else (16 << 30, "assumed")
-    if distributed.group() is not None:  # the smallest rank's, so all refuse alike
-        if not _GROUP_LIMIT:
-            least = distributed.all_min(limit[0])
-            _GROUP_LIMIT.append(limit if least == limit[0] else (least, "smallest rank's memory"))
-        return _GROUP_LIMIT[0]
-    return limit
-
-
-_GROUP_LIMIT: list[tuple[int, str]] = []
-
-
-#: share of :func:`memory_limit` one forward pass's scratch memory may take
-SLOT_MEMORY_SHARE = 0.25
 
 
 class Engine:
@@ -180,21 +49,14 @@ class Engine:
     def __init__(self, model: nn.Module, max_kv_size: int | None = None):
         self.max_kv_size = max_kv_size
         self.use_model(model)
-        #: number of model forward passes since creation (prefill chunks excluded)
-        self.forward_passes = 0
-        #: wall seconds spent inside those forward passes (graph build + eval)
-        self.forward_seconds = 0.0
-        #: input slots (tokens and masks) over those forward passes
-        self.forward_slots = 0
-        self._slot_costs: dict[int, float] = {}
-        #: the forward cost curve (:func:`mlx_mtp.budget.cost_curve` sets it on
-        #: first use; set it yourself to simulate another device)
-        self.curve: Any = None
+        #: forward passes, their slots and device seconds (:mod:`mlx_mtp.timing`)
+        self.clock = DeviceClock()
+        #: tokens the last :meth:`sync` processed (its hidden states are the
+        #: model's last forward outputs: the native MTP layer reads them)
+        self.last_prefill = 0
         #: (N,) sequence position of each slot of the last forward pass; the
         #: token drawn from slot i's logits sits at ``slot_positions[i] + 1``
         self.slot_positions = np.zeros(0, dtype=np.int64)
-        # a forward pass started with wait=False and not yet waited for: (start, outputs)
-        self._pending: tuple[float, list[mx.array]] | None = None
         # the last tree pass over plain KV caches: (start, slots, views holding the
         # slots' keys/values), for keep() to move accepted rows without a sync
         self._tree_rows: tuple[int, int, list[TreeCacheView]] | None = None
@@ -224,6 +86,37 @@ class Engine:
                 self.rollback = RecurrentRollback(model, self.cache)
             except UnsupportedModelError:
                 self.rollback = None
+
+    # ------------------------------------------------------------- counters
+    @property
+    def forward_passes(self) -> int:
+        """Model forward passes since creation (prefill chunks excluded)."""
+        return self.clock.passes
+
+    @property
+    def forward_slots(self) -> int:
+        """Input slots (tokens and masks) over those forward passes."""
+        return self.clock.slots
+
+    @property
+    def forward_seconds(self) -> float:
+        """Seconds of device work in those passes (see :mod:`mlx_mtp.timing`)."""
+        return self.clock.seconds
+
+    @contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Run passes that leave no trace (a cost measurement): on exit the
+        cache is trimmed back to what it held, and the counters and
+        ``last_prefill`` are as they were."""
+        self.settle()
+        start, prefill = self.offset, self.last_prefill
+        try:
+            with self.clock.untimed():
+                yield
+        finally:
+            if self.offset > start:
+                self.trim_to(start)
+            self.last_prefill = prefill
 
     # ----------------------------------------------------------------- cache
     @property
@@ -334,7 +227,7 @@ class Engine:
         Returns:
             The number of tokens that had to be processed (prefill length).
         """
-        self._settle()
+        self.settle()
         self._tree_rows = None
         common = 0
         for a, b in zip(self.cached, tokens):
@@ -348,8 +241,6 @@ class Engine:
                 self.reset()
                 common = 0
         rest = tokens[common:]
-        #: tokens the last sync processed (its hidden states are the model's last
-        #: forward outputs: the native MTP layer reads them)
         self.last_prefill = len(rest)
         if self.rollback is not None:
             self.rollback.disarm()  # raw prefill passes below are not verify passes
@@ -361,58 +252,21 @@ class Engine:
             mx.clear_cache()
         return len(rest)
 
-    # ------------------------------------------------------------- budgets
-    def forward_bytes(self, n: int, context: int = 0) -> int:
-        """Estimated scratch memory (bytes) of one forward pass of ``n`` slots
-        after ``context`` cached tokens: attention scores and their softmax
-        (float32, every query head, ``n x (context + n)``), the tree mask, and
-        the logits of every slot (``n x vocab``, float32)."""
-        args = getattr(self.model, "args", None)
-        heads = int(getattr(args, "num_attention_heads", 0) or 32)
-        vocab = int(getattr(args, "vocab_size", 0) or 152_064)
-        hidden = int(getattr(args, "hidden_size", 0) or 4096)
-        width = context + n
-        return n * width * (2 * 4 * heads + 3) + n * vocab * 4 + n * hidden * 4 * 16
-
+    # ------------------------------------------------------------- memory
     def max_slots(self, context: int = 0) -> int:
-        """The largest forward pass (slots) whose :meth:`forward_bytes` fits in
-        ``SLOT_MEMORY_SHARE`` of :func:`memory_limit`."""
-        budget = SLOT_MEMORY_SHARE * memory_limit()[0]
-        lo, hi = 0, 1
-        while self.forward_bytes(hi, context) <= budget and hi < 1 << 24:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.forward_bytes(mid, context) <= budget else (lo, mid)
-        return lo
+        """The largest forward pass (slots) that fits in memory after
+        ``context`` cached tokens (:func:`mlx_mtp.memory.max_slots`)."""
+        return memory.max_slots(self.model, context)
 
     def check_slots(self, n: int, context: int | None = None, what: str = "") -> None:
         """Refuse a forward pass of ``n`` slots that would not fit in memory
-        (DESIGN §6, class 13: an unbounded block size allocating an (N, N)
-        mask), before anything is allocated.
-
-        Args:
-            n: slots (tokens + masks) of the pass, i.e. the block complexity.
-            context: cached tokens before it (default: the cache's length).
-            what: the method's settings, for the message.
+        (:func:`mlx_mtp.memory.check_slots`; default context: the cache's length).
 
         Raises:
-            InvalidArgumentError: naming the estimate, the limit and the largest
-                block complexity that fits.
+            InvalidArgumentError: naming the estimate, the limit and the
+                largest block complexity that fits.
         """
-        context = self.offset if context is None else context
-        if n <= 1:
-            return
-        need = self.forward_bytes(n, context)
-        limit, source = memory_limit()
-        if need > SLOT_MEMORY_SHARE * limit:
-            raise InvalidArgumentError(
-                f"{what or 'this method'}: a forward pass of {n} tokens (block complexity) "
-                f"after {context} cached tokens needs about {need / 1e9:.1f} GB of scratch "
-                f"memory, over {SLOT_MEMORY_SHARE:.0%} of the {limit / 1e9:.1f} GB {source}. "
-                f"The largest block complexity that fits is {self.max_slots(context)}; the "
-                "papers use 10-60. Use a smaller --bc (or method option), or --bc auto."
-            )
+        memory.check_slots(self.model, n, self.offset if context is None else context, what)
 
     # --------------------------------------------------------------- forward
     def forward_chain(
@@ -444,13 +298,13 @@ class Engine:
             CacheNotTrimmableError: ``droppable`` and the cache cannot drop
                 ``len(tokens)`` tokens (a full sliding window, recurrent layers).
         """
-        self._settle()
+        self.settle()
         self._tree_rows = None
         if droppable:
             self._require_trimmable(len(tokens), chain=True)
         if len(tokens) > 1:
             self.check_slots(len(tokens))
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if self.rollback is not None:  # hybrid model: a multi-token pass may be rolled back
             if len(tokens) > 1 or droppable:
                 self.rollback.arm(self.cache, self.offset, len(tokens))
@@ -459,13 +313,7 @@ class Engine:
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
         logits, h = self._chain(mx.array(tokens))
-        outs = [logits] if h is None else [logits, h]
-        if wait:
-            mx.eval(*outs)
-            self.forward_seconds += time.perf_counter() - t0
-        else:
-            mx.async_eval(*outs)
-            self._pending = (t0, outs)
+        self.clock.finish(t0, [logits] if h is None else [logits, h], wait)
         return logits, (h if hidden else None)
 
     def _chain(self, ids: mx.array, count: bool = True) -> tuple[mx.array, mx.array | None]:
@@ -495,7 +343,7 @@ class Engine:
         Returns:
             The lazy logits (1, V); the caller evaluates them (``mx.async_eval``).
         """
-        self._settle()
+        self.settle()
         self._tree_rows = None
         self.cached.append(-1)
         return self._chain(token.reshape(1).astype(mx.int32), count=False)[0]
@@ -503,8 +351,7 @@ class Engine:
     def count_forward(self, slots: int = 1) -> None:
         """Count one forward pass of ``slots`` input slots (done by the callers of
         the forward methods; by hand for a pass queued with :meth:`queue_token`)."""
-        self.forward_passes += 1
-        self.forward_slots += int(slots)
+        self.clock.count(slots)
 
     def resolve_last(self, token: int) -> None:
         """Record the id of the token queued last by :meth:`queue_token`."""
@@ -515,67 +362,16 @@ class Engine:
     def timed_eval(self, *arrays: mx.array) -> None:
         """Evaluate device work done outside the forward pass (the LM head on a
         few hidden rows, MTP heads, vocabulary-wide argmax / top-k / sampling)
-        and count its time as forward (device) time, so that
-        ``host_ms_per_step`` measures only host-side work.
+        and count its time as device time (:meth:`DeviceClock.wait
+        <mlx_mtp.timing.DeviceClock.wait>`), so that ``host_ms_per_step``
+        measures only host-side work. After a pass started with ``wait=False``
+        the time counted runs from that pass's start: host work done meanwhile
+        overlapped the device's forward and cost no wall time of its own."""
+        self.clock.wait(*arrays)
 
-        After ``forward_tree(..., wait=False)`` the device time counted runs
-        from the start of that forward pass: host work done meanwhile (building
-        these arrays' graphs) overlapped the device's forward and cost no wall
-        time of its own."""
-        t0, running = self._pending or (time.perf_counter(), [])
-        mx.eval(*arrays, *running)
-        self._pending = None
-        self.forward_seconds += time.perf_counter() - t0
-
-    def _settle(self) -> None:
-        # a forward started with wait=False and never waited for: finish it here
-        if self._pending is not None:
-            self.timed_eval()
-
-    def cost_curve(self) -> Any:
-        """The forward cost curve of this model on this device
-        (:func:`mlx_mtp.budget.cost_curve`: cached on disk per model, device
-        and dtype, measured on first use)."""
-        return cost_curve(self)
-
-    def slot_cost(self, n: int = 32, repeats: int = 3) -> float:
-        """Measured marginal cost of one more slot in a forward pass, as a
-        fraction of a one-token forward: ``(t(n) - t(1)) / ((n - 1) * t(1))``.
-
-        About 0.005-0.02 where the forward is memory-bound (Apple-silicon GPU:
-        a 30-slot draft tree costs little more than one token) and 0.05-0.1 on
-        a CPU, where compute grows with every slot. Timed once per engine and
-        ``n`` (median of ``repeats`` after a warm-up), on the current cache,
-        which is left exactly as it was; the calibration passes are not
-        counted as forward passes. One slope; the ``auto`` budgets of every
-        method use the whole curve instead (:mod:`mlx_mtp.budget`).
-
-        Raises:
-            CacheNotTrimmableError: the cache cannot drop the timing tokens.
-        """
-        if n in self._slot_costs:
-            return self._slot_costs[n]
-        if self.backbone is None:
-            raise UnsupportedModelError("slot_cost needs a model with the llama-style layout")
-        self._require_trimmable(n)
-        tok = self.cached[-1] if self.cached else 0
-
-        def timed(m: int) -> float:
-            t0 = time.perf_counter()
-            h = self.backbone(mx.array([tok] * m)[None], cache=self.cache)[0]
-            mx.eval(self.lm_head(h))
-            dt = time.perf_counter() - t0
-            self.cached.extend([tok] * m)
-            self.trim_to(len(self.cached) - m)
-            return dt
-
-        timed(1), timed(n)  # warm-up
-        t1 = float(np.median([timed(1) for _ in range(repeats)]))
-        tn = float(np.median([timed(n) for _ in range(repeats)]))
-        cost = max(0.0, (tn - t1) / ((n - 1) * t1)) if t1 > 0 else 0.0
-        cost = distributed.agree(cost)  # a timing: rank 0 decides for all ranks
-        self._slot_costs[n] = cost
-        return cost
+    def settle(self) -> None:
+        """Finish a forward pass started with ``wait=False``, if any."""
+        self.clock.settle()
 
     def embed_tokens(self, tokens: list[int] | np.ndarray) -> mx.array:
         """Input embeddings (L, D) of token ids."""
@@ -619,7 +415,7 @@ class Engine:
         Raises:
             CacheNotTrimmableError: the cache could not drop the rejected slots.
         """
-        self._settle()
+        self.settle()
         n = len(parents)
         self.check_slots(n)
         if self.rollback is not None:
@@ -634,7 +430,7 @@ class Engine:
         positions = mx.array((L + depth).astype(np.int32))
         mask_mx = mx.array(mask)
         views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
         plain = all(type(c) is KVCache for c in self.cache)
         self._tree_rows = (L, n, views) if plain else None
@@ -646,14 +442,9 @@ class Engine:
         self, h: mx.array, t0: float, hidden: bool, logit_rows: int | None, wait: bool
     ) -> tuple[mx.array, mx.array | None]:
         """Logits of a tree pass's hidden states ``h`` (N, D), evaluated now
-        (``wait``) or started for :meth:`_settle`; ``t0`` is the pass's start."""
+        (``wait``) or started for :meth:`settle`; ``t0`` is the pass's start."""
         logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
-        if wait:
-            mx.eval(logits, h)
-            self.forward_seconds += time.perf_counter() - t0
-        else:
-            mx.async_eval(logits, h)
-            self._pending = (t0, [logits, h])
+        self.clock.finish(t0, [logits, h], wait)
         return logits, (h if hidden else None)
 
     def _forward_chain_tree(
@@ -684,7 +475,7 @@ class Engine:
                 "method (--method mtp or pld)."
             )
         self._tree_rows = None
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.rollback.arm(self.cache, self.offset, n)
         self.slot_positions = np.arange(self.offset, self.offset + n)
         h = self.backbone(None, cache=self.cache, input_embeddings=embeddings[None])[0]
@@ -705,7 +496,7 @@ class Engine:
         Raises:
             CacheNotTrimmableError: the cache could not be trimmed exactly.
         """
-        self._settle()
+        self.settle()
         n_new = self.offset - start
         slots = list(slots)
         rows, self._tree_rows = self._tree_rows, None

@@ -24,6 +24,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
 from . import distributed
+from .artifacts import cache_home
 from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -46,11 +47,6 @@ ALIASES: dict[str, str] = {
 }
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def cache_home() -> Path:
-    """The user cache folder for converted models and trained weights."""
-    return Path(os.environ.get("MLX_MTP_HOME", Path.home() / ".cache" / "mlx-mtp"))
 
 
 def imported_model_dir(name: str, home: Path | None = None) -> Path:
@@ -193,6 +189,37 @@ class LoadedModel:
     config: dict[str, Any]
     name: str
     dtype: str
+
+    def bind(
+        self,
+        method: Any = "ntp",
+        *,
+        max_kv_size: int | None = None,
+        thinking: bool = False,
+        **options: Any,
+    ) -> Any:
+        """A decoding method bound to this model: an
+        :class:`~mlx_mtp.api.MTPModel` with its own KV cache (bind several
+        methods to one loaded model rather than loading it once per method).
+
+        Args:
+            method: a method name (``probe``, ``pld``, ...) with its
+                ``options``, or a :class:`~mlx_mtp.methods.Method` instance.
+            max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
+            thinking: ``enable_thinking`` for hybrid-thinking chat templates.
+
+        Raises:
+            UnknownMethodError, InvalidArgumentError: a bad method or option.
+            UnsupportedModelError: a method this model's architecture or
+                cache cannot run.
+        """
+        from .api import MTPModel
+        from .methods import make_method
+
+        m = make_method(method, **options) if isinstance(method, str) else method
+        if options and not isinstance(method, str):
+            raise InvalidArgumentError("options go with a method name, not a method instance")
+        return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking)
 
 
 def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> LoadedModel:

@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .acceptance import Tag
 from .engine import Engine
 from .verify import Sampler, target_graph, walk_tree
 
@@ -61,12 +62,16 @@ class Draft:
             (trees only; the LM head over the vocabulary is a large share of a
             small model's forward). None: all; must be >= ``verify``.
         hidden: also hand the hidden states (N, D) to :meth:`observe
-            <mlx_mtp.methods.base.SpeculativeMethod.observe>`.
+            <mlx_mtp.methods.base.DraftMethod.observe>`.
         extras: ``f(logits, hidden, targets)`` -> more graphs to build while
             the forward pass runs and to evaluate in the same synchronisation
             as the target tokens (lazy (V,)-wide work: top-k of mask rows, MTP
             heads fed with the target tokens). ``targets`` is the lazy (verify,)
             target-token array.
+        tags: per verified draft node (slot 1 .. ``verify - 1``), the
+            sources that proposed it as ``(source, depth, raw score)``: the
+            planner learns their acceptance from the outcome. None: nothing
+            to learn.
         info: anything the method wants back in ``observe``.
     """
 
@@ -77,6 +82,7 @@ class Draft:
     logit_rows: int | None = None
     hidden: bool = False
     extras: Extras | None = None
+    tags: list[list[Tag]] | None = None
     info: Any = None
 
     @classmethod
@@ -93,6 +99,12 @@ class Draft:
     def drafted(self) -> int:
         """Draft tokens sent to verification (the root is not a draft)."""
         return self.n_verify - 1
+
+    def parent_slots(self) -> np.ndarray:
+        """(N,) parent slot of every slot (a chain's too)."""
+        if self.parents is None:
+            return np.arange(-1, len(self.tokens) - 1, dtype=np.int64)
+        return self.parents
 
 
 @dataclass
@@ -150,13 +162,12 @@ def speculative_step(engine: Engine, draft: Draft, sampler: Sampler | None) -> V
     tokens = draft.tokens
     n = draft.n_verify
     start = engine.offset
+    parents = draft.parent_slots()
     if draft.parents is None:  # a chain: one causal pass, no tree mask
-        parents = np.arange(-1, len(tokens) - 1)
         logits, hidden = engine.forward_chain(
             tokens.tolist(), hidden=draft.hidden, wait=False, droppable=len(tokens) > 1
         )
     else:
-        parents = draft.parents
         emb = draft.embeddings if draft.embeddings is not None else engine.embed_tokens(tokens)
         logits, hidden = engine.forward_tree(
             emb, parents, tokens.tolist(), draft.hidden, draft.logit_rows, wait=False

@@ -79,52 +79,6 @@ def block_complexity(masks: int, nodes: int) -> int:
     return (masks + 1) * (1 + nodes)
 
 
-def worth_adding(
-    value: float, slots: int, slot_cost: float, total_value: float, used_slots: int
-) -> bool:
-    """Whether an item of ``value`` expected accepted tokens that costs ``slots``
-    more slots raises the expected tokens per unit of forward time.
-
-    With a one-token forward as the time unit and ``slot_cost`` the marginal
-    cost of a slot (:meth:`~mlx_mtp.engine.Engine.slot_cost`), a tree of
-    ``used_slots`` extra slots whose items are worth ``total_value`` yields
-    ``R = (1 + total_value) / (1 + slot_cost * used_slots)`` tokens per unit;
-    the item raises R iff ``value / slots > slot_cost * R``.
-    """
-    rate = (1.0 + total_value) / (1.0 + slot_cost * used_slots)
-    return value > slot_cost * rate * slots
-
-
-def cost_aware_prefix(
-    probs: Sequence[float],
-    slots_per_node: int,
-    base_slots: int,
-    slot_cost: float,
-    scale: float = 1.0,
-) -> int:
-    """How many nodes of a best-first tree to keep for ``bc=auto``.
-
-    Args:
-        probs: cumulative probabilities of the nodes in best-first order (as
-            :func:`build_tree` returns them; any prefix is a valid tree).
-        slots_per_node: slots a node occupies (1 + masks per node).
-        base_slots: extra slots present anyway (the root's masks).
-        slot_cost: marginal cost of one slot (fraction of a one-token forward).
-        scale: calibration of ``probs`` to acceptance (accepted / expected).
-
-    Returns:
-        The longest prefix whose every node passes :func:`worth_adding`.
-    """
-    total, used = 0.0, base_slots
-    for n, p in enumerate(probs):
-        v = p * scale
-        if not worth_adding(v, slots_per_node, slot_cost, total, used):
-            return n
-        total += v
-        used += slots_per_node
-    return len(probs)
-
-
 def heavy_path_order(parents: Sequence[int], probs: Sequence[float]) -> list[int]:
     """A slot layout of a draft tree in which the most probable path comes first.
 

@@ -7,6 +7,7 @@ import os
 import tempfile
 
 import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
+from mlx_mtp.context import Context
 
 #: The user's cache folder, recorded before the tests replace it: the Qwen model
 #: imported by scripts/get_test_model.sh lives there (``qwen`` fixture).
@@ -101,7 +102,7 @@ def run_method(engine, method, prompt, n, eos=None, sampler=None) -> list[int]:
     """Generated token ids of ``method`` (prepared on ``engine``) for ``prompt``."""
     from mlx_mtp.decoding import generate_steps
 
-    method.prepare(engine)
+    method.prepare(Context(engine))
     out: list[int] = []
     for step in generate_steps(
         engine, method, list(prompt), max_tokens=n, sampler=sampler, eos_ids=eos or set()
@@ -120,7 +121,7 @@ def sample_runs(model, method, prompt, n: int, max_tokens: int, sampler, seed: i
 
     mx.random.seed(seed)
     eng = Engine(model)
-    method.prepare(eng)
+    method.prepare(Context(eng))
     seqs, accepted = [], 0
     for _ in range(n):
         eng.reset()

@@ -26,12 +26,13 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_mtp import distributed  # noqa: E402
-from mlx_mtp.budget import as_curves  # noqa: E402
 from mlx_mtp.decoding import generate_steps
-from mlx_mtp.engine import Engine, check_cache_support, check_tree_support
+from mlx_mtp.engine import Engine
+from mlx_mtp.families import check_cache_support, check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.sampling import PositionalSampler, random_seed
 from mlx_mtp.testing import make_tiny_model, tiny_config
+from mlx_mtp.context import Context
 
 #: (name, method, options) run on every model
 METHODS = [
@@ -66,30 +67,29 @@ def run(model, name, opts, prompt, sampler, n, slow=False, measure=False):
     """``measure``: the cost curve is measured on this rank (not the suite's
     pinned one), and ``slow`` makes this rank's measurement much steeper."""
     engine = Engine(model)
+    ctx = Context(engine)
     method = make_method(name, **opts)
     check_cache_support(engine, method)
-    method.prepare(engine)
+    method.prepare(ctx)
     if slow:
         engine.backbone = SlowOnThisRank(engine.backbone)
     pinned = os.environ.pop("MLX_MTP_COST_CURVE", None) if measure else None
     os.environ["MLX_MTP_REMEASURE_COST"] = "1" if measure else "0"
     toks, lens = [], []
     try:
-        for step in generate_steps(engine, method, prompt, max_tokens=n, sampler=sampler):
+        for step in generate_steps(ctx, method, prompt, max_tokens=n, sampler=sampler):
             toks += step.tokens
             lens.append(len(step.tokens))
     finally:
         if pinned is not None:
             os.environ["MLX_MTP_COST_CURVE"] = pinned
-    curve = getattr(engine, "curve", None)
-    if curve is not None:  # the curve at the shortest measured context
-        curve = as_curves(curve).curves[0]
+    curves = ctx.planner.curves if ctx.planner is not None else None
+    curve = curves.at(0) if curves is not None else None  # at the shortest context
     return {
         "tokens": toks,
         "accept_lengths": lens,
         "forwards": step.stats.forward_passes,
         "slots": step.stats.slots,
-        "slot_costs": sorted(engine._slot_costs.items()),
         "curve": None if curve is None else [curve.sizes, curve.costs],
     }
 

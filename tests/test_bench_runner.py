@@ -293,13 +293,13 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         plots=False,
     )
     nap = 0.25
-    real_step = PLD.step
+    real_propose = PLD.propose
 
-    def slow_step(self, engine, root):
+    def slow_propose(self, ctx, root):  # every pld step proposes (the pinned curve is flat)
         _time.sleep(nap)
-        return real_step(self, engine, root)
+        return real_propose(self, ctx, root)
 
-    monkeypatch.setattr(PLD, "step", slow_step)
+    monkeypatch.setattr(PLD, "propose", slow_propose)
     cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"), interleave=True)
     res = runner.run_bench(cfg, smollm, progress=False, plots=False)
     out = tmp_path / "out"

@@ -1,5 +1,6 @@
-"""The device-aware draft budget (mlx_mtp.budget): cost curve, its cache, the
-policy, and exactness of every method's ``auto`` default."""
+"""The device-aware draft budget: the cost curve and the cut (mlx_mtp.budget),
+its measurement, cache and online refinement (mlx_mtp.costs), the plain-mode
+interval (mlx_mtp.planner), and exactness of every method's ``auto`` default."""
 
 from __future__ import annotations
 
@@ -11,19 +12,12 @@ import numpy as np
 import pytest
 
 import mlx_mtp.budget as budget
-from mlx_mtp.budget import (
-    Budget,
-    CostCurve,
-    CostCurves,
-    DepthAcceptance,
-    best_prefix,
-    chain_values,
-    cost_curve,
-    cost_curves,
-    curve_key,
-    curve_path,
-    tree_size,
-)
+import mlx_mtp.costs as costs
+import mlx_mtp.planner as planner
+from mlx_mtp.acceptance import DepthAcceptance, chain_values
+from mlx_mtp.budget import CostCurve, CostCurves, best_prefix
+from mlx_mtp.context import Context
+from mlx_mtp.costs import LiveCurves, curve_key, curve_path, device_curves, measure_cost_curves
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
@@ -81,21 +75,13 @@ def test_depth_acceptance_follows_the_text():
 
 
 def test_plain_mode_interval_pays_for_the_reprobe():
-    b = Budget(CPU_CURVE)
-    assert not b.pays(1.0) and b.pays(1.01)
-    b.go_plain(reprobe_slots=3)  # c(3) = 1.33: re-probe every 33 steps -> 1% overhead
-    assert b.plain and b.plain_left == 33
-    assert [b.tick() for _ in range(33)][-2:] == [False, True]
-    assert not b.plain and b.reprobes == 1
+    interval = planner.plain_interval
+    assert interval(CPU_CURVE, (3,)) == 33  # c(3) = 1.33: every 33 steps -> 1% overhead
     # a two-step re-probe (probe: root masks, then one node) pays for both
-    b.go_plain(2, 4)  # (c(2) - 1) + (c(4) - 1) = 0.66 -> capped at 64
-    assert b.plain_left == budget.MAX_PLAIN_STEPS
-    cheap = Budget(CostCurve([1, 2, 4], [1.0, 1.07, 1.27]))
-    cheap.go_plain(2, 4)
-    assert cheap.plain_left == 34 and cheap.interval(2) == 7
-    flat = Budget(GPU_CURVE)
-    flat.go_plain(3)
-    assert flat.plain_left == budget.MIN_PLAIN_STEPS
+    assert interval(CPU_CURVE, (2, 4)) == planner.MAX_PLAIN_STEPS  # 0.66 -> capped at 64
+    cheap = CostCurve([1, 2, 4], [1.0, 1.07, 1.27])
+    assert interval(cheap, (2, 4)) == 34 and interval(cheap, (2,)) == 7
+    assert interval(GPU_CURVE, (3,)) == planner.MIN_PLAIN_STEPS
 
 
 # ---------------------------------------------- simulated memory-bound device
@@ -119,13 +105,14 @@ def _synthetic_steps(steps: int = 600, seed: int = 0):
 
 def _simulate_probe(curve: CostCurve, nodes: int | None, steps) -> tuple[float, float, float]:
     """Probe on ``steps``: a fixed tree of ``nodes`` nodes, or (None) ``bc=auto``
-    via :func:`tree_size`, a one-token step when nothing pays. A step commits
+    (the planner's cut: a node adds its probability and 2 slots, the root and
+    its mask 2 slots), a one-token step when nothing pays. A step commits
     2 tokens when the truth is among the tree's nodes, else 1, and takes
     ``curve(slots)`` time. Returns (tau, tokens per unit of time, mean BC)."""
     tokens = time = slots_sum = 0.0
     for node_p, truth in steps:
         if nodes is None:
-            n, rate = tree_size(curve, node_p, masks=1)
+            n, rate = best_prefix(curve, node_p, 2, base_slots=2)
             slots = 2 * (1 + n) if rate > 1.0 else 1
         else:
             n, slots = nodes, 2 * (1 + nodes)
@@ -154,18 +141,20 @@ def test_simulated_memory_bound_device_auto_trees_near_bc30():
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
     """Count cost-curve measurements (small sizes: a tiny model) in a fresh
-    $MLX_MTP_HOME."""
+    $MLX_MTP_HOME, with no curves kept in the process."""
     monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path))
     monkeypatch.delenv("MLX_MTP_COST_CURVE", raising=False)  # conftest pins one
+    costs.forget_device_curves()
     calls = []
-    real = budget.measure_cost_curve
+    real = costs.measure_cost_curve
 
     def measure(engine, sizes=(1, 2, 4), repeats=1, progress=False):
         calls.append(engine)
         return real(engine, sizes, repeats)
 
-    monkeypatch.setattr(budget, "measure_cost_curve", measure)
-    return calls
+    monkeypatch.setattr(costs, "measure_cost_curve", measure)
+    yield calls
+    costs.forget_device_curves()
 
 
 def _engine(model):
@@ -176,63 +165,97 @@ def _engine(model):
 
 def test_curve_cache_reused_per_model_device_dtype(counted, tmp_path):
     model = make_tiny_model("llama", seed=4)
-    first = cost_curves(_engine(model))
-    assert len(counted) == 2  # the current context and 1024 tokens more
-    path = curve_path(curve_key(_engine(model)), tmp_path)
-    data = json.loads(path.read_text())
-    assert data["key"]["dtype"] == "float32" and data["format"] == 2
-    assert [c["context"] for c in data["curves"]] == [12, 12 + budget.LONG_CONTEXT_EXTRA]
-    assert all(c["sizes"] == [1, 2, 4] for c in data["curves"])
     eng = _engine(model)
-    again = cost_curves(eng)  # read back
-    for a, b in zip(again.curves, first.curves):
-        assert a.costs == pytest.approx(b.costs, abs=1e-4) and a.context == b.context
-    assert len(counted) == 2 and eng.offset == 12 and eng.forward_passes == 0
+    first = device_curves(eng)
+    assert len(counted) == 1  # a short warm-up at the current context
+    assert eng.offset == 12 and eng.forward_passes == 0  # the cache is as it was
+    assert device_curves(_engine(model)) is first  # one per model in the process
+    path = curve_path(curve_key(eng), tmp_path)
+    data = json.loads(path.read_text())
+    assert data["key"]["dtype"] == "float32" and data["format"] == costs.CURVE_FORMAT
+    assert [c["context"] for c in data["curves"]] == [12]
+    assert data["curves"][0]["sizes"] == [1, 2, 4] and data["curves"][0]["seconds"] > 0
+    costs.forget_device_curves()  # a new process: read back, not measured
+    again = device_curves(_engine(model))
+    assert again.at(12).costs == pytest.approx(first.at(12).costs, abs=1e-4)
+    assert len(counted) == 1
     # another dtype, another model: measured again, not read
     model16 = make_tiny_model("llama", seed=4)
     model16.set_dtype(mx.float16)
-    cost_curve(_engine(model16))
-    cost_curve(_engine(make_tiny_model("llama", seed=5)))
-    assert len(counted) == 6
+    device_curves(_engine(model16))
+    device_curves(_engine(make_tiny_model("llama", seed=5)))
+    assert len(counted) == 3
     assert len(list(path.parent.glob("*.json"))) == 3
     assert not list(path.parent.glob(".tmp-*"))  # atomic writes leave nothing behind
     # a file of the older one-curve layout is measured again, not misread
     path.write_text(json.dumps({"format": 1, "key": data["key"], "curve": data["curves"][0]}))
-    cost_curve(_engine(model))
-    assert len(counted) == 8 and json.loads(path.read_text())["format"] == 2
+    costs.forget_device_curves()
+    device_curves(_engine(model))
+    assert len(counted) == 4 and json.loads(path.read_text())["format"] == costs.CURVE_FORMAT
 
 
 def test_corrupt_curve_cache_is_ignored_with_a_warning(counted, tmp_path):
     model = make_tiny_model("llama", seed=4)
-    cost_curve(_engine(model))
+    device_curves(_engine(model))
     path = curve_path(curve_key(_engine(model)), tmp_path)
-    path.write_text('{"format": 2, "key": ')  # half a file
+    path.write_text('{"format": 3, "key": ')  # half a file
+    costs.forget_device_curves()
     with pytest.warns(UserWarning, match="corrupt cost-curve cache"):
-        curve = cost_curve(_engine(model))
-    assert len(counted) == 4 and curve(1) == 1.0
+        curve = device_curves(_engine(model)).at(12)
+    assert len(counted) == 2 and curve(1) == 1.0
     assert json.loads(path.read_text())["curves"][0]["sizes"] == [1, 2, 4]  # rewritten
+    costs.forget_device_curves()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cost_curve(_engine(model))  # a good file again: no warning, no measuring
-    assert len(counted) == 4
+        device_curves(_engine(model))  # a good file again: no warning, no measuring
+    assert len(counted) == 2
 
 
-def test_long_context_curve_leaves_the_cache_as_it_was(counted, monkeypatch):
-    """The second curve is timed 1024 tokens further on; the cache, its
-    tokens, the statistics and the next logits are those of before."""
+def test_long_context_curve_leaves_the_cache_as_it_was(monkeypatch):
+    """The full measurement's second curve is timed 1024 tokens further on;
+    the cache, its tokens, the statistics and the next logits are those of
+    before."""
     model = make_tiny_model("llama", seed=6)
     eng, ref = _engine(model), _engine(model)
-    curves = cost_curves(eng)
-    assert [c.context for c in curves.curves] == [12, 12 + budget.LONG_CONTEXT_EXTRA]
+    curves = measure_cost_curves(eng, repeats=1)
+    assert [c.context for c in curves.curves] == [12, 12 + costs.LONG_CONTEXT_EXTRA]
     assert eng.offset == 12 and eng.cached == ref.cached and eng.forward_passes == 0
+    assert eng.last_prefill == ref.last_prefill
     a, _ = eng.forward_chain([7, 8])
     b, _ = ref.forward_chain([7, 8])
     assert mx.allclose(a, b, atol=1e-5)
     # a sliding-window cache cannot drop 1024 tokens: one curve only
-    monkeypatch.setenv("MLX_MTP_REMEASURE_COST", "1")
     win = Engine(model, max_kv_size=64)
     win.sync(list(range(3, 15)))
-    assert len(cost_curves(win).curves) == 1
+    assert len(measure_cost_curves(win, repeats=1).curves) == 1
+
+
+def test_live_curve_learns_from_the_passes_a_generation_runs(tmp_path, monkeypatch):
+    """One-slot passes set the one-slot time; an n-slot pass moves the
+    correction at the sizes around n towards measured / predicted; a pinned
+    curve never moves; what was learned is saved and read back."""
+    base = CostCurves([CostCurve([1, 8, 16], [1.0, 1.5, 2.0], context=0, seconds=0.1)])
+    key = {"model": "m", "device": "d", "dtype": "float32"}
+    live = LiveCurves(base, key)
+    assert live.at(0)(8) == pytest.approx(1.5) and live.t1 == 0.1
+    for _ in range(40):  # the device got slower at 8 slots: 0.3 s, i.e. c(8) = 3
+        live.observe(8, 0.3, context=0)
+    assert live.at(0)(8) == pytest.approx(3.0, rel=0.01)
+    assert live.at(0)(16) >= live.at(0)(8)  # never falls with more slots
+    for _ in range(40):  # and at one slot: 0.15 s per token, so c(8) = 2 again
+        live.observe(1, 0.15, context=0)
+    assert live.t1 == pytest.approx(0.15, rel=0.01)
+    k8, k16 = live.k[1], live.k[2]
+    live.observe(12, 0.6, context=0)  # between two sizes: both move
+    assert live.k[1] > k8 and live.k[2] > k16
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path))
+    live.save()
+    saved = costs.load_curve(key)
+    assert saved.at(0).costs == pytest.approx(live.at(0).costs, abs=1e-3)
+    assert saved.at(0).seconds == pytest.approx(live.t1)
+    pinned = LiveCurves(base, learn=False)
+    pinned.observe(8, 10.0, context=0)
+    assert pinned.at(0)(8) == pytest.approx(1.5)
 
 
 def test_curves_follow_the_context_length():
@@ -247,9 +270,6 @@ def test_curves_follow_the_context_length():
     assert cs.at(10**6)(16) == pytest.approx(min(1.6 + budget.MAX_EXTRAPOLATION * 0.4, 16))
     assert cs.at(10**6)(32) <= 32 and cs.at(10**6)(2) <= 2.0
     assert CostCurves([GPU_CURVE]).at(5000) is GPU_CURVE  # one curve: every context
-    b = Budget(short, curves=cs)
-    b.at(1152)
-    assert b.curve(32) == pytest.approx(3.2)
     with pytest.raises(ValueError):
         CostCurves([])
 
@@ -267,30 +287,31 @@ def test_auto_plans_with_the_curve_of_the_current_context():
     )
     plain = {}
     for name, prompt in (("short", text), ("long", list(range(3, 303)) + text)):
-        eng = Engine(model)
-        eng.curve = curves
+        ctx = Context(Engine(model), curves=curves)
         method = make_method("pld")
-        method.prepare(eng)
-        decode(eng, method, prompt, 24)
-        plain[name] = method.budget.plain_steps
+        method.prepare(ctx)
+        plain[name] = decode(ctx, method, prompt, 24)[1].plain_steps
     assert plain["short"] == 0 and plain["long"] > 0, plain
 
 
-def test_curve_set_on_the_engine_wins_and_measuring_leaves_the_cache(counted, monkeypatch):
-    eng = _engine(make_tiny_model("qwen3", seed=1))
-    eng.curve = GPU_CURVE
-    assert cost_curve(eng) is GPU_CURVE and not counted
+def test_curve_of_the_context_wins_then_the_pinned_one(counted, monkeypatch):
+    from mlx_mtp.testing import decode
+
+    model = make_tiny_model("qwen3", seed=1)
+    ctx = Context(_engine(model), curves=GPU_CURVE)
+    method = make_method("pld")
+    method.prepare(ctx)
+    decode(ctx, method, [5, 6, 7] * 5, 8)
+    assert not counted  # the context's curve: nothing measured
     monkeypatch.setenv("MLX_MTP_COST_CURVE", "1:1,8:1.5")
-    eng.curve = None
-    assert cost_curve(eng)(8) == 1.5 and not counted  # the pinned curve, not measured
+    assert device_curves(_engine(model)).at(0)(8) == 1.5 and not counted  # pinned
     monkeypatch.setenv("MLX_MTP_COST_CURVE", "2:1,8:x")
-    eng.curve = None
     with pytest.raises(InvalidArgumentError, match="MLX_MTP_COST_CURVE"):
-        cost_curve(eng)
+        device_curves(_engine(model))
     monkeypatch.delenv("MLX_MTP_COST_CURVE")
-    ref = _engine(make_tiny_model("qwen3", seed=1))
-    eng.curve = None
-    cost_curve(eng)
+    eng, ref = _engine(model), _engine(model)
+    device_curves(eng)
+    assert len(counted) == 1
     a, _ = eng.forward_chain([7, 8])
     b, _ = ref.forward_chain([7, 8])
     assert mx.array_equal(a, b)
@@ -321,18 +342,17 @@ def test_auto_defaults_are_exact_on_smollm(
     (large trees)."""
     from mlx_mtp.decoding import generate_steps
 
-    monkeypatch.setattr(budget, "MAX_PLAIN_STEPS", 5)  # many plain <-> draft switches
-    eng = Engine(smollm.model)
-    eng.curve = curve
+    monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)  # many plain <-> draft switches
+    ctx = Context(Engine(smollm.model), curves=curve)
     method = make_method(name)
-    method.prepare(eng)
+    method.prepare(ctx)
     prompt = short_spec_prompts[0]
-    out, drafted = [], 0
-    for step in generate_steps(eng, method, prompt, max_tokens=32):
+    out, stats = [], None
+    for step in generate_steps(ctx, method, prompt, max_tokens=32):
         out.extend(step.tokens)
-        drafted = step.stats.drafted
+        stats = step.stats
     assert out == greedy_reference(prompt, 32), (name, method.describe())
     if curve is GPU_CURVE:
-        assert drafted > 0  # the memory-bound device does draft
+        assert stats.drafted > 0  # the memory-bound device does draft
     else:
-        assert method.budget.plain_steps > 0 and method.budget.reprobes > 0
+        assert stats.plain_steps > 0 and stats.reprobes > 0

@@ -23,6 +23,7 @@ from mlx_mtp.clp_heads import (
     save_heads,
     span_labels,
 )
+from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import (
@@ -119,10 +120,10 @@ def test_method_options_and_missing_heads(tmp_path):
     model = make_tiny_model("llama", seed=3)
     assert find_heads(model, [tmp_path]) is None
     with pytest.raises(ModelNotFoundError, match="train clp"):
-        make_method("clp").prepare(Engine(model))
+        make_method("clp").prepare(Context(Engine(model)))
     _, folder = _tiny_heads(model, tmp_path)
     with pytest.raises(InvalidArgumentError, match="--k 3"):
-        make_method("clp", k=3, heads=str(folder)).prepare(Engine(model))
+        make_method("clp", k=3, heads=str(folder)).prepare(Context(Engine(model)))
 
 
 # ------------------------------------------------------------------- decoding
@@ -136,7 +137,7 @@ def test_verified_mode_exact_on_tiny_model(tmp_path, predictor):
         ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 24)
         m = make_method("clp", heads=str(folder), predictor=predictor)
         eng = Engine(model)
-        m.prepare(eng)
+        m.prepare(Context(eng))
         got, stats = _decode(eng, m, prompt, 24)
         assert got == ref
         if predictor == "all":
@@ -149,41 +150,30 @@ def test_auto_plain_mode_on_a_steep_curve_drafts_on_a_flat_one(tmp_path, monkeyp
     so clp runs one-token steps without the heads, re-probing periodically (a
     heads step, then a verified draft); on a memory-bound device it drafts
     every step. Exact vs ntp either way."""
-    from mlx_mtp import budget
+    from mlx_mtp import planner
     from mlx_mtp.budget import CostCurve
 
-    monkeypatch.setattr(budget, "MAX_PLAIN_STEPS", 5)  # several plain <-> draft switches
+    monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)  # several plain <-> draft switches
     model = make_tiny_model("llama", seed=0)
     _, folder = _tiny_heads(model, tmp_path)
     prompt = list(range(10, 22))
     ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 40)
     m = make_method("clp", heads=str(folder), predictor="all")
-    eng = Engine(model)
-    eng.curve = CostCurve.linear(1.0) if device == "steep" else CostCurve.flat(16, 0.003)
-    m.prepare(eng)
-    heads_runs = []
+    curve = CostCurve.linear(1.0) if device == "steep" else CostCurve.flat(16, 0.003)
+    ctx = Context(Engine(model), curves=curve)
+    m.prepare(ctx)
+    heads_runs = []  # steps that ran a pass through the shared stage (the heads ride on it)
     real = m._heads
     monkeypatch.setattr(m, "_heads", lambda *a: heads_runs.append(1) or real(*a))
-    verified = []  # steps that ran a pass through the shared stage (not one-token steps)
-    propose = m.propose
-
-    def counted_propose(*a):
-        d = propose(*a)
-        if d is not None:
-            verified.append(1)
-        return d
-
-    monkeypatch.setattr(m, "propose", counted_propose)
-    got, stats = _decode(eng, m, prompt, 40)
+    got, stats = _decode(ctx, m, prompt, 40)
     assert got == ref
-    b = m.budget
     if device == "steep":
-        assert b.plain_steps > 0 and b.reprobes > 1
-        assert len(heads_runs) == len(verified)  # no heads in plain mode
-        assert len(verified) <= 2 * b.reprobes + 1  # each re-probe: a heads step + a check
-        assert 0 < stats.drafted <= 2 * b.reprobes + 2  # re-probes: a few drafts each
+        assert stats.plain_steps > 0 and stats.reprobes > 1
+        assert len(heads_runs) + stats.plain_steps == stats.steps  # no heads in plain mode
+        assert len(heads_runs) <= 2 * stats.reprobes + 1  # a re-probe: a heads step + a check
+        assert 0 < stats.drafted <= 2 * stats.reprobes + 2  # re-probes: a few drafts each
     else:
-        assert b.plain_steps == 0 and len(heads_runs) == stats.steps
+        assert stats.plain_steps == 0 and len(heads_runs) == stats.steps
         assert stats.drafted >= 2 * (stats.steps - 1)  # both heads' drafts every step
 
 
@@ -194,7 +184,7 @@ def test_paper_mode_commits_backbone_token_first_and_keeps_cache_consistent(tmp_
     ref, _ = _decode(Engine(model), make_method("ntp"), prompt, 16)
     m = make_method("clp", heads=str(folder), mode="paper", predictor="all")
     eng = Engine(model)
-    m.prepare(eng)
+    m.prepare(Context(eng))
     got, stats = _decode(eng, m, prompt, 16)
     assert len(got) == 16 and got[0] == ref[0]  # the backbone always writes n+1
     assert stats.tau > 1.5  # predictor=all keeps both head tokens
@@ -221,7 +211,7 @@ def test_verified_exact_vs_ntp_smollm_30x64(smollm, spec_prompts):
 def _exact_vs_ntp(smollm, prompts, n):
     method = make_method("clp")  # shipped heads, found by fingerprint
     eng = Engine(smollm.model)  # one engine: the clp run reuses the ntp run's prompt cache
-    method.prepare(eng)
+    method.prepare(Context(eng))
     assert method.heads_folder == SHIPPED
     accepted = 0
     eos = {smollm.tokenizer.eos_token_id}
@@ -240,7 +230,7 @@ def _exact_vs_ntp(smollm, prompts, n):
 def test_shipped_heads_paper_mode(smollm, spec_prompts):
     method = make_method("clp", mode="paper")
     eng = Engine(smollm.model)
-    method.prepare(eng)
+    method.prepare(Context(eng))
     assert method.predictor_params() == 1731
     got = []
     for s in generate_steps(eng, method, spec_prompts[0], max_tokens=24):

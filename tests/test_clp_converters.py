@@ -12,8 +12,8 @@ import pytest
 from mlx_mtp.converters.clp_heads import HeadConversionError, convert, detect
 
 from mlx_mtp.clp_heads import CLPHeads, base_config, load_heads, save_heads
-from mlx_mtp.engine import model_parts
 from mlx_mtp.errors import CheckpointMismatchError
+from mlx_mtp.families import model_parts
 from mlx_mtp.testing import make_tiny_model
 
 D, V = 64, 256

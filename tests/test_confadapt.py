@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError, MTPError
@@ -44,15 +45,14 @@ def _engine(tmp_path, family="llama", eos=(), seed=0, with_meta=True):
     if with_meta:
         meta = {"mask_token_id": MASK_ID, "eos_token_ids": list(eos), "prompt_format": "chat"}
         (tmp_path / "mtp_config.json").write_text(json.dumps(meta))
-    engine = Engine(model)
-    engine.loaded = SimpleNamespace(path=tmp_path, tokenizer=_Tok(eos), name="tiny")
-    return engine
+    loaded = SimpleNamespace(path=tmp_path, tokenizer=_Tok(eos), name="tiny")
+    return Context(Engine(model), loaded)
 
 
-def _run(engine, method, prompt=PROMPT, max_tokens=24, eos=frozenset()):
-    method.prepare(engine)
+def _run(ctx, method, prompt=PROMPT, max_tokens=24, eos=frozenset()):
+    method.prepare(ctx)
     toks, last = [], None
-    for step in generate_steps(engine, method, prompt, max_tokens=max_tokens, eos_ids=eos):
+    for step in generate_steps(ctx, method, prompt, max_tokens=max_tokens, eos_ids=eos):
         toks += step.tokens
         last = step
     return toks, last.stats, last.finish_reason
@@ -91,8 +91,9 @@ def test_tau_above_one_equals_greedy(tmp_path, family):
 
 def test_all_confident_emits_k_per_step_and_refeeds(tmp_path):
     k, n = 5, 23
-    engine = _engine(tmp_path)
-    toks, stats, finish = _run(engine, ConfAdapt(k=k, tau=0.0), max_tokens=n)
+    ctx = _engine(tmp_path)
+    toks, stats, finish = _run(ctx, ConfAdapt(k=k, tau=0.0), max_tokens=n)
+    engine = ctx.engine
     assert finish == "length" and len(toks) == n
     assert stats.accept_lengths[:-1] == [k] * (len(stats.accept_lengths) - 1)
     assert stats.forward_passes == -(-n // k)
@@ -111,12 +112,16 @@ def test_all_confident_emits_k_per_step_and_refeeds(tmp_path):
 def test_step_feeds_pending_tokens_then_masks(tmp_path):
     """Each step processes n + k - 1 tokens: the n tokens emitted last step
     (n - 1 re-fed plus the root) and k - 1 masks; only the real ones stay cached."""
+    from mlx_mtp.planner import Planner
+
     k = 4
-    engine = _engine(tmp_path)
+    ctx = _engine(tmp_path)
+    engine = ctx.engine
     method = ConfAdapt(k=k, tau=0.0)
-    method.prepare(engine)
+    method.prepare(ctx)
     engine.sync(PROMPT[:-1])
-    method.begin(engine, PROMPT, None)
+    planner = Planner(ctx, method, None)
+    method.begin(ctx, PROMPT, None)
     seen = []
     orig = engine.forward_chain
 
@@ -125,10 +130,10 @@ def test_step_feeds_pending_tokens_then_masks(tmp_path):
         return orig(tokens, hidden)
 
     engine.forward_chain = spy
-    out1 = method.step(engine, PROMPT[-1])
+    out1 = planner.step(PROMPT[-1])
     assert seen[0] == [PROMPT[-1]] + [MASK_ID] * (k - 1)
     assert engine.cached == PROMPT
-    out2 = method.step(engine, out1.tokens[-1])
+    out2 = planner.step(out1.tokens[-1])
     assert seen[1] == out1.tokens + [MASK_ID] * (k - 1)
     assert engine.cached == PROMPT + out1.tokens
     assert len(out2.tokens) == k
@@ -139,8 +144,9 @@ def test_eos_inside_a_block(tmp_path):
     toks, _, _ = _run(_engine(tmp_path), ConfAdapt(k=k, tau=0.0), max_tokens=k)
     pos = next(i for i in range(1, k) if toks[i] not in toks[:i])
     eos = toks[pos]
-    engine = _engine(tmp_path, eos=[eos])
-    got, stats, finish = _run(engine, ConfAdapt(k=k, tau=0.0), max_tokens=50, eos={eos})
+    ctx = _engine(tmp_path, eos=[eos])
+    got, stats, finish = _run(ctx, ConfAdapt(k=k, tau=0.0), max_tokens=50, eos={eos})
+    engine = ctx.engine
     assert got == toks[: pos + 1]
     assert finish == "stop"
     assert stats.generated_tokens == pos + 1
@@ -160,9 +166,9 @@ def test_multi_turn_reuses_cache(tmp_path):
 
 
 def test_no_mask_token_is_refused(tmp_path):
-    engine = _engine(tmp_path, with_meta=False)
+    ctx = _engine(tmp_path, with_meta=False)
     with pytest.raises(MissingMaskTokenError, match="mlx-mtp train mtp"):
-        ConfAdapt().prepare(engine)
+        ConfAdapt().prepare(ctx)
 
 
 @pytest.mark.parametrize(
@@ -194,9 +200,8 @@ def test_shipped_adapter_for_embedded_model(smollm):
 
     assert find_adapter(model_fingerprint(smollm.model)) is None
     engine = Engine(smollm.model)
-    engine.loaded = smollm
     with pytest.raises(MTPError, match="train mtp"):
-        ConfAdapt().prepare(engine)
+        ConfAdapt().prepare(Context(engine, smollm))
     shipped = SHIPPED_ADAPTERS / "smollm2-135m-gsm8k"
     assert read_adapter_config(shipped)["lora"]["gated"] is True
     before = mx.array(smollm.model.model.layers[0].self_attn.q_proj.weight)
@@ -206,11 +211,11 @@ def test_shipped_adapter_for_embedded_model(smollm):
         prompt = smollm.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True
         )
-        engine = Engine(smollm.model)
-        engine.loaded = smollm
-        method.prepare(engine)
+        ctx = Context(Engine(smollm.model), smollm)
+        method.prepare(ctx)
+        engine = ctx.engine
         toks, st = [], None
-        for s in generate_steps(engine, method, prompt, max_tokens=n, eos_ids=eos):
+        for s in generate_steps(ctx, method, prompt, max_tokens=n, eos_ids=eos):
             toks += s.tokens
             st = s.stats
         return toks, st, engine

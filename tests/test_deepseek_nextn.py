@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 
 from mlx_mtp.budget import CostCurve
-from mlx_mtp.engine import Engine, check_cache_support
+from mlx_mtp.context import Context
+from mlx_mtp.engine import Engine
 from mlx_mtp.errors import ModelLoadError
+from mlx_mtp.families import check_cache_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.native_mtp import NextNLayer, find_nextn_tensors, has_native_mtp, load_native_mtp
 from mlx_mtp.testing import assert_one_pass_equals_steps, decode, write_tiny_deepseek
@@ -38,17 +40,15 @@ def deepseek(tmp_path_factory):
 
 
 def _engine(deepseek, curve=None):
+    """A context: the tiny deepseek model's engine, its folder, the curve."""
     model, loaded = deepseek
-    e = Engine(model)
-    e.loaded = loaded
-    e.curve = curve
-    return e
+    return Context(Engine(model), loaded, curves=curve)
 
 
-def _method(engine, name, **opts):
+def _method(ctx, name, **opts):
     m = make_method(name, **opts)
-    check_cache_support(engine, m)
-    m.prepare(engine)
+    check_cache_support(ctx.engine, m)
+    m.prepare(ctx)
     return m
 
 
@@ -146,7 +146,7 @@ def _mtp_sweep(deepseek, prompts, n):
         assert out == ref and stats.drafted > 0
         out, stats = _generate(engine, hyb, prompt, n)
         assert out == ref and stats.drafted > 0
-    assert hyb.stats.tried.get(("mtp", 1), 0) > 0
+    assert engine.planner.acceptance.source("mtp").tried[1] > 0
 
 
 def test_mtp_and_hybrid_with_nextn_equal_ntp(deepseek):
@@ -163,9 +163,9 @@ def test_mtp_and_hybrid_with_nextn_equal_ntp_sweep(deepseek):
 def test_cost_curve_of_a_model_without_input_embeddings(deepseek):
     """deepseek_v3 takes no input embeddings: its curve is timed with chain
     passes (what mtp and pld verify with), and the cache is left as it was."""
-    from mlx_mtp.budget import measure_cost_curve
+    from mlx_mtp.costs import measure_cost_curve
 
-    engine = _engine(deepseek)
+    engine = _engine(deepseek).engine
     engine.sync([5, 77, 140])
     curve = measure_cost_curve(engine, sizes=(1, 2, 4), repeats=1)
     assert curve.sizes == [1, 2, 4] and engine.cached == [5, 77, 140]
@@ -175,7 +175,7 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
     """depth=auto in plain mode (pipelined one-token steps on this attention
     model) still feeds the layer every committed position: the re-probes'
     drafts equal those of a fixed depth-2 run at the same positions."""
-    from mlx_mtp.methods.mtp import NativeDrafter
+    from mlx_mtp.sources.native import NativeDrafter
 
     seen: dict[str, dict[int, list[int]]] = {}
     real = NativeDrafter.draft
@@ -192,7 +192,7 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
     auto = _method(engine, "mtp", draft_cost=5)
     auto.drafter.tag = "auto"
     out, stats = _generate(engine, auto, prompt, 14)
-    assert auto.budget.plain_steps >= 8 and auto.budget.reprobes >= 2
+    assert stats.plain_steps >= 8 and stats.reprobes >= 2
     engine = _engine(deepseek)  # a fresh cache: the fixed run prefills the prompt too
     fixed = _method(engine, "mtp", depth=2)
     fixed.drafter.tag = "fixed"

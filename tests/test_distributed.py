@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mlx_mtp import distributed
+from mlx_mtp.context import Context
 from mlx_mtp.errors import MTPError, UnsupportedModelError
 from mlx_mtp.testing import make_tiny_model
 
@@ -230,9 +231,9 @@ def test_confadapt_refuses_an_unsharded_adapter_on_a_sharded_model():
     distributed.shard_model(model, Group(), pipeline=True)
     engine = Engine(model)
     with pytest.raises(UnsupportedModelError, match="sharded .*pipeline.*not sharded"):
-        ConfAdapt(adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k").prepare(engine)
+        ConfAdapt(adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k").prepare(Context(engine))
     with pytest.raises(UnsupportedModelError, match="on-device adapter"):
-        ConfAdapt().prepare(engine)
+        ConfAdapt().prepare(Context(engine))
 
 
 def test_cli_generate_prints_on_rank0_only(tmp_path):

@@ -7,17 +7,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.errors import InvalidArgumentError
-from mlx_mtp.methods.hybrid import (
-    AcceptanceStats,
+from mlx_mtp.acceptance import Acceptance
+from mlx_mtp.allocate import (
     Allocation,
+    Allocator,
+    CandidateChildren,
     Child,
-    Hybrid,
     allocate,
     combine,
     merge_chains,
-    merged_children,
 )
+from mlx_mtp.context import Context
+from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.methods.hybrid import Hybrid
 
 
 # ------------------------------------------------------------------ merging
@@ -49,7 +51,7 @@ def test_merge_chains_shares_prefixes_and_merges_sources():
     assert below5[8].q == pytest.approx(0.9)
     # the chains diverge after 5, 6
     assert set(trie[(5, 6)]) == {7, 9}
-    assert trie[(5, 6)][7].sources == [("pld", 3, 0.8)]
+    assert trie[(5, 6)][7].sources == [("pld", 3, 1.0)]  # (source, depth, raw score)
 
 
 def test_merged_children_adds_probe_levels_prunes_parent_token():
@@ -58,7 +60,8 @@ def test_merged_children_adds_probe_levels_prunes_parent_token():
         (np.array([5, 3, 1]), np.array([0.4, 0.3, 0.1])),
         (np.array([6, 5, 2]), np.array([0.5, 0.2, 0.1])),
     ]
-    kids = merged_children((), 1, trie, levels, probe_scale=[1.0, 0.5])
+    children = CandidateChildren(trie, levels, [1.0, 0.5])
+    kids = children((), 1)
     by = {c.token: c for c in kids}
     assert 1 not in by  # the root's own token is pruned (ESP)
     assert by[5].q == pytest.approx(1 - 0.5 * 0.6)  # pld + probe merged
@@ -66,11 +69,11 @@ def test_merged_children_adds_probe_levels_prunes_parent_token():
     assert by[3].q == pytest.approx(0.3)
     assert [c.token for c in kids] == sorted(by, key=lambda t: -by[t].q)
     # depth 2 under node 5: scale 0.5 applies; token 5 pruned under parent 5
-    kids2 = {c.token: c for c in merged_children((5,), 5, trie, levels, [1.0, 0.5])}
+    kids2 = {c.token: c for c in children((5,), 5)}
     assert set(kids2) == {6, 2}
     assert kids2[6].q == pytest.approx(1 - 0.5 * (1 - 0.25))
     # no probe level at depth 3
-    assert merged_children((5, 6), 6, trie, levels) == []
+    assert CandidateChildren(trie, levels)((5, 6), 6) == []
 
 
 # --------------------------------------------------------------- allocation
@@ -141,18 +144,6 @@ def test_allocate_best_first_parents_first_within_budget():
     assert a.slots(0) == 7
 
 
-def test_allocate_with_slot_cost_stops_when_a_slot_is_not_worth_it():
-    table = {(): [(10, 0.9), (20, 0.3)], (10,): [(11, 0.9), (12, 0.05)], (10, 11): [(13, 0.5)]}
-    # path values .9, .81, .405, .3, .045; cost 0.2: R after 10, 11 = 2.71/1.4 = 1.94,
-    # 13 needs .405 > 0.2 * 1.94 = .39: taken; R = 3.115/1.6 = 1.95, 20 needs .3 > .39: stop
-    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=0.2)
-    assert a.tokens == [10, 11, 13]
-    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=2.0)
-    assert a.tokens == []  # a slot costs two forwards: nothing pays for itself
-    a = allocate(_fixed_children(table), 1, budget=100, masks=0, mask_gain=0.0, slot_cost=0.0)
-    assert len(a.tokens) == 5
-
-
 def _random_tree(rng, fanout=4, depth=6):
     table, frontier, tok = {}, [()], 100
     while frontier:
@@ -175,7 +166,8 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     """bc=auto's early stop (PrefixBound) allocates fewer items but cuts at the
     same prefix as best_prefix over a full allocation: CPU-like, flat (GPU-like)
     and linear curves, masks on and off, calibration above and below 1."""
-    from mlx_mtp.budget import CostCurve, PrefixBound, best_prefix
+    from mlx_mtp.budget import CostCurve, best_prefix
+    from mlx_mtp.planner import Offer, cut_offer
 
     rng = np.random.default_rng(seed)
     table = _random_tree(rng)
@@ -200,29 +192,35 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     assert [(m, sl) for m, _, sl, _ in ref] == [(m, sl) for m, _, sl in full.order]
     assert [v for _, v, _, _ in ref] == pytest.approx([v for _, v, _ in full.order])
     assert [t for m, _, _, t in ref if not m] == full.tokens
-    bound = PrefixBound(curve, budget)
-    short = allocate(children, 1, budget, masks, gain, 0.0, bound, cal, 2)
+    allocator = Allocator(children, 1, budget, masks, gain)
+    offer = Offer(allocator, None, max_slots=budget, remaining=allocator.remaining)
+    _, n, rate = cut_offer(curve, offer, cal)  # what the planner cuts
+    short = allocator.alloc
     assert short.order == full.order[: len(short.order)]  # the same items, fewer
     assert len(short.order) >= min(2, len(full.order))
     n_full, r_full = cut(full)
     n_short, r_short = cut(short)
     assert (n_short, r_short) == (n_full, r_full)
-    assert (bound.best_n, bound.best) == (n_full, r_full)  # what propose() reads
+    assert (n, rate) == (n_full, r_full)
 
 
 def test_allocation_bound_stops_early_on_a_rising_curve():
-    from mlx_mtp.budget import CostCurve, PrefixBound, best_prefix
+    from mlx_mtp.budget import CostCurve
+    from mlx_mtp.planner import Offer, cut_offer
 
     # a 63-node chain of q = 0.6 on this CPU's curve: only the first few pay
     table = {tuple(range(100, 100 + d)): [(100 + d, 0.6)] for d in range(63)}
-    curve = CostCurve([1, 2, 4, 8, 16, 32, 64], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97, 5.0])
-    a = allocate(_fixed_children(table), 1, 64, 0, 0.0, 0.0, PrefixBound(curve, 64), 1.0, 2)
-    n, _ = best_prefix(curve, [v for _, v, _ in a.order], 1)
-    assert 1 <= n <= 5 and len(a.order) < 10
+
+    def taken(curve):
+        allocator = Allocator(_fixed_children(table), 1, 64, 0, 0.0)
+        offer = Offer(allocator, None, max_slots=64, remaining=allocator.remaining)
+        items, n, _ = cut_offer(curve, offer, 1.0)
+        return len(items), n
+
+    items, n = taken(CostCurve([1, 2, 4, 8, 16, 32, 64], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97, 5.0]))
+    assert 1 <= n <= 5 and items < 10
     # on a flat (memory-bound) curve the same chain is taken much further
-    flat = CostCurve.flat(16, 0.01)
-    a = allocate(_fixed_children(table), 1, 64, 0, 0.0, 0.0, PrefixBound(flat, 64), 1.0, 2)
-    assert len(a.order) >= 15
+    assert taken(CostCurve.flat(16, 0.01))[0] >= 15
 
 
 def test_allocate_attaches_masks_where_the_path_likely_ends():
@@ -250,7 +248,7 @@ def test_chain_depth_floor_and_per_depth_estimates():
     # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: nine nodes are offered
     assert CHAIN_FLOOR == 1e-3 and _worth([0.5] * 40) == 9
     assert _worth([0.99] * 40) == 40 and _worth([]) == 0 and _worth([1e-4, 1.0]) == 0
-    st = AcceptanceStats()
+    st = Acceptance(Hybrid.ACCEPTANCE)
     st.record([("pld", MAX_STAT_DEPTH, 1.0)], True)
     qs = st.qs("pld", MAX_STAT_DEPTH + 3)
     assert qs == [st.q("pld", d) for d in range(1, MAX_STAT_DEPTH + 4)]
@@ -258,31 +256,31 @@ def test_chain_depth_floor_and_per_depth_estimates():
 
 
 def test_acceptance_stats_learn_online():
-    s = AcceptanceStats()
+    s = Acceptance(Hybrid.ACCEPTANCE)
     q0 = s.q("pld", 1)
     for _ in range(20):
-        s.record([("pld", 1, 0.5)], accepted=True)
+        s.record([("pld", 1, 1.0)], accepted=True)
     assert s.q("pld", 1) > q0 + 0.3
     for _ in range(20):
-        s.record([("pool", 2, 0.5)], accepted=False)
+        s.record([("pool", 2, 1.0)], accepted=False)
     assert s.q("pool", 2) < 0.1
     # probe calibration: accepted / sum of mask probabilities
-    assert s.probe_scale(1) == pytest.approx(1.0)
+    assert s.q("probe", 1) == pytest.approx(1.0)
     for _ in range(40):
         s.record([("probe", 1, 0.1)], accepted=True)
-    assert s.probe_scale(1) > 5
-    g0 = s.gain
+    assert s.q("probe", 1) > 5
+    g0 = s.gain("probe")
     for _ in range(10):
-        s.record_gain(0)
-    assert s.gain < g0
+        s.record_gain("probe", 0)
+    assert s.gain("probe") < g0
     # bc=auto's check of the sum: accepted per predicted token, recent steps first
-    assert s.calibration == pytest.approx(1.0)
+    assert s.factor == pytest.approx(1.0)
     for _ in range(30):
-        s.record_step(0.4, 0)  # hopeful estimates, nothing accepted
-    assert s.calibration < 0.3
+        s.calibration.record(0.4, 0)  # hopeful estimates, nothing accepted
+    assert s.factor < 0.3
     for _ in range(30):
-        s.record_step(0.4, 1)  # the text turned repetitive: more than predicted
-    assert s.calibration == pytest.approx(1.5)  # capped
+        s.calibration.record(0.4, 1)  # the text turned repetitive: more than predicted
+    assert s.factor == pytest.approx(1.5)  # capped
 
 
 def test_options():
@@ -315,7 +313,7 @@ def test_hybrid_tiny_model_exact_and_drafting(family):
     for name, kw in [("ntp", {}), ("hybrid", {"bc": 10}), ("hybrid", {"bc": 30, "masks": 2})]:
         e = Engine(m)
         meth = make_method(name, **kw)
-        meth.prepare(e)
+        meth.prepare(Context(e))
         toks = []
         for s in generate_steps(e, meth, prompt, max_tokens=40):
             toks.extend(s.tokens)
@@ -340,7 +338,7 @@ def _greedy_runs(smollm, prompts, max_tokens, methods):
     for p in prompts:
         engine = Engine(smollm.model)
         for name, m in made.items():
-            m.prepare(engine)
+            m.prepare(Context(engine))
             toks, last = [], None
             for step in generate_steps(engine, m, p, max_tokens=max_tokens, eos_ids=eos):
                 toks.extend(step.tokens)
@@ -393,9 +391,12 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, shor
     seen = {"first": 0, "other": 0}
     observe = meth.observe
 
-    def checked(engine, draft, verified):
-        observe(engine, draft, verified)
-        r0 = draft.info[2].get(verified.deepest)
+    def checked(ctx, draft, verified):
+        observe(ctx, draft, verified)
+        if draft is None:
+            return
+        engine = ctx.engine
+        r0 = draft.info[1].get(verified.deepest)
         if r0 is None:
             return
         assert draft.logit_rows == draft.n_verify + 2  # token slots + the first mask set
@@ -410,7 +411,7 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, shor
     meth.observe = checked
     for prompt in short_spec_prompts[:3]:
         e = Engine(smollm.model)
-        meth.prepare(e)
+        meth.prepare(Context(e))
         for _ in generate_steps(e, meth, prompt, max_tokens=32):
             pass
     assert seen["first"] > 0 and seen["other"] > 0, seen

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_mtp.context import Context
 from mlx_mtp.errors import CheckpointMismatchError, InvalidArgumentError
 from mlx_mtp.learned_masks import (
     ASSETS_DIR,
@@ -72,11 +73,12 @@ def test_probe_with_learned_masks_for_other_model_is_refused(home, tmp_path):
     (dst / "w.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes())
     for name in ("probe", "hybrid"):
         with pytest.raises(CheckpointMismatchError):
-            make_method(name, mask_init="learned").prepare(Engine(b))
+            make_method(name, mask_init="learned").prepare(Context(Engine(b)))
 
 
 def test_training_forward_matches_tree_forward():
-    from mlx_mtp.engine import Engine, check_tree_support
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.families import check_tree_support
     from mlx_mtp.training.masks import mask_logits, prefix_kv
 
     m = make_tiny_model("llama", seed=0)

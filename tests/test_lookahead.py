@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 from conftest import chi2_same, sample_runs, sampling_case
 
+from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
-from mlx_mtp.methods.lookahead import Lookahead, NGramPool, build_trie, lookahead_parents
+from mlx_mtp.methods.lookahead import Lookahead, lookahead_parents
 from mlx_mtp.methods.ntp import NTP
+from mlx_mtp.sources.pool import NGramPool, build_trie
 from mlx_mtp.testing import make_tiny_model
 
 
 def _generate(engine: Engine, method, prompt: list[int], n: int) -> tuple[list[int], object]:
-    method.prepare(engine)
+    method.prepare(Context(engine))
     engine.reset()
     out, stats = [], None
     for step in generate_steps(engine, method, list(prompt), max_tokens=n):
@@ -66,7 +68,7 @@ def test_lookahead_branch_is_lade_attention():
     root, level0[0..j], level1[j], ..., level_l[j] (LADE Fig. 2b)."""
     model = make_tiny_model("llama", seed=3)
     engine = Engine(model)
-    Lookahead().prepare(engine)
+    Lookahead().prepare(Context(engine))
     prompt = [5, 17, 42, 9, 100, 7]
     levels, window = 3, 4
     rng = np.random.default_rng(0)
@@ -149,8 +151,8 @@ class _SeededPool(Lookahead):
     (key, first token) pair of a 32-token vocabulary, so the verification tree
     is used at every step (depth 1 always accepted, depth 2 sometimes)."""
 
-    def begin(self, engine, prompt, sampler):
-        super().begin(engine, prompt, sampler)
+    def begin(self, ctx, prompt, sampler):
+        super().begin(ctx, prompt, sampler)
         for key in range(32):
             for t in range(32):
                 self.pool.add(key, (t, (7 * t + key) % 32))

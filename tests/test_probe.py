@@ -12,19 +12,19 @@ from conftest import chi2_same, run_method, sample_runs, sampling_case
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_mtp.budget import CostCurve
-from mlx_mtp.engine import Engine, ancestors, check_tree_support
+from mlx_mtp.context import Context
+from mlx_mtp.engine import Engine, ancestors
 from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
+from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
-from mlx_mtp.methods.pld import lookup_candidates
+from mlx_mtp.sources.lookup import lookup_candidates
 from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.tree import (
     block_complexity,
     build_tree,
-    cost_aware_prefix,
     heavy_path_order,
     reorder_tree,
-    worth_adding,
 )
 from mlx_mtp.verify import walk_tree
 
@@ -174,48 +174,19 @@ def test_bad_options():
 
 
 # ------------------------------------------------------------------ bc=auto
-def test_cost_aware_prefix_keeps_nodes_that_raise_tokens_per_time():
-    # rate R = (1 + value) / (1 + cost * slots); keep an item iff value/slots > cost * R
-    assert worth_adding(0.5, 2, 0.1, 0.0, 0)  # 0.25 > 0.1 * 1
-    assert not worth_adding(0.15, 2, 0.1, 0.0, 0)  # 0.075 < 0.1
-    probs = [0.9, 0.5, 0.3, 0.05]
-    # node 1: 0.45 > 0.1 * 1/1.1; node 2: 0.25 > 0.1 * 1.9/1.3; node 3: 0.15 < 0.1 * 2.4/1.5
-    assert cost_aware_prefix(probs, slots_per_node=2, base_slots=1, slot_cost=0.1) == 2
-    assert cost_aware_prefix(probs, 2, 1, slot_cost=0.0) == 4  # free slots: take everything
-    assert cost_aware_prefix(probs, 2, 1, slot_cost=1.0) == 0  # a slot costs a forward
-    # a calibration scale below 1 (masks over-confident) keeps fewer nodes
-    assert cost_aware_prefix(probs, 2, 1, 0.05, scale=1.0) == 3  # 0.05 < 0.05 * 2.7/1.35 * 2
-    assert cost_aware_prefix(probs, 2, 1, 0.05, scale=0.3) == 2
-
-
-def test_slot_cost_leaves_the_cache_exactly_as_it_was():
-    model = make_tiny_model("llama", seed=3)
-    eng, ref = Engine(model), Engine(model)
-    prompt = list(range(5, 25))
-    eng.sync(prompt)
-    ref.sync(prompt)
-    cost = eng.slot_cost(n=16)
-    assert cost >= 0.0 and eng.slot_cost(n=16) == cost  # timed once, then remembered
-    assert eng.offset == len(prompt) and eng.forward_passes == 0 and eng.forward_slots == 0
-    a, _ = eng.forward_chain([7, 8, 9])
-    b, _ = ref.forward_chain([7, 8, 9])
-    assert mx.array_equal(a, b)
-
-
 @pytest.mark.parametrize("name", ["probe", "hybrid"])
 @pytest.mark.parametrize("cost", [0.0, 0.05, 5.0])
 def test_bc_auto_is_exact_and_sizes_the_tree_by_cost(name, cost):
     model = make_tiny_model("qwen3", seed=2)
     prompt = [9, 8, 7, 9, 8, 7, 9, 8, 7, 1, 2, 3, 1, 2]
     ref = run_method(Engine(model), NTP(), prompt, 40)
-    eng = Engine(model)
-    eng.curve = CostCurve.linear(cost)  # a device whose slots cost this much (no timing)
+    ctx = Context(Engine(model), curves=CostCurve.linear(cost))  # slots cost this much
     from mlx_mtp.decoding import generate_steps
 
     method = make_method(name, bc="auto", max_bc=24)
-    method.prepare(eng)
+    method.prepare(ctx)
     out, stats = [], None
-    for step in generate_steps(eng, method, prompt, max_tokens=40):
+    for step in generate_steps(ctx, method, prompt, max_tokens=40):
         out.extend(step.tokens)
         stats = step.stats
     assert out == ref
@@ -267,26 +238,26 @@ def test_forward_tree_without_waiting_gives_the_same_logits_and_counts_device_ti
     assert eng.forward_seconds == 0.0  # not waited for yet
     top = mx.argmax(logits, axis=-1)  # built while the pass runs
     eng.timed_eval(top)
-    assert eng.forward_seconds > 0.0 and eng._pending is None
+    assert eng.forward_seconds > 0.0 and eng.clock.pending is None
     assert logits.shape[0] == 2 and h.shape[0] == 4
     assert mx.array_equal(logits, ref[:2]).item()
     # a pass never waited for is settled by the next cache operation
     eng.forward_tree(eng.embed_tokens([5]), np.array([-1]), [5], wait=False)
     before = eng.forward_seconds
     eng.keep(eng.offset - 1, [0])
-    assert eng._pending is None and eng.forward_seconds > before
+    assert eng.clock.pending is None and eng.forward_seconds > before
 
 
 def test_mask_update_in_closed_form_equals_one_update_per_token():
     model = make_tiny_model("llama", seed=1)
     eng = Engine(model)
     probe = make_method("probe", bc=10, masks=2)
-    probe.prepare(eng)
+    probe.prepare(Context(eng))
     for n in (1, 2, 5):
-        probe.begin(eng, [3, 17, 42, 8], None)
+        probe.begin(Context(eng), [3, 17, 42, 8], None)
         m = probe.mask_embedding
         committed = [7, 9, 11, 13, 15][:n]
-        probe._update_mask(eng, committed)
+        probe.vectors.update(eng, committed)
         e = eng.embed_tokens(committed)
         for i in range(n):  # ESP §3.1: m <- m + lam (e - m), once per committed token
             m = m + 0.1 * (e[i] - m)
@@ -398,7 +369,7 @@ def test_rotating_cache_fails_closed_after_wrap():
     from mlx_mtp.decoding import generate_steps
 
     method = make_method("probe", bc=10)
-    method.prepare(eng)
+    method.prepare(Context(eng))
     with pytest.raises(CacheNotTrimmableError, match="cannot drop rejected draft tokens"):
         for step in generate_steps(eng, method, prompt, max_tokens=60):
             got.extend(step.tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import run_method
 
+from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
@@ -124,7 +125,7 @@ def _run(engine, method, prompt, n) -> tuple[list[int], int]:
     """(tokens, accepted draft tokens) of ``method`` on ``prompt``."""
     from mlx_mtp.decoding import generate_steps
 
-    method.prepare(engine)
+    method.prepare(Context(engine))
     out: list[int] = []
     step = None
     for step in generate_steps(engine, method, list(prompt), max_tokens=n, eos_ids=set()):

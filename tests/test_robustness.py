@@ -100,7 +100,7 @@ def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
     outs, slots = [], []
     for cost in (0.0, 0.4):
         m = MTPModel(smollm, make_method(method, bc="auto", max_bc=24))
-        m.engine.curve = CostCurve.linear(cost)  # what the cost curve would have timed
+        m.ctx.curves = CostCurve.linear(cost)  # what the cost curve would have timed
         r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
         outs.append(r.tokens)
         slots.append(r.stats.slots_per_forward)

@@ -1,5 +1,6 @@
-"""The shared verification stage (mlx_mtp.speculative) with a method written
-only against propose/observe, the engine's model swap, and named data sets.
+"""The shared verification stage (mlx_mtp.speculative) and the planner with
+methods written only against propose/observe, the engine's model swap, and
+named data sets.
 Small generated models (plumbing only); exactness on SmolLM2 is covered per
 method in test_probe / test_hybrid / test_lookahead / test_clp."""
 
@@ -11,21 +12,25 @@ import pytest
 from conftest import run_method
 from mlx_lm.models.cache import RotatingKVCache
 
+from mlx_mtp.budget import CostCurve
+from mlx_mtp.context import Context
 from mlx_mtp.data import DATA_SETS, resolve_data
-from mlx_mtp.engine import Engine, check_tree_support
+from mlx_mtp.engine import Engine
 from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError
-from mlx_mtp.methods.base import SpeculativeMethod
+from mlx_mtp.families import check_tree_support
+from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.methods.ntp import NTP
+from mlx_mtp.planner import Item, Offer, chain_offer
 from mlx_mtp.speculative import Draft, speculative_step
-from mlx_mtp.testing import make_tiny_model
+from mlx_mtp.testing import decode, make_tiny_model
 
 PROMPT = [3, 17, 42, 9, 100, 7, 12]
 
 
-class Oracle(SpeculativeMethod):
+class Oracle(DraftMethod):
     """Drafts from a known greedy continuation: a tree whose root has a wrong
     child (the right token + 1) and the right chain, and one mask slot that is
-    never accepted."""
+    never accepted. Fixed settings: the whole offer goes every step."""
 
     name = "oracle"
 
@@ -33,26 +38,55 @@ class Oracle(SpeculativeMethod):
         self.reference, self.depth = reference, depth
         self.seen: list[tuple[list[int], int]] = []
 
-    def prepare(self, engine):
-        check_tree_support(engine.model, self.name)
+    def prepare(self, ctx):
+        check_tree_support(ctx.engine.model, self.name)
 
-    def begin(self, engine, prompt, sampler):
-        super().begin(engine, prompt, sampler)
+    def begin(self, ctx, prompt, sampler):
+        super().begin(ctx, prompt, sampler)
         self.done = 0  # committed tokens so far
 
-    def propose(self, engine, root):
+    def propose(self, ctx, root):
         right = self.reference[self.done : self.done + self.depth]
         wrong = [(t + 1) % 256 for t in right[:1]]
         tokens = [root, *wrong, *right, -1]
         parents = [-1] + [0] * len(wrong) + [0] + list(range(len(wrong) + 1, len(tokens) - 2))
         parents.append(0)  # the mask slot hangs off the root
-        emb = engine.embed_tokens([max(t, 0) for t in tokens])
+        emb = ctx.engine.embed_tokens([max(t, 0) for t in tokens])
         n_tok = len(tokens) - 1
-        return Draft(np.array(tokens), np.array(parents), emb, verify=n_tok)
+        draft = Draft(np.array(tokens), np.array(parents), emb, verify=n_tok)
+        return Offer([Item(1.0)], lambda n: draft)
 
-    def observe(self, engine, draft, verified):
-        self.seen.append((verified.path, verified.bonus))
-        self.done += len(verified.tokens)
+    def observe(self, ctx, draft, result):
+        self.seen.append((result.path, result.bonus))
+        self.done += len(result.tokens)
+
+
+class SpellOracle(DraftMethod):
+    """An ``auto`` method written only against propose/observe: a chain of
+    the known continuation while ``good(position)`` holds, of wrong tokens
+    otherwise. It never sees the budget; the planner decides everything."""
+
+    name = "spell-oracle"
+    auto = True
+
+    def __init__(self, reference: list[int], good, depth: int = 4):
+        self.reference, self.good, self.depth = reference, good, depth
+        self.log: list[tuple[int, str, int]] = []
+
+    def begin(self, ctx, prompt, sampler):
+        super().begin(ctx, prompt, sampler)
+        self.done = 0
+
+    def propose(self, ctx, root):
+        chain = self.reference[self.done : self.done + self.depth]
+        if not self.good(self.done):
+            chain = [(t + 1) % 256 for t in chain]
+        return chain_offer(root, chain, "oracle", ctx.acceptance)
+
+    def observe(self, ctx, draft, result):
+        kind = "plain" if draft is None else "draft"
+        self.log.append((self.done, kind, len(result.tokens) - 1))
+        self.done += len(result.tokens)
 
 
 def test_a_propose_observe_method_is_exact_and_accepts_the_right_chain():
@@ -67,6 +101,29 @@ def test_a_propose_observe_method_is_exact_and_accepts_the_right_chain():
     # or the mask slot: 4 tokens per step
     assert all(len(path) == 3 and 1 not in path for path, _ in oracle.seen[:-1])
     assert engine.cached == PROMPT + got[:-1]
+
+
+def test_an_auto_method_goes_plain_when_drafts_stop_paying_and_comes_back():
+    """The done-when of the planner: a method that only proposes and observes
+    runs at auto, switches to plain one-token steps when its drafts stop
+    paying, re-probes, drafts again when they pay again, and stays exact."""
+    model = make_tiny_model("llama", seed=3)
+    n = 120
+    ref = run_method(Engine(model), NTP(), PROMPT, n)
+    good = lambda pos: pos < 20 or pos >= 60  # noqa: E731  (right, wrong, right again)
+    oracle = SpellOracle(ref, good)
+    cpu = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])
+    ctx = Context(Engine(model), curves=cpu)
+    out, stats = decode(ctx, oracle, PROMPT, n)
+    assert out == ref
+    assert stats.plain_steps > 0 and stats.reprobes > 0
+    drafts = [(pos, acc) for pos, kind, acc in oracle.log if kind == "draft"]
+    plain = [pos for pos, kind, _ in oracle.log if kind == "plain"]
+    assert any(acc == 4 for pos, acc in drafts if pos < 20)  # drafting while right
+    assert plain and 20 <= min(plain) < 60  # plain steps once the drafts went wrong
+    assert any(acc > 0 for pos, acc in drafts if pos >= 60)  # a re-probe found them right
+    # fewer forward passes than tokens: the good stretches were drafted
+    assert stats.forward_passes < n - 40
 
 
 def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():

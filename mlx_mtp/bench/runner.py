@@ -27,7 +27,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from .. import _blas, distributed
-from ..api import MTPModel, Result
+from ..api import Result
 from ..data import TASKS, load_questions, render_prompt
 from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
@@ -323,7 +323,7 @@ def run_bench(
         if loaded is None:
             loaded = load_model(config.model, config.dtype, pipeline=pipeline)
         models = {
-            label: m.bind(loaded) if isinstance(m, MLXLMPeer) else MTPModel(loaded, m)
+            label: m.bind(loaded) if isinstance(m, MLXLMPeer) else loaded.bind(m)
             for label, m in methods.items()
         }
         _warm_up(models, loaded.tokenizer)

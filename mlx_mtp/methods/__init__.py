@@ -1,9 +1,9 @@
 """Method registry: ``--method`` name -> class.
 
-A lossless method subclasses :class:`SpeculativeMethod` (``propose`` a
-:class:`~mlx_mtp.speculative.Draft`, ``observe`` the verified outcome; see the
-README's "Adding a method"); lossy decoding subclasses :class:`Method` and
-writes its own ``step``.
+A draft method subclasses :class:`DraftMethod` (``propose`` an
+:class:`~mlx_mtp.planner.Offer`, ``observe`` the outcome; see
+docs/contributing.md); a method that commits tokens itself subclasses
+:class:`Method` and writes its own ``step``.
 
 A method whose module is not in this install is refused with a clear message;
 nothing ever falls back to plain decoding silently.
@@ -17,7 +17,7 @@ import inspect
 from typing import Any
 
 from ..errors import InvalidArgumentError, UnknownMethodError
-from .base import Method, SpeculativeMethod, StepOutput
+from .base import DraftMethod, Method, StepOutput
 
 #: name -> "module:Class" of every built method
 METHODS: dict[str, str] = {
@@ -101,7 +101,7 @@ __all__ = [
     "METHODS",
     "available_methods",
     "Method",
-    "SpeculativeMethod",
+    "DraftMethod",
     "StepOutput",
     "make_method",
     "method_class",

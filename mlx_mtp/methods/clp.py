@@ -1,7 +1,7 @@
 """``clp``: MTP heads with a one-layer span predictor, backbone as architect.
 
 Xie & Zhou, *CLP: Collocation-Length Prediction for Zero-Loss Adaptive
-Multi-Token Inference* (arXiv 2606.10935; DESIGN §2.2). Read top to bottom:
+Multi-Token Inference* (arXiv 2606.10935; docs/methods.md). Read top to bottom:
 
 1. The backbone's own LM head always writes token n+1 (argmax, or a sample at
    temperature > 0). MTP head j (j = 1..k) only writes token n+1+j, from the
@@ -30,7 +30,7 @@ Options (``--opt key=value``; ``--k``):
     k: heads to use (1..the heads' k), or ``auto`` (default): all heads, each
         step's drafts cut by the device-aware budget, and one-token steps
         without the heads (with a periodic re-probe) while no draft pays
-        (verified mode, :mod:`mlx_mtp.budget`).
+        (verified mode, :mod:`mlx_mtp.planner`).
     predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
         parameter MLP gate baseline) or ``all`` (always keep all k heads).
     heads: a heads folder or hub repo id; default: the user's trained heads
@@ -44,19 +44,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..budget import DepthAcceptance, best_prefix, chain_values
 from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
+from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from ..planner import Offer, PlainResult, StepOutput, chain_offer
 from ..speculative import Draft, Verified
 from ..verify import Sampler, target_graph
-from .base import SpeculativeMethod, StepOutput, parse_int
+from .base import DraftMethod, parse_int
 
 MODES = ("verified", "paper")
 PREDICTORS = ("linear", "gate", "all")
 
 
-class CLP(SpeculativeMethod):
+class CLP(DraftMethod):
     """CLP heads + span predictor, in the paper's mode or a verified mode.
 
     Args:
@@ -67,8 +68,7 @@ class CLP(SpeculativeMethod):
             forward cost curve, from per-depth acceptance learned online, and
             runs pipelined one-token steps without the heads while no draft
             pays, re-probing periodically: a heads step, then a step that
-            verifies up to ``REPROBE_DRAFT`` of its drafts;
-            :mod:`mlx_mtp.budget`).
+            verifies a few of its drafts; :mod:`mlx_mtp.planner`).
         predictor: ``"linear"``, ``"gate"`` or ``"all"``.
         heads: heads folder or hub repo id (default: found by fingerprint).
 
@@ -94,7 +94,7 @@ class CLP(SpeculativeMethod):
         self.mode = mode
         self.lossless = mode == "verified"  # instance attribute: exactness depends on mode
         # k=auto (default, verified mode): every head, and each step's drafts cut
-        # to the length that pays under the device's cost curve (mlx_mtp.budget)
+        # to the length that pays under the device's cost curve (the planner)
         self.auto = mode == "verified" and str(k) in ("None", "auto")
         self.k = None if str(k) in ("None", "auto") else parse_int("k", k, 1, 8)
         self.predictor = predictor
@@ -113,7 +113,8 @@ class CLP(SpeculativeMethod):
         return f"clp(mode={self.mode}, k={k}, predictor={sel})"
 
     # ------------------------------------------------------------------ setup
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, ctx: Context) -> None:
+        engine = ctx.engine
         if engine.backbone is None:
             raise UnsupportedModelError(
                 "--method clp needs a model with the llama-style layout (hidden states and an "
@@ -124,7 +125,7 @@ class CLP(SpeculativeMethod):
         else:
             folder = find_heads(engine.model)
             if folder is None:
-                name = getattr(getattr(engine, "loaded", None), "name", "this model")
+                name = getattr(ctx.loaded, "name", "this model")
                 raise ModelNotFoundError(
                     f"--method clp: no CLP heads for {name}. Train them with "
                     f"`mlx-mtp train clp --model {name} --data prompts.jsonl`, import them with "
@@ -153,18 +154,10 @@ class CLP(SpeculativeMethod):
         """Parameters of the span selector in use (1,731 for SmolLM2's linear one at k=2)."""
         return count_params(self.selector) if self.selector is not None else 0
 
-    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(engine, prompt, sampler)
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
         self._root: int | None = None  # root the carried-over state belongs to
         self._carry: list[int] = []  # verified: drafts; paper: committed, not yet cached
-
-        # k=auto: the device's cost curve and plain mode (mlx_mtp.budget)
-        self.begin_budget(engine, sampler, self.auto)
-        self.acceptance = DepthAcceptance()
-        # a re-probe after plain mode takes two steps: a heads step (no drafts:
-        # the heads did not run in plain mode), then a step that verifies at
-        # least REPROBE_DRAFT of their drafts
-        self._probe_next = self._probe_verify = False
 
     # ------------------------------------------------------------- internals
     def _targets(self, logits: mx.array, positions: np.ndarray) -> mx.array:
@@ -185,76 +178,32 @@ class CLP(SpeculativeMethod):
         return toks, span
 
     # ------------------------------------------------------------------ step
-    def step(self, engine: Engine, root: int) -> StepOutput:
-        if self.mode == "paper":
-            return self._step_paper(engine, root)
-        return super().step(engine, root)  # verified: propose, shared stage, observe
-
-    #: drafts a re-probe verifies even when the policy says none pay
-    REPROBE_DRAFT = 2
-
-    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
-        # a one-token step of k=auto's plain mode: the heads did not run, the
-        # carried drafts (if any) no longer follow the committed text
-        self._root, self._carry = None, []
-
-    def _budget_cut(self, drafts: list[int]) -> list[int] | None:
-        """k=auto: the drafts to verify this step, or None for a one-token step
-        in plain mode (no prefix of the heads' drafts pays under the cost curve).
-
-        The rate of a step is judged on the heads' drafts, or, when the span
-        predictor kept none, on ``k`` drafts at the learned acceptance rates: a
-        step without drafts still runs the heads, which only pay if some later
-        step's drafts do.
-        """
-
-        b = self.budget
-        self._probe_verify = False
-        if self._reprobe:  # plain mode ended: a heads step drafts for the next one
-            self._probe_next = True
-            return []
-        if self._probe_next:  # the re-probe proper: verify a few drafts anyway
-            self._probe_next = False
-            n, _ = best_prefix(b.curve, chain_values(self.acceptance.qs(len(drafts))), 1)
-            n = max(n, min(len(drafts), self.REPROBE_DRAFT))
-            if n == 0:  # the span predictor kept nothing: back to plain mode
-                b.go_plain(1 + self.REPROBE_DRAFT)
-                return None
-            self._probe_verify = True
-            return drafts[:n]
-        qs = self.acceptance.qs(len(drafts) or self.k)
-        n, rate = best_prefix(b.curve, chain_values(qs), 1)
-        if b.cheap(1 + self.REPROBE_DRAFT):  # a nearly free device: never plain
-            return drafts[: max(n, min(len(drafts), self.REPROBE_DRAFT))]
-        if not b.pays(rate):
-            b.go_plain(1 + self.REPROBE_DRAFT)
-            return None
-        return drafts[:n]
-
-    def propose(self, engine: Engine, root: int) -> Draft | None:
+    def propose(self, ctx: Context, root: int) -> Offer:
+        engine = ctx.engine
+        if self.mode == "paper":  # no verifier: the span predictor decides
+            return Offer([], run=lambda n: self._step_paper(engine, root), required=True)
         drafts = self._carry if self._root == root else []
-        if self.budget is not None:  # k=auto: keep the drafts that pay on this device
-            drafts = self._budget_cut(drafts)
-            if drafts is None:
-                return None
 
         def heads(logits: mx.array, h: mx.array, targets: mx.array) -> tuple[mx.array, ...]:
             # heads + predictor at every row, fed with the backbone's target tokens,
             # evaluated with them (device work)
             return self._heads(engine, h, targets)
 
-        return Draft.chain(root, drafts, hidden=True, extras=heads)
+        # the heads at the last accepted position draft the next step: after plain
+        # steps (no heads ran) the first pass only makes drafts (primes)
+        offer = chain_offer(root, drafts, "clp", ctx.acceptance, hidden=True, extras=heads)
+        offer.primes = True
+        return offer
 
-    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
+    def observe(self, ctx: Context, draft: Draft | None, result: Verified | PlainResult) -> None:
+        if draft is None:  # a one-token step: the carried drafts no longer follow
+            self._root, self._carry = None, []
+            return
         # the heads at the last accepted position draft the next step
-        m = len(verified.path)
-        toks, span = (np.array(a) for a in verified.extras)
-        self._root = verified.bonus
-        self._carry = toks[m, : int(span[m])].tolist()  # k=auto: cut in propose
-        if self.budget is not None and draft.drafted:
-            if self._probe_verify and m == draft.drafted:
-                self.acceptance.reset()  # the re-probe was all accepted: the text changed
-            self.acceptance.record(draft.drafted, m)
+        m = len(result.path)
+        toks, span = (np.array(a) for a in result.extras)
+        self._root = result.bonus
+        self._carry = toks[m, : int(span[m])].tolist()  # k=auto: cut by the planner
 
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []

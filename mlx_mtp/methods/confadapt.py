@@ -1,7 +1,7 @@
 """``confadapt``: decoding of self-distilled multi-token-prediction checkpoints.
 
 Kirchenbauer, Hans, Bartoldson, Goldblum, Panda, Goldstein, *Multi-Token
-Prediction via Self-Distillation* (arXiv 2602.06019; DESIGN §2.3). Read top to
+Prediction via Self-Distillation* (arXiv 2602.06019; docs/methods.md). Read top to
 bottom:
 
 1. The model is an ordinary causal LM whose vocabulary has one extra mask token
@@ -44,7 +44,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import distributed
-from ..engine import Engine
+from ..acceptance import chain_values
+from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the split)
     ADAPTER_CONFIG,
@@ -69,17 +70,24 @@ from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the
     tokenizer_mask_id,
     write_metadata,
 )
+from ..planner import Item, Offer, StepOutput
 from ..sampling import draw
 from ..verify import Sampler
-from .base import Method, StepOutput, parse_int
+from .base import DraftMethod, parse_int
 
 
-class ConfAdapt(Method):
+class ConfAdapt(DraftMethod):
     """ConfAdapt(tau) and static-k decoding of a self-distilled MTP model.
 
     Args:
-        k: block size, tokens predicted per forward pass (1 + k-1 masks);
-            default 16.
+        k: block size, tokens predicted per forward pass (1 + k-1 masks), or
+            ``"auto"`` (default): up to ``max_k``, the planner cuts the masks
+            of each step to those whose tokens are expected to be kept often
+            enough to pay for their slots on this device (the rate of kept
+            mask tokens learned per position), down to one-token steps while
+            none pays (:mod:`mlx_mtp.planner`; not in the paper, whose k is
+            fixed at 16).
+        max_k: the cap of ``k="auto"`` (default 16).
         tau: confidence threshold in [0, inf): keep the leading tokens whose
             top-1 probability is >= tau (at least one). ``tau > 1`` is plain
             greedy decoding; ``tau = 0`` keeps all k (static-k).
@@ -99,8 +107,16 @@ class ConfAdapt(Method):
     name = "confadapt"
     lossless = False
 
-    def __init__(self, k: Any = 16, tau: Any = 0.9, mode: str = "confadapt", adapter: Any = None):
-        self.k = parse_int("k", k, 1, 64)
+    def __init__(
+        self,
+        k: Any = "auto",
+        tau: Any = 0.9,
+        mode: str = "confadapt",
+        adapter: Any = None,
+        max_k: Any = 16,
+    ):
+        self.auto = str(k) == "auto"
+        self.k = parse_int("max_k", max_k, 1, 64) if self.auto else parse_int("k", k, 1, 64)
         try:
             self.tau = float(tau)
         except (TypeError, ValueError):
@@ -122,10 +138,11 @@ class ConfAdapt(Method):
         # the stats line's "tau" (tokens per forward) is the paper's Eff. k; the
         # confidence threshold is printed as "conf>=" to keep the two apart
         rule = "static" if self.static else f"conf>={self.tau:g}"
-        return f"confadapt(k={self.k}, {rule})"
+        k = f"auto<={self.k}" if self.auto else str(self.k)
+        return f"confadapt(k={k}, {rule})"
 
     # -------------------------------------------------------------- setup
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, ctx: Context) -> None:
         """Find the mask token (and apply an on-device adapter if that is where
         it comes from). With an adapter, ``engine`` gets a copy of its model
         with the adapter applied (:func:`apply_adapter`); the caller's model
@@ -135,11 +152,11 @@ class ConfAdapt(Method):
             MissingMaskTokenError: neither the model nor an adapter has a mask token.
             CheckpointMismatchError: an adapter made for another base model.
         """
+        engine, loaded = ctx.engine, ctx.loaded
         if engine.backbone is None:
             raise UnsupportedModelError(
                 "--method confadapt needs the llama-style model layout (model.embed_tokens)."
             )
-        loaded = getattr(engine, "loaded", None)
         refuse_sharded_adapter(engine.model, loaded, self.adapter)
         meta, adapter = find_mtp_source(engine.model, loaded, self.adapter)
         if adapter is not None:
@@ -149,15 +166,28 @@ class ConfAdapt(Method):
         self.mask_id = meta.mask_token_id
         self.eos = set(meta.eos_token_ids)
 
-    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(engine, prompt, sampler)
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
         self.pending = []
 
     # --------------------------------------------------------------- step
-    def step(self, engine: Engine, root: int) -> StepOutput:
-        k = self.k
+    def propose(self, ctx: Context, root: int) -> Offer:
+        # mask i is worth the chance that the tokens of masks 1..i are all kept;
+        # the tokens committed last step are fed again anyway
+        values = chain_values(ctx.acceptance.qs("confadapt", self.k - 1))
+        return Offer(
+            [Item(v) for v in values],
+            run=lambda n: self._run(ctx, root, n),
+            base_slots=1 + len(self.pending),
+            source="confadapt",
+        )
+
+    def _run(self, ctx: Context, root: int, masks: int) -> StepOutput:
+        """One block: the pending tokens, the root and ``masks`` mask tokens."""
+        engine, k = ctx.engine, masks + 1
         real = [*self.pending, root]
-        engine.check_droppable(len(real) + k - 1)  # the masks are dropped after the pass
+        if masks:
+            engine.check_droppable(len(real) + masks)  # the masks are dropped after the pass
         start = engine.offset
         logits, _ = engine.forward_chain(real + [self.mask_id] * (k - 1))
         # the root and the k-1 masks give k next-token distributions

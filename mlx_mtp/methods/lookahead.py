@@ -36,69 +36,19 @@ pool has fewer entries or they share prefixes).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from ..budget import MAX_PLAIN_STEPS, DepthAcceptance, best_prefix, chain_values
-from ..engine import Engine, check_tree_support
+from ..acceptance import chain_values
+from ..context import Context
+from ..families import check_tree_support
+from ..planner import Item, Offer, PlainResult
+from ..sources.pool import NGramPool, build_trie
 from ..speculative import Draft, Verified
 from ..verify import Sampler
-from .base import SpeculativeMethod, parse_int
-
-
-class NGramPool:
-    """Candidate continuations keyed by their first token, most recent first.
-
-    Args:
-        per_key: how many distinct continuations to keep per key (LADE keeps G).
-    """
-
-    def __init__(self, per_key: int):
-        self.per_key = per_key
-        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
-
-    def add(self, key: int, continuation: tuple[int, ...]) -> None:
-        """Insert (or refresh) one continuation; the oldest one per key drops out."""
-        entries = self._pool.setdefault(key, OrderedDict())
-        entries.pop(continuation, None)
-        entries[continuation] = None
-        while len(entries) > self.per_key:
-            entries.popitem(last=False)
-
-    def get(self, key: int, limit: int) -> list[tuple[int, ...]]:
-        """Up to ``limit`` continuations of ``key``, most recent first."""
-        entries = self._pool.get(key)
-        if not entries:
-            return []
-        return list(reversed(entries))[:limit]
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._pool.values())
-
-
-def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Merge candidate chains (all starting after the root) into a trie.
-
-    Returns:
-        (node tokens, node parents), parents indexing the node list with -1 for
-        the root; parents come before children.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}
-    for cand in candidates:
-        parent = -1
-        for tok in cand:
-            key = (parent, int(tok))
-            if key not in index:
-                index[key] = len(tokens)
-                tokens.append(int(tok))
-                parents.append(parent)
-            parent = index[key]
-    return tokens, parents
+from .base import DraftMethod, parse_int
 
 
 def lookahead_parents(levels: int, window: int, offset: int) -> np.ndarray:
@@ -121,7 +71,7 @@ def lookahead_parents(levels: int, window: int, offset: int) -> np.ndarray:
     return par.reshape(-1)
 
 
-class Lookahead(SpeculativeMethod):
+class Lookahead(DraftMethod):
     """Lookahead decoding with a lossless verification branch.
 
     Args:
@@ -129,12 +79,12 @@ class Lookahead(SpeculativeMethod):
         window: W, Jacobi columns per level; 7 in the paper. ``"auto"``
             (default): the widest W <= 7 whose lookahead branch costs at most
             ``AUTO_WINDOW_COST`` more than a one-token forward on this
-            device's cost curve (:mod:`mlx_mtp.budget`); 0 where even one
+            device's cost curve (:mod:`mlx_mtp.costs`); 0 where even one
             column costs more (a CPU): then no Jacobi branch runs and every
             step is a pipelined one-token step, as in ``ntp``.
         guess: G, pool candidates verified per step (and kept per key); 7.
-            ``"auto"`` (default): up to 7, cut per step to the candidates
-            whose expected accepted tokens pay for their slots.
+            ``"auto"`` (default): up to 7, cut per step by the planner to the
+            candidates whose expected accepted tokens pay for their slots.
         seed: seed of the random prompt tokens that start level 0.
 
     Raises:
@@ -156,6 +106,7 @@ class Lookahead(SpeculativeMethod):
         self.auto_guess = str(guess) == "auto"
         self.guess = self.PAPER_GUESS if self.auto_guess else parse_int("guess", guess, 1, 64)
         self.seed = parse_int("seed", seed, 0)
+        self.auto = self.auto_window or self.auto_guess
 
     @property
     def block_complexity(self) -> int:
@@ -168,70 +119,67 @@ class Lookahead(SpeculativeMethod):
         g = f"auto<={self.guess}" if self.auto_guess else str(self.guess)
         return f"lookahead(level={self.level}, window={w}, guess={g})"
 
-    def prepare(self, engine: Engine) -> None:
-        check_tree_support(engine.model, self.name)
+    def prepare(self, ctx: Context) -> None:
+        check_tree_support(ctx.engine.model, self.name)
 
-    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(engine, prompt, sampler)
-
-        self.begin_budget(engine, sampler, self.auto_window or self.auto_guess)
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
         if self.auto_window:  # the widest window that is nearly free on this device
             self.window = 0
             for w in range(self.PAPER_WINDOW, 0, -1):
-                if self.budget.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
+                if ctx.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
                     self.window = w
                     break
-        self.acceptance = DepthAcceptance()
         rng = np.random.default_rng(self.seed)
         # level 0: W tokens drawn from the prompt (LADE's initialisation)
         self.levels: list[np.ndarray] = [rng.choice(np.asarray(prompt), size=self.window)]
         self.pool = NGramPool(self.guess)
 
-    def propose(self, engine: Engine, root: int) -> Draft | None:
+    def propose(self, ctx: Context, root: int) -> Offer:
         n_lv, w = len(self.levels), self.window
         if w == 0:  # window=auto found no column worth its cost: one-token steps
-            self.budget.plain_left = MAX_PLAIN_STEPS
-            return None
-        # verification branch: trie of the pool's candidates for the root
+            return Offer([], None)
+        # verification branch: trie of the pool's candidates for the root. Candidate
+        # i is worth its new trie nodes' chance of acceptance (per-depth rates
+        # learned online), halved per rank (the candidates are alternatives), and
+        # costs those nodes' slots
         cand = self.pool.get(int(root), self.guess)
-        if self.auto_guess and cand:
-            cand = cand[: self._guesses(cand, 1 + n_lv * w)]
-        v_toks, v_par = build_trie(cand)
-        n_v = 1 + len(v_toks)
-        # lookahead branch: the current window, level by level
-        la_toks = np.concatenate(self.levels).astype(np.int64)
-        parents = np.concatenate(
-            [[-1], [p + 1 for p in v_par], lookahead_parents(n_lv, w, n_v)]
-        ).astype(np.int64)
-        slot_tokens = np.concatenate([[root], v_toks, la_toks]).astype(np.int64)
-        last = n_v + (n_lv - 1) * w  # first slot of the window's last level
-
-        def jacobi(logits: mx.array, hidden: Any, targets: Any) -> list[mx.array]:
-            # Jacobi update: greedy outputs at the window's last level
-            return [mx.argmax(logits[last : last + w], axis=-1)]
-
-        return Draft(slot_tokens, parents, verify=n_v, extras=jacobi, info=cand)
-
-    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
-        if draft.info:
-            self.acceptance.record(max(map(len, draft.info)), len(verified.path))
-        self._update_window(np.array(verified.extras[0], dtype=np.int64))
-
-    def _guesses(self, cand: list[tuple[int, ...]], base_slots: int) -> int:
-        """``guess="auto"``: how many of the pool's candidates (most recent
-        first) to verify. Candidate i is worth its new trie nodes' chance of
-        acceptance (per-depth rates learned online), halved per rank (the
-        candidates are alternatives), and costs those nodes' slots; the best
-        prefix under the cost curve is kept (:func:`mlx_mtp.budget.best_prefix`)."""
+        acc = ctx.acceptance
         seen: set[tuple[int, ...]] = set()
-        values, slots = [], []
+        items = []
         for i, c in enumerate(cand):
-            chain = chain_values(self.acceptance.qs(len(c)))
+            chain = chain_values(acc.qs("lookahead", len(c)))
             new = [d for d in range(len(c)) if c[: d + 1] not in seen]
             seen.update(c[: d + 1] for d in range(len(c)))
-            values.append(sum(chain[d] for d in new) * 0.5**i)
-            slots.append(len(new))
-        return best_prefix(self.budget.curve, values, slots, base_slots)[0]
+            items.append(Item(sum(chain[d] for d in new) * 0.5**i, len(new)))
+
+        def build(n: int) -> Draft:
+            v_toks, v_par = build_trie(cand[:n])
+            n_v = 1 + len(v_toks)
+            depth = [0]
+            for p in v_par:
+                depth.append(depth[p + 1] + 1)
+            # lookahead branch: the current window, level by level
+            la_toks = np.concatenate(self.levels).astype(np.int64)
+            parents = np.concatenate(
+                [[-1], [p + 1 for p in v_par], lookahead_parents(n_lv, w, n_v)]
+            ).astype(np.int64)
+            slot_tokens = np.concatenate([[root], v_toks, la_toks]).astype(np.int64)
+            last = n_v + (n_lv - 1) * w  # first slot of the window's last level
+
+            def jacobi(logits: mx.array, hidden: Any, targets: Any) -> list[mx.array]:
+                # Jacobi update: greedy outputs at the window's last level
+                return [mx.argmax(logits[last : last + w], axis=-1)]
+
+            tags = [[("lookahead", d, 1.0)] for d in depth[1:]]
+            return Draft(slot_tokens, parents, verify=n_v, extras=jacobi, tags=tags)
+
+        # the Jacobi window goes in every pass: the planner cuts only the guesses
+        return Offer(items, build, base_slots=1 + n_lv * w, required=True)
+
+    def observe(self, ctx: Context, draft: Draft | None, result: Verified | PlainResult) -> None:
+        if draft is not None:
+            self._update_window(np.array(result.extras[0], dtype=np.int64))
 
     def _update_window(self, out: np.ndarray) -> None:
         """Add the new level; once the window is full, harvest N-grams and shift."""

@@ -13,7 +13,7 @@ Embedding-Space Probing* (ESP, arXiv 2603.17942). Read top to bottom:
    the earlier masks of the same set (§3.2).
 3. Verification is lossless (greedy or sampling): the accepted path plus one
    bonus token, done by the shared stage :mod:`mlx_mtp.speculative` on the
-   draft :meth:`Probe.propose` builds.
+   draft the offer of :meth:`Probe.propose` builds.
 4. The k masks after the deepest accepted node predict the tokens 2..k+1
    positions after it, i.e. depths 1..k of the next step's tree, which is grown
    by cumulative probability within the block-complexity budget
@@ -28,14 +28,16 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import does_model_support_input_embeddings
 
-from ..budget import DepthAcceptance, best_prefix, chain_values, tree_size
-from ..engine import Engine, check_tree_support
+from ..acceptance import AcceptanceModel, CalibrationModel
+from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..learned_masks import load_learned_masks
+from ..families import check_tree_support
+from ..planner import Item, Offer, PlainResult, chain_offer
+from ..sources.masks import MaskVectors, candidate_lists, mask_candidates, top_candidates
 from ..speculative import Draft, Verified
 from ..tree import block_complexity, build_tree, heavy_path_order, reorder_tree
 from ..verify import Sampler
-from .base import SpeculativeMethod, parse_bc, parse_int
+from .base import DraftMethod, parse_bc, parse_int
 
 
 def parse_template(tree: str, masks: int) -> list[int] | None:
@@ -63,132 +65,7 @@ def parse_template(tree: str, masks: int) -> list[int] | None:
     return per_depth
 
 
-def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The ``m`` most probable tokens of each mask row, best first: the
-    per-depth candidate lists that :func:`~mlx_mtp.tree.build_tree` grows the
-    next draft tree from (ESP §3.2).
-
-    Args:
-        rows: (k, V) float32 logits of the k mask slots after the deepest
-            accepted node.
-        m: candidates per row (clipped to [1, V]).
-        engine: the top-k runs through ``engine.timed_eval`` (device time).
-
-    Returns:
-        k pairs (tokens (m,) int, probabilities (m,) float32), probabilities
-        descending.
-    """
-    top, top_p = top_candidates(rows, m)
-    engine.timed_eval(top, top_p)  # vocabulary-wide top-k on k rows: device work
-    return candidate_lists(top, top_p)
-
-
-def top_candidates(rows: mx.array, m: int) -> tuple[mx.array, mx.array]:
-    """The graph (not evaluated) behind :func:`mask_candidates`: token ids
-    (k, m) and their probabilities (k, m) float32 of the ``m`` most probable
-    tokens of each row of ``rows`` (k, V), in no particular order."""
-    vocab = rows.shape[-1]
-    m = min(max(m, 1), vocab)
-    rows = rows.astype(mx.float32)
-    top = mx.argpartition(rows, kth=vocab - m, axis=-1)[:, vocab - m :]
-    top_p = mx.exp(
-        mx.take_along_axis(rows, top, axis=-1) - mx.logsumexp(rows, axis=-1, keepdims=True)
-    )
-    return top, top_p
-
-
-def candidate_lists(top: mx.array, top_p: mx.array) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Evaluated :func:`top_candidates` output -> per-row (tokens, probabilities)
-    sorted by probability descending."""
-    out = []
-    for toks, ps in zip(np.array(top), np.array(top_p)):
-        order = np.argsort(-ps, kind="stable")
-        out.append((toks[order], ps[order]))
-    return out
-
-
-class MaskVectors:
-    """ESP's mask slots (§3.1): ``slots`` vectors in the input-embedding space
-    that stand for "some token to come" after a draft node.
-
-    ``init="mean"`` (the paper): every slot starts as the mean embedding of
-    the prompt and moves towards each committed token ``e``:
-    ``m <- m + lam * (e - m)``. ``init="learned"``: fixed per-slot vectors
-    trained by ``mlx-mtp train masks`` for this model
-    (:mod:`mlx_mtp.learned_masks`), never updated. Shared by ``probe`` and
-    ``hybrid``.
-
-    Args:
-        slots: mask slots after a node (k).
-        lam: update step in [0, 1] (0.1 in the paper).
-        init: ``"mean"`` or ``"learned"``.
-
-    Raises:
-        InvalidArgumentError: lam not a number in [0, 1], unknown init.
-    """
-
-    def __init__(self, slots: int, lam: Any = 0.1, init: str = "mean"):
-        try:
-            self.lam = float(lam)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"option lam must be a number, got {lam!r}") from None
-        if not 0.0 <= self.lam <= 1.0:
-            raise InvalidArgumentError(f"option lam must be in [0, 1], got {self.lam}")
-        if init not in ("mean", "learned"):
-            raise InvalidArgumentError(f"mask_init must be 'mean' or 'learned', got {init!r}")
-        self.slots = slots
-        self.init = init
-        #: (slots, D) learned vectors once :meth:`prepare` loaded them
-        self.learned: mx.array | None = None
-        #: (slots, D) current vectors, set by :meth:`begin`
-        self.embedding: mx.array | None = None
-
-    def prepare(self, engine: Engine) -> None:
-        """Load the learned vectors for this model (``init="learned"``).
-
-        Raises:
-            CheckpointMismatchError, ModelNotFoundError: see
-                :func:`~mlx_mtp.learned_masks.load_learned_masks`.
-            InvalidArgumentError: the file has fewer slots than needed.
-        """
-        if self.init != "learned":
-            return
-
-        learned = load_learned_masks(engine.model)  # (slots, D), checked for this model
-        if learned.shape[0] < self.slots:
-            raise InvalidArgumentError(
-                f"the learned mask file has {learned.shape[0]} slot(s); --masks "
-                f"{self.slots} needs {self.slots}. Retrain with more slots."
-            )
-        self.learned = learned[: self.slots]
-
-    def begin(self, engine: Engine, prompt: list[int]) -> None:
-        """Start a generation: learned vectors, or the prompt's mean embedding."""
-        if self.learned is not None:
-            self.embedding = self.learned
-        else:
-            mean = mx.mean(engine.embed_tokens(prompt), axis=0)
-            self.embedding = mx.broadcast_to(mean, (self.slots, mean.shape[0]))
-
-    def update(self, engine: Engine, tokens: list[int]) -> None:
-        """``m <- m + lam (e - m)`` once per committed token, in order (mean
-        init only; learned vectors stay fixed)."""
-        if self.learned is not None:
-            return
-        e = engine.embed_tokens(tokens)  # (n, D)
-        m, n, lam = self.embedding, len(tokens), self.lam
-        if n == 1:
-            self.embedding = m + lam * (e - m)
-        else:  # the n updates in closed form: (1-lam)^n m + sum_i lam (1-lam)^(n-1-i) e_i
-            w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
-            self.embedding = (1 - lam) ** n * m + (w @ e)
-
-    def sets(self, count: int, dtype: mx.Dtype) -> mx.array:
-        """``count`` mask sets, one after another: (count * slots, D)."""
-        return mx.tile(self.embedding.astype(dtype), (count, 1))
-
-
-class Probe(SpeculativeMethod):
+class Probe(DraftMethod):
     """ESP embedding-space probing with a lossless draft tree.
 
     Args:
@@ -198,7 +75,7 @@ class Probe(SpeculativeMethod):
             with it is refused. ``"auto"`` (default): up to ``max_bc`` slots,
             each step keeps the prefix of the best-first tree that maximises
             expected tokens per unit of time under this device's forward cost
-            curve (:mod:`mlx_mtp.budget`), with the mask probabilities
+            curve (:mod:`mlx_mtp.planner`), with the mask probabilities
             calibrated online against this generation's accepted tokens, and
             runs one-token steps (no masks) while no tree pays, re-probing
             periodically (not in the ESP paper). ``30`` is the paper's edge
@@ -222,7 +99,7 @@ class Probe(SpeculativeMethod):
             expected tokens per unit of time under the device's cost curve
             (per-depth acceptance learned online, the k masks counted as
             base slots), and the method runs one-token steps with periodic
-            re-probes while no chain pays (:mod:`mlx_mtp.budget`); a fixed
+            re-probes while no chain pays (:mod:`mlx_mtp.planner`); a fixed
             ``bc`` must be ``2k + 1``.
 
     Raises:
@@ -290,16 +167,17 @@ class Probe(SpeculativeMethod):
         bc = f"auto<={self.block_complexity}" if self.auto else str(self.block_complexity)
         return f"probe(bc={bc}, masks={self.masks}, tree={tree}{init})"
 
-    def prepare(self, engine: Engine) -> None:
-        if self.shape == "chain" and engine.rollback is not None:
-            if not does_model_support_input_embeddings(engine.model):
+    def prepare(self, ctx: Context) -> None:
+        model = ctx.engine.model
+        if self.shape == "chain" and ctx.engine.rollback is not None:
+            if not does_model_support_input_embeddings(model):
                 raise UnsupportedModelError(
-                    f"--method probe: model type {engine.model.model_type!r} does not accept "
+                    f"--method probe: model type {model.model_type!r} does not accept "
                     "input embeddings (mask slots are vectors). Use --method mtp or pld."
                 )
         else:
-            check_tree_support(engine.model, self.name)
-        self.vectors.prepare(engine)
+            check_tree_support(model, self.name)
+        self.vectors.prepare(ctx.engine)
 
     @property
     def learned(self) -> mx.array | None:
@@ -311,146 +189,114 @@ class Probe(SpeculativeMethod):
         """(masks, D) current mask vectors."""
         return self.vectors.embedding
 
-    def _update_mask(self, engine: Engine, tokens: list[int]) -> None:
-        self.vectors.update(engine, tokens)
+    #: the tree's estimates are its mask probabilities, scaled by accepted /
+    #: predicted draft tokens (decayed, with a prior whose weight decays too:
+    #: a tree whose nodes keep failing is scaled down to what they really get)
+    TREE_ACCEPTANCE = AcceptanceModel(
+        calibration=CalibrationModel(decay=0.95, weight=1.0, weight_decay=0.95)
+    )
 
-    def begin(self, engine: Engine, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(engine, prompt, sampler)
-        self.vectors.begin(engine, prompt)
+    def acceptance_model(self) -> AcceptanceModel:
+        return self.ACCEPTANCE if self.shape == "chain" else self.TREE_ACCEPTANCE
+
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
+        self.vectors.begin(ctx.engine, prompt)
+        #: per depth, (tokens, probabilities) the masks after the last deepest
+        #: accepted node predict: the next tree's candidates
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
-        # bc=auto: the device's cost curve and plain mode (mlx_mtp.budget), and
-        # accepted / expected drafted nodes (decayed: the calibration follows the text)
-        self.begin_budget(engine, sampler, self.auto)
-        # accepted / expected draft tokens, decayed; the prior (scale 1) has a
-        # weight that decays with them, so that a tree whose nodes keep failing
-        # is scaled down to what they really get (a fixed +1 kept the scale
-        # about 3x too high at 6% acceptance: probe drafted on every step)
-        self.expected, self.hits, self.prior_weight = 0.0, 0.0, 1.0
-        #: shape=chain, bc=auto: acceptance per chain depth
-        self.acceptance = DepthAcceptance()
-        self._reprobe_next = False
 
-    def _propose_chain(self, root: int, engine: Engine) -> Draft | None:
-        # [root, d1..dn, m1..mk]: one chain (the top candidate of each mask
-        # slot, then k masks after the last one), so a prefix can be kept on
-        # any cache, recurrent layers included
-        k = self.masks
-        drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
-        b = self.budget
-        if b is not None:  # bc=auto: cut the chain where it stops paying
-            # the masks ride along on every draft step (they draft the next
-            # chain): base slots 1 + k; the rate of a step with the longest
-            # chain the estimates can offer also decides a masks-only step
-            # (after a partial accept), an investment in the next chain
-            values = chain_values(self.acceptance.qs(k))
-            n, rate = best_prefix(b.curve, values[: len(drafts)] or values, 1, base_slots=1 + k)
-            if self._reprobe_next:  # the second step of a re-probe: verify its drafts
-                self._reprobe, self._reprobe_next = True, False
-            if self._reprobe or b.cheap(1 + 2 * k):  # a re-probe (or a nearly free step)
-                n = len(drafts)
-                # a re-probe from plain mode has no drafts yet: its masks draft
-                # the chain the next step verifies
-                self._reprobe_next = self._reprobe and not drafts
-            elif not b.pays(rate):
-                b.go_plain(1 + k)
-                return None
-            drafts = drafts[:n]
-        n_tok = 1 + len(drafts)
-        slot_tokens = np.array([root, *drafts] + [-1] * k, dtype=np.int64)
-        emb = engine.embed_tokens(slot_tokens[:n_tok])
-
-        def masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
-            return top_candidates(logits[n_tok:], 1)
-
-        return Draft(
-            slot_tokens,
-            np.arange(-1, n_tok + k - 1),
-            mx.concatenate([emb, self.vectors.embedding.astype(emb.dtype)]),
-            verify=n_tok,
-            extras=masks_top,
-            info="chain",
-        )
-
-    def observe_plain(self, engine: Engine, tokens: list[int]) -> None:
-        # a one-token step: no masks ran, so the next draft step starts from a
-        # re-probe of the root's masks
-        self.vectors.update(engine, tokens)
-        self.dists = []
-
-    def propose(self, engine: Engine, root: int) -> Draft | None:
+    def propose(self, ctx: Context, root: int) -> Offer:
         if self.shape == "chain":
-            return self._propose_chain(root, engine)
-        k = self.masks
+            return self._propose_chain(ctx, root)
+        k, engine = self.masks, ctx.engine
         node_toks, node_par, node_p = build_tree(self.dists, self.nodes, root, self.template)
-        b = self.budget
-        if b is not None:
-            w = self.prior_weight
-            scale = (self.hits + w) / (self.expected + w)
-            n, rate = tree_size(b.curve, node_p, k, scale)
-            # no tree pays: one-token steps, unless this is the re-probe (or the
-            # first step), whose root masks give the next step's candidates;
-            # the step after a re-probe drafts one node anyway (fresh evidence
-            # for the calibration, which no longer falls back to its prior)
-            explore = self._reprobe_step and self.dists
-            if self.dists and not (self._reprobe or explore or b.pays(rate) or b.cheap(k + 1)):
-                b.go_plain(k + 1, 2 * (k + 1))  # the re-probe and its one-node step
-                return None
-            if explore:
-                n = max(n, min(1, len(node_toks)))
-            node_toks, node_par = node_toks[:n], node_par[:n]
-            if n:
-                self.expected = 0.95 * self.expected + float(sum(node_p[:n]))
-                self.prior_weight *= 0.95
-        # the most probable path first: an accepted prefix needs no KV-row move
-        order = heavy_path_order(node_par, node_p[: len(node_toks)])
-        node_toks, node_par = [node_toks[i] for i in order], reorder_tree(order, node_par)
-        n_tok = 1 + len(node_toks)
-        # slots: [root, nodes...] then k chained masks after every token slot
-        parents = [-1] + [p + 1 for p in node_par]
-        for anchor in range(n_tok):
-            for j in range(k):
-                parents.append(anchor if j == 0 else len(parents) - 1)
-        slot_tokens = np.array([root, *node_toks] + [-1] * (n_tok * k), dtype=np.int64)
-        emb = engine.embed_tokens(slot_tokens[:n_tok])
         nodes = self.nodes
 
-        def root_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple[mx.array, ...]:
-            # when no draft is accepted (most steps) the root's masks draft the next
-            # tree: their top-k is built while the pass runs
-            return top_candidates(logits[n_tok : n_tok + k], nodes)
+        def build(n: int) -> Draft:
+            # the most probable path first: an accepted prefix needs no KV-row move
+            order = heavy_path_order(node_par[:n], node_p[:n])
+            toks, par = [node_toks[i] for i in order], reorder_tree(order, node_par[:n])
+            n_tok = 1 + n
+            # slots: [root, nodes...] then k chained masks after every token slot
+            parents = [-1] + [p + 1 for p in par]
+            for anchor in range(n_tok):
+                for j in range(k):
+                    parents.append(anchor if j == 0 else len(parents) - 1)
+            slot_tokens = np.array([root, *toks] + [-1] * (n_tok * k), dtype=np.int64)
+            emb = engine.embed_tokens(slot_tokens[:n_tok])
 
-        # logits only for the token slots and the root's masks (n_tok .. n_tok+k-1);
-        # other mask rows go through the LM head in observe() if they are needed
-        return Draft(
-            slot_tokens,
-            np.array(parents, dtype=np.int64),
-            mx.concatenate([emb, self.vectors.sets(n_tok, emb.dtype)]),
-            verify=n_tok,
-            logit_rows=n_tok + k,
-            hidden=True,
-            extras=root_masks_top,
+            def root_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple:
+                # when no draft is accepted (most steps) the root's masks draft the
+                # next tree: their top-k is built while the pass runs
+                return top_candidates(logits[n_tok : n_tok + k], nodes)
+
+            # logits only for the token slots and the root's masks; other mask
+            # rows go through the LM head in observe() if they are needed
+            return Draft(
+                slot_tokens,
+                np.array(parents, dtype=np.int64),
+                mx.concatenate([emb, self.vectors.sets(n_tok, emb.dtype)]),
+                verify=n_tok,
+                logit_rows=n_tok + k,
+                hidden=True,
+                extras=root_masks_top,
+            )
+
+        # a node adds its mask probability (calibrated by the planner) and k + 1
+        # slots; the root and its masks take k + 1 slots anyway. After plain
+        # steps the first pass only runs the root's masks (primes), and one node
+        # is verified at the re-probe
+        return Offer(
+            [Item(p, k + 1) for p in node_p],
+            build,
+            base_slots=k + 1,
+            item_slots=k + 1,
+            primes=True,
+            reprobe_items=1,
         )
 
-    def observe(self, engine: Engine, draft: Draft, verified: Verified) -> None:
-        if draft.info == "chain":
+    def _propose_chain(self, ctx: Context, root: int) -> Offer:
+        # [root, d1..dn, m1..mk]: one chain (the top candidate of each mask
+        # slot, then k masks after the last one), so a prefix can be kept on
+        # any cache, recurrent layers included; the masks ride along on every
+        # step (they draft the next chain)
+        k, engine = self.masks, ctx.engine
+        drafts = [int(toks[0]) for toks, _ in self.dists[:k]]
+        offer = chain_offer(root, drafts, "probe", ctx.acceptance)
+        chain = offer.build
+
+        def build(n: int) -> Draft:
+            d = chain(n)
+            n_tok = 1 + n
+            emb = engine.embed_tokens(d.tokens)
+
+            def masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple:
+                return top_candidates(logits[n_tok:], 1)
+
+            d.tokens = np.concatenate([d.tokens, np.full(k, -1, dtype=np.int64)])
+            d.parents = np.arange(-1, n_tok + k - 1)
+            d.embeddings = mx.concatenate([emb, self.vectors.embedding.astype(emb.dtype)])
+            d.verify, d.extras, d.info = n_tok, masks_top, "chain"
+            return d
+
+        offer.build, offer.base_slots, offer.primes = build, 1 + k, True
+        return offer
+
+    def observe(self, ctx: Context, draft: Draft | None, result: Verified | PlainResult) -> None:
+        engine = ctx.engine
+        self.vectors.update(engine, result.tokens)
+        if draft is None:  # a one-token step: no masks ran
+            self.dists = []
+        elif draft.info == "chain":
             # the masks follow the last draft: they predict after the bonus
             # token only if every draft was accepted
-            a = len(verified.path)
-            full = a == draft.drafted
-            self.dists = candidate_lists(*verified.extras) if full else []
-            self.vectors.update(engine, verified.tokens)
-            if self.budget is not None and draft.drafted:
-                if self._reprobe_step and full:
-                    self.acceptance.reset()  # the text changed: old rates no longer apply
-                self.acceptance.record(draft.drafted, a)
-            return
-        # the k masks after the deepest accepted node draft the next tree
-        k, n_tok, vstar = self.masks, draft.n_verify, verified.deepest
-        if vstar == 0:
-            self.dists = candidate_lists(*verified.extras)
-        else:
-            h_masks = verified.hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
-            self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)
-        if draft.drafted:
-            self.hits = 0.95 * self.hits + len(verified.path)
-        self.vectors.update(engine, verified.tokens)
+            full = len(result.path) == draft.drafted
+            self.dists = candidate_lists(*result.extras) if full else []
+        else:  # the k masks after the deepest accepted node draft the next tree
+            k, n_tok, vstar = self.masks, draft.n_verify, result.deepest
+            if vstar == 0:
+                self.dists = candidate_lists(*result.extras)
+            else:
+                h_masks = result.hidden[n_tok + vstar * k : n_tok + (vstar + 1) * k]
+                self.dists = mask_candidates(engine.lm_head(h_masks), self.nodes, engine)

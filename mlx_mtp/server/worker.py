@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..api import MTPModel
 from ..errors import InvalidArgumentError, MTPError
 from ..loading import load_model
 from ..methods import make_method
@@ -295,7 +294,7 @@ class Worker:
             ) from None
         if loaded is None:
             return m
-        return MTPModel(loaded, m, max_kv_size=self.max_kv_size)
+        return loaded.bind(m, max_kv_size=self.max_kv_size)
 
     def _model_for(self, req: GenRequest) -> Any:
         key = self.default_key if req.method is None else method_key(req.method, req.options)

@@ -44,8 +44,8 @@ from ..clp_heads import (
     span_labels,
 )
 from ..data import eval_prompts, read_prompts, render_prompt
-from ..engine import model_parts
 from ..errors import InvalidArgumentError
+from ..families import model_parts
 from ..fingerprint import model_fingerprint
 from ..mtp_checkpoint import tokenizer_eos_ids
 from .continuations import Continuations, TrainSequence

@@ -31,8 +31,8 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 from tqdm import tqdm
 
-from ..engine import model_parts
 from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..families import model_parts
 
 
 @dataclass

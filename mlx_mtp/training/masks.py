@@ -31,8 +31,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from ..cache_view import FixedCache, install_positional_rope
-from ..engine import model_parts
 from ..errors import InvalidArgumentError
+from ..families import model_parts
 from .continuations import TrainSequence
 
 

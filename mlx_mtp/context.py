@@ -1,0 +1,55 @@
+"""What a method receives besides the root token: :class:`Context`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .acceptance import Acceptance
+    from .budget import CostCurve, CostCurves
+    from .engine import Engine
+    from .planner import Planner
+
+
+@dataclass
+class Context:
+    """The engine a method decodes with and what else it may need.
+
+    Attributes:
+        engine: the model, its KV cache and the forward passes.
+        loaded: the :class:`~mlx_mtp.loading.LoadedModel` the engine's model
+            came from (its folder, config and tokenizer: confadapt's mask
+            token, the native MTP layer's tensors); None for a bare model.
+        curves: the forward cost curves to plan with (a simulated device, a
+            test); None: this device's own (:func:`mlx_mtp.costs.device_curves`).
+        planner: the planner of the generation under way (set by the
+            decoding loop; None outside one).
+    """
+
+    engine: Engine
+    loaded: Any = None
+    curves: CostCurve | CostCurves | None = None
+    planner: Planner | None = None
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """This generation's acceptance estimates (sources value their
+        candidates with them)."""
+        return self.planner.acceptance
+
+    @property
+    def curve(self) -> CostCurve:
+        """The cost curve at the cache's current length (for choices of
+        shape, such as lookahead's window)."""
+        return self.planner.curve
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer (None for a bare model)."""
+        return getattr(self.loaded, "tokenizer", None)
+
+    @property
+    def folder(self) -> Any:
+        """The loaded model's folder (None for a bare model)."""
+        return getattr(self.loaded, "path", None)

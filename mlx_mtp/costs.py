@@ -1,0 +1,402 @@
+"""This device's forward cost curves: measured, cached, refined online.
+
+:mod:`mlx_mtp.budget` plans with a relative cost curve ``c(n)``; this module
+finds it for the model and device at hand. Read top to bottom:
+
+1. :func:`measure_cost_curve` times the engine's own tree forward pass at
+   chosen sizes, interleaved (size 1, 2, 3, ... then again) so that a load
+   change hits every size alike, and keeps medians; the cache, its tokens and
+   the engine's statistics are left as they were
+   (:meth:`Engine.scratch <mlx_mtp.engine.Engine.scratch>`).
+   :func:`measure_cost_curves` also measures at 1024 more tokens of context.
+2. :func:`device_curves`: the curves of this (model, device, dtype), shared by
+   every engine of that model in the process: ``$MLX_MTP_COST_CURVE`` if set
+   (pinned: a simulated device), else the cached file in
+   ``$MLX_MTP_HOME/cost_curves`` (a corrupt file is ignored with a warning,
+   a file of another model, device or dtype is never read), else a short
+   warm-up (one timed round at every size, the current context only: a few
+   seconds where the full measurement took a minute).
+3. :class:`LiveCurves`: the curves refined from the passes generations
+   actually run. Each draft step is a measurement at its slot count, each
+   one-token step one at a single slot; a per-size correction factor
+   follows the ratio of measured to predicted time (exponential averages),
+   so the curve also follows the machine's load. What was learned is cached
+   again when a generation ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.utils import does_model_support_input_embeddings
+from tqdm import tqdm
+
+from . import distributed
+from .artifacts import atomic_write_text, cache_home
+from .budget import CostCurve, CostCurves, as_curves, parse_curve
+from .cache_view import install_positional_rope
+from .errors import UnsupportedModelError
+from .fingerprint import model_fingerprint
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+#: forward sizes (slots) the curve is measured at
+CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: timing rounds per size of a full measurement (after one warm-up round)
+CURVE_REPEATS = 3
+#: timing rounds of the warm-up of a first ``auto`` run
+WARMUP_REPEATS = 1
+#: version of the cache file layout (3: the one-slot time and the learned curve)
+CURVE_FORMAT = 3
+#: tokens added to the cache for the second, long-context curve
+LONG_CONTEXT_EXTRA = 1024
+#: weight of a new measurement in the online averages
+LEARNING_RATE = 0.2
+
+
+# ------------------------------------------------------------------ measuring
+def measure_cost_curve(
+    engine: Engine,
+    sizes: Sequence[int] = CURVE_SIZES,
+    repeats: int = CURVE_REPEATS,
+    progress: bool = False,
+) -> CostCurve:
+    """Time the engine's tree forward pass (a chain of ``n`` slots, logits for
+    every slot, as a chain-verifying method runs it) at each size in
+    ``sizes``, interleaved over ``repeats`` rounds after one warm-up round,
+    and return the medians relative to one slot (``seconds``: the one-slot
+    time).
+
+    Runs on the current cache, which is left exactly as it was; the timing
+    passes are not counted in the engine's forward statistics. On a hybrid
+    recurrent model the passes are causal chains (what its verify passes
+    are), rolled back after each (:mod:`mlx_mtp.recurrent`). Sizes the cache
+    cannot drop afterwards (a nearly full sliding window) or that do not fit
+    in memory are left out.
+
+    Returns:
+        The :class:`~mlx_mtp.budget.CostCurve` (at least the size 1).
+
+    Raises:
+        UnsupportedModelError: the model has no llama-style layout.
+    """
+    if engine.backbone is None:
+        raise UnsupportedModelError("a cost curve needs a model with the llama-style layout")
+    engine.settle()
+    cap = engine.max_slots(engine.offset)
+    # hybrid recurrent models: causal chains, dropped again through the rollback
+    recurrent = engine.rollback is not None
+    sizes = [
+        s for s in sorted({1, *map(int, sizes)}) if s <= cap and engine.trimmable(s, recurrent)
+    ]
+    if 1 not in sizes:
+        return CostCurve([1], [1.0])
+    tok = engine.cached[-1] if engine.cached else 0
+    start = engine.offset
+    tree = False
+    # a recurrent model's verify passes are chains; so are those of a model that
+    # takes no input embeddings (deepseek_v3: chain methods only)
+    if not recurrent and does_model_support_input_embeddings(engine.model):
+        try:
+            install_positional_rope(engine.model)
+            tree = True
+        except AttributeError:  # no per-token RoPE: time the causal chain forward
+            pass
+
+    def timed(m: int) -> float:
+        parents = np.arange(-1, m - 1, dtype=np.int64)
+        emb = engine.embed_tokens([tok] * m)
+        mx.eval(emb)
+        t0 = time.perf_counter()
+        if tree:
+            engine.forward_tree(emb, parents, [tok] * m)
+        else:
+            engine.forward_chain([tok] * m, droppable=recurrent)
+        dt = time.perf_counter() - t0
+        engine.trim_to(start)
+        return dt
+
+    times: dict[int, list[float]] = {s: [] for s in sizes}
+    rounds: Any = range(repeats + 1)
+    if progress:
+        rounds = tqdm(
+            rounds,
+            desc=f"timing forward passes at {start} tokens of context (once per model, device)",
+            unit="round",
+            leave=False,
+        )
+    with engine.scratch():
+        for r in rounds:
+            for s in sizes:
+                dt = timed(s)
+                if r > 0:  # round 0 warms up every size
+                    times[s].append(dt)
+    t1 = float(np.median(times[1]))
+    costs = [float(np.median(times[s])) / t1 for s in sizes]
+    return CostCurve(sizes, costs, context=start, seconds=t1)
+
+
+def measure_cost_curves(
+    engine: Engine, repeats: int = CURVE_REPEATS, progress: bool = False
+) -> CostCurves:
+    """The cost curve at the current context and at ``LONG_CONTEXT_EXTRA``
+    more tokens, both with :func:`measure_cost_curve`.
+
+    For the second curve the cache is extended by a run of copies of its last
+    token (attention costs the same whatever the tokens) and trimmed back
+    afterwards. Only the first curve is measured where the cache cannot take
+    and drop that many tokens (a sliding window, a hybrid recurrent model, a
+    model without input embeddings, too little memory).
+    """
+    short = measure_cost_curve(engine, repeats=repeats, progress=progress)
+    start = engine.offset
+    extra = LONG_CONTEXT_EXTRA
+    top = max(short.sizes)
+    if (  # (measure_cost_curve has refused a model without the llama layout)
+        engine.rollback is not None
+        or not does_model_support_input_embeddings(engine.model)
+        or not engine.trimmable(extra + top)
+        or engine.max_slots(start + extra) < top
+    ):
+        return CostCurves([short])
+    tok = engine.cached[-1] if engine.cached else 0
+    with engine.scratch():
+        engine.sync([*engine.cached, *([tok] * extra)])
+        long = measure_cost_curve(engine, sizes=short.sizes, repeats=repeats, progress=progress)
+    return CostCurves([short, long])
+
+
+# ------------------------------------------------------------------ caching
+def device_name() -> str:
+    """The device MLX computes on, e.g. ``gpu:Apple M2 Pro`` or
+    ``cpu:x86_64:AMD EPYC 7B13:2cpu:blas1`` (the CPU model, the cores, and
+    ``OPENBLAS_NUM_THREADS`` where set, which all change the curve)."""
+    dev = mx.default_device()
+    kind = "gpu" if dev.type == mx.gpu else "cpu"
+    name = ""
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        name = str(info.get("device_name", "") or info.get("architecture", ""))
+    except Exception:  # no Metal/CUDA device: the CPU backend
+        pass
+    if kind == "cpu" or not name:
+        cpu = platform.processor() or ""
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        name = f"{platform.machine()}:{cpu}:{os.cpu_count()}cpu"
+        if os.environ.get("OPENBLAS_NUM_THREADS"):
+            name += f":blas{os.environ['OPENBLAS_NUM_THREADS']}"
+    return f"{kind}:{name}"
+
+
+def curve_key(engine: Engine) -> dict[str, str]:
+    """What a cached curve must match: the model's architecture and fingerprint
+    (two architectures can share a fingerprint: tiny test models built from one
+    seed), the device and the dtype the model computes in."""
+    dtype = str(engine.embed_tokens([0]).dtype).replace("mlx.core.", "")
+    arch = getattr(getattr(engine.model, "args", None), "model_type", None)
+    model = model_fingerprint(engine.model)
+    return {"model": f"{arch}-{model}" if arch else model, "device": device_name(), "dtype": dtype}
+
+
+def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
+    """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of device>.json``."""
+    dev = hashlib.sha256(key["device"].encode()).hexdigest()[:10]
+    return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{dev}.json"
+
+
+def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | None:
+    """The cached curves for ``key``, or None: no file, another key or an
+    older layout in it, or a corrupt file (ignored with a warning, and
+    measured again)."""
+    path = curve_path(key, home)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") not in (2, CURVE_FORMAT) or data.get("key") != key:
+            return None
+        return CostCurves(
+            [
+                CostCurve(c["sizes"], c["costs"], context=c["context"], seconds=c.get("seconds"))
+                for c in data["curves"]
+            ]
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(
+            f"ignoring the corrupt cost-curve cache {path} ({type(e).__name__}: {e}); the "
+            "curve is measured again and the file rewritten.",
+            stacklevel=2,
+        )
+        return None
+
+
+def save_curve(
+    key: dict[str, str], curve: CostCurve | CostCurves, home: Path | None = None
+) -> Path:
+    """Write the curve(s) atomically (:func:`~mlx_mtp.artifacts.atomic_write_text`):
+    a reader never sees half a file."""
+    path = curve_path(key, home)
+    curves = as_curves(curve).to_list()
+    data = {"format": CURVE_FORMAT, "key": key, "curves": curves, "measured": time.time()}
+    atomic_write_text(path, json.dumps(data, indent=1))
+    return path
+
+
+# ------------------------------------------------------------------ online
+class LiveCurves:
+    """Cost curves refined from the generation's own forward passes.
+
+    ``c(n)`` at context ``L`` is the base curves' ``c_L(n)`` times a
+    correction ``k(n)``, linear between the base's sizes (``k(1) = 1``).
+    :meth:`observe` takes a pass of ``n`` slots that took ``seconds``: one
+    slot updates the one-slot time ``t1`` (an exponential average); more
+    update ``k`` at the two sizes around ``n`` towards
+    ``seconds / (t1 c_L(n))``, in proportion to the interpolation weights.
+
+    Args:
+        base: the measured or cached curves.
+        key: the cache key to save to (None: not saved).
+        learn: refine online (False: the base curves as they are).
+    """
+
+    def __init__(self, base: CostCurves, key: dict[str, str] | None = None, learn: bool = True):
+        self.base, self.key, self.learn = base, key, learn
+        first = base.curves[0]
+        self.sizes = list(first.sizes)
+        self.k = np.ones(len(self.sizes))
+        self.t1 = first.seconds
+        self.changed = False
+        self._at: dict[int, tuple[int, CostCurve]] = {}
+        self.version = 0
+
+    def at(self, context: int) -> CostCurve:
+        """The refined curve for a cache of ``context`` tokens."""
+        bucket = max(int(context), 0) // CostCurves.BUCKET
+        hit = self._at.get(bucket)
+        if hit is None or hit[0] != self.version:
+            base = self.base.at(context)
+            costs = [base(s) * float(f) for s, f in zip(self.sizes, self.k)]
+            curve = CostCurve(self.sizes, costs, context=base.context, seconds=self.t1)
+            hit = self._at[bucket] = (self.version, curve)
+        return hit[1]
+
+    def observe(self, slots: int, seconds: float, context: int) -> None:
+        """One forward pass of ``slots`` slots that took ``seconds`` after
+        ``context`` cached tokens (a one-token step: its pipelined time)."""
+        if not self.learn or seconds <= 0 or slots < 1:
+            return
+        lr = LEARNING_RATE
+        if slots == 1:
+            self.t1 = seconds if self.t1 is None else (1 - lr) * self.t1 + lr * seconds
+            return
+        if self.t1 is None or slots > self.sizes[-1]:
+            return
+        base = self.base.at(context)(slots)
+        ratio = seconds / (self.t1 * base)
+        i = int(np.searchsorted(self.sizes, slots))
+        if self.sizes[i] == slots:
+            w = {i: 1.0}
+        else:
+            a, b = self.sizes[i - 1], self.sizes[i]
+            wb = (slots - a) / (b - a)
+            w = {i - 1: 1.0 - wb, i: wb}
+        k_now = sum(self.k[j] * wj for j, wj in w.items())
+        err = ratio - k_now
+        for j, wj in w.items():
+            if j > 0:  # k(1) stays 1
+                self.k[j] = max(self.k[j] + lr * wj * err, 1e-3)
+        self.version += 1  # (CostCurve flattens a refined curve that would fall)
+        self.changed = True
+
+    def curves(self) -> CostCurves:
+        """The learned curves (every base curve times the correction)."""
+        out = []
+        for c in self.base.curves:
+            costs = [c(s) * float(f) for s, f in zip(self.sizes, self.k)]
+            out.append(CostCurve(self.sizes, costs, context=c.context, seconds=self.t1))
+        return CostCurves(out)
+
+    def save(self) -> None:
+        """Cache what was learned (nothing when nothing changed or no key);
+        an unwritable cache is warned about once."""
+        if not self.changed or self.key is None or not distributed.is_main():
+            return
+        self.changed = False
+        try:
+            save_curve(self.key, self.curves())
+        except OSError as e:
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                warnings.warn(
+                    f"could not cache the cost curve ({e}); it is kept for this run only.",
+                    stacklevel=2,
+                )
+
+
+#: the curves of every (model, device, dtype) key met in this process
+_LIVE: dict[str, LiveCurves] = {}
+
+
+def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
+    """This device's forward cost curves for the engine's model (see the
+    module doc): ``$MLX_MTP_COST_CURVE`` (pinned, not refined), else shared
+    per (model, device, dtype) in this process, else the cached file, else a
+    warm-up measurement (cached). ``MLX_MTP_REMEASURE_COST=1`` ignores the
+    cached file. On a model sharded over several ranks every rank gets rank
+    0's curves (:func:`mlx_mtp.distributed.agree`) and they are not refined
+    (every rank must draft the same). With ``measure=False`` and nothing
+    cached: ``CostCurve.linear(1.0)`` (a slot costs a whole forward).
+
+    Raises:
+        InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
+    """
+    spec = os.environ.get("MLX_MTP_COST_CURVE")
+    if spec:
+        return LiveCurves(CostCurves([parse_curve(spec)]), learn=False)
+    key = curve_key(engine)
+    name = json.dumps(key, sort_keys=True)
+    live = _LIVE.get(name)
+    if live is not None:
+        return live
+    curves = None
+    if os.environ.get("MLX_MTP_REMEASURE_COST") != "1":
+        curves = load_curve(key)
+    # sharded over several ranks (mlx.launch): rank 0's cached curves, or curves
+    # that every rank measures together (the timing passes are collective) and
+    # takes from rank 0, so that all ranks build the same drafts
+    curves = distributed.agree(curves)
+    fresh = curves is None
+    if fresh:
+        if not measure:
+            return LiveCurves(CostCurves([CostCurve.linear(1.0)]), learn=False)
+        # the first auto run on a device: a second on Metal, a few on a CPU
+        warm = measure_cost_curve(engine, repeats=WARMUP_REPEATS, progress=distributed.is_main())
+        curves = distributed.agree(CostCurves([warm]))
+    live = _LIVE[name] = LiveCurves(curves, key, learn=distributed.group() is None)
+    if fresh:
+        live.changed = True
+        live.save()
+    return live
+
+
+def forget_device_curves() -> None:
+    """Drop the curves kept in this process (the next :func:`device_curves`
+    reads the cache or measures again)."""
+    _LIVE.clear()

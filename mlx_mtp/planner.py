@@ -1,0 +1,455 @@
+"""The planner: one place that spends the device's forward time on drafts.
+
+A draft method only *offers* (:class:`Offer`: a best-first list of draft
+items, each an :class:`Item` with the expected accepted tokens it adds and the
+slots it takes, and a way to build the draft of any prefix) and *observes*
+what was committed. The :class:`Planner`, run by the decoding loop for every
+:class:`~mlx_mtp.methods.base.DraftMethod`, decides the rest. Read top to
+bottom:
+
+1. Fixed settings (``auto`` off): the whole offer is sent.
+2. ``auto``: the offer is cut at the prefix that maximises expected tokens per
+   unit of forward time under the device's cost curve
+   (:func:`~mlx_mtp.budget.best_prefix`, online with an early stop when the
+   offer can bound what it has not produced yet:
+   :class:`~mlx_mtp.budget.PrefixBound`); node values are scaled by the
+   whole-draft calibration when the method learns one.
+3. If no prefix beats a one-token step (rate 1), the method enters *plain
+   mode*: pipelined one-token steps exactly as ``ntp`` runs them
+   (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
+   costs at most ``REPROBE_OVERHEAD`` of the time; a re-probe sends at least
+   ``reprobe_items`` items whatever their estimates. A method whose drafts
+   come from the pass before (probe's masks, clp's heads) declares
+   ``primes``: after plain steps its first pass only makes candidates, and
+   the re-probe's items go in the pass after it. A nearly free device
+   (``c(re-probe) <= 1 + REPROBE_OVERHEAD``) never enters plain mode.
+4. Verification: :func:`~mlx_mtp.speculative.speculative_step` for lossless
+   offers; a lossy offer runs its own pass (``run``).
+5. The acceptance statistics (:class:`~mlx_mtp.acceptance.Acceptance`) are
+   the planner's: after each step it records, for every draft node whose
+   parent was accepted, whether it was accepted, under the tags of the
+   sources that proposed it; sources read them through ``ctx.acceptance``.
+
+The policy is the expected-tokens-per-time objective of Leviathan et al. 2023
+(§3.4) with a measured cost instead of a constant ratio; plain mode and the
+re-probe interval are this package's own (docs/budget.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from .acceptance import Acceptance, chain_values
+from .budget import CostCurve, CostCurves, PrefixBound, as_curves, best_prefix
+from .costs import LiveCurves
+from .engine import Engine
+from .sampling import draw
+from .speculative import Draft, Verified, speculative_step
+from .verify import Sampler
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .methods.base import DraftMethod
+
+#: share of decode time the periodic re-probes may cost
+REPROBE_OVERHEAD = 0.01
+#: bounds of the plain-mode interval (steps)
+MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 64
+
+
+@dataclass
+class StepOutput:
+    """What one decoding step commits.
+
+    Attributes:
+        tokens: committed token ids, bonus token included (at least one). On
+            return the engine's cache holds every committed token but the last.
+        drafted: draft tokens sent to verification this step (0 for ntp).
+        accepted: draft tokens accepted (``len(tokens) - 1`` for lossless
+            methods).
+        forwards: target-model forward passes this step used.
+    """
+
+    tokens: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 1
+
+
+@dataclass
+class Item:
+    """One draft item of an :class:`Offer`.
+
+    Attributes:
+        value: expected accepted tokens it adds (a node: its path acceptance
+            estimate; a mask set: the tokens its drafts are expected to add).
+        slots: slots it adds to the forward pass.
+        node: a draft node (scaled by the whole-draft calibration) or not.
+    """
+
+    value: float
+    slots: int = 1
+    node: bool = True
+
+
+@dataclass
+class Offer:
+    """What a draft method proposes for one step (see the module doc).
+
+    Attributes:
+        items: the draft items, best first; a prefix of any length must be a
+            valid draft. May be a generator (produced as the planner takes
+            them).
+        build: ``build(n)`` -> the :class:`~mlx_mtp.speculative.Draft` of the
+            first ``n`` items (lossless offers).
+        run: ``run(n)`` -> the :class:`~mlx_mtp.methods.base.StepOutput` of
+            a lossy step with the first ``n`` items (its own forward pass, no
+            verification); ``run(0)`` is its one-token step. Set instead of
+            ``build``.
+        base_slots: slots the pass has anyway (the root, its masks, a Jacobi
+            window).
+        base_value: expected accepted tokens of the base slots.
+        item_cost: time each item costs besides its slots, in one-token
+            forwards (a drafter's own pass per drafted token).
+        item_slots: slots of an item not offered yet (sizes the re-probe).
+        max_slots: the most slots the pass may take (BC); with ``remaining``
+            it lets the planner stop taking items early.
+        remaining: ``remaining(scale)`` -> an upper bound on the value per
+            slot of any item not produced yet, node values times ``scale``.
+        primes: after plain steps the method's first pass only makes
+            candidates (see the module doc).
+        wait: an offer without items does not mean that none would pay: run
+            one unpipelined plain step and ask again (prompt lookup, whose
+            next token may match).
+        required: the base slots must be sent every step (lookahead's
+            Jacobi window): the planner may cut items, never go plain.
+        reprobe_items: items a re-probe sends whatever their estimates.
+        gains: sources whose tokens per step the planner learns this step
+            (:meth:`~mlx_mtp.acceptance.Acceptance.gain`).
+        source: a lossy offer's source, whose per-depth acceptance the
+            planner records from the run's drafted / accepted counts.
+    """
+
+    items: Iterable[Item]
+    build: Callable[[int], Draft] | None = None
+    run: Callable[[int], StepOutput] | None = None
+    base_slots: int = 1
+    base_value: float = 0.0
+    item_cost: float = 0.0
+    item_slots: int = 1
+    max_slots: int | None = None
+    remaining: Callable[[float], float] | None = None
+    primes: bool = False
+    wait: bool = False
+    required: bool = False
+    reprobe_items: int = 2
+    gains: Sequence[str] = ()
+    source: str = ""
+
+
+def chain_offer(
+    root: int,
+    tokens: Sequence[int],
+    source: str,
+    acceptance: Acceptance,
+    **draft: Any,
+) -> Offer:
+    """An :class:`Offer` of one chain of token guesses from one source: item d
+    is worth the chance that drafts 1..d are all accepted (the source's
+    per-depth estimates), each one slot; ``draft`` goes to
+    :meth:`Draft.chain <mlx_mtp.speculative.Draft.chain>`, and ``wait`` /
+    ``item_cost`` / ... given there go to the offer instead."""
+    offer_keys = {"wait", "item_cost", "primes", "required", "reprobe_items", "base_slots"}
+    opts = {k: draft.pop(k) for k in list(draft) if k in offer_keys}
+    toks = [int(t) for t in tokens]
+    values = chain_values(acceptance.qs(source, len(toks)))
+    tags = [[(source, d + 1, 1.0)] for d in range(len(toks))]
+
+    def build(n: int) -> Draft:
+        return Draft.chain(root, toks[:n], tags=tags[:n], **draft)
+
+    return Offer([Item(v) for v in values], build, **opts)
+
+
+@dataclass
+class PlainResult:
+    """The outcome of a one-token step in plain mode (what :meth:`observe
+    <mlx_mtp.methods.base.DraftMethod.observe>` gets instead of a
+    :class:`~mlx_mtp.speculative.Verified`).
+
+    Attributes:
+        tokens: the committed token.
+        queued: the step also started the forward pass of its token (the
+            pipeline goes on; that pass's outputs come with the next step).
+    """
+
+    tokens: list[int]
+    queued: bool = False
+
+
+class PlainSteps:
+    """One-token steps, pipelined like mlx-lm's ``generate_step``.
+
+    Greedy: each step queues the forward pass of the token it is about to
+    return (its id still a lazy argmax, ``mx.async_eval``) before reading
+    that id, so the device computes token n+1 while the host hands out token
+    n; one synchronisation per token. The cache then holds one token more
+    than committed between steps (the decoding loop trims it when the
+    generation ends, :meth:`unqueue` before a draft step). With a sampler
+    each step is one forward pass and one synchronisation, not pipelined (the
+    random draws stay one per returned token).
+    """
+
+    def __init__(self, sampler: Sampler | None):
+        self.sampler = sampler
+        #: (lazy argmax after the queued token, cache offset after it)
+        self.next: tuple[mx.array, int] | None = None
+
+    def step(self, engine: Engine, root: int, queue_next: bool = True) -> list[int]:
+        """Commit one token after ``root``; with ``queue_next`` also start the
+        forward pass of that token (only where the cache can drop it again)."""
+        if self.sampler is not None:
+            logits, _ = engine.forward_chain([root], wait=False)
+            last = logits[-1:].astype(mx.float32)
+            lp = last - mx.logsumexp(last, axis=-1, keepdims=True)
+            tok = draw(self.sampler, lp, engine.slot_positions[-1:] + 1)
+            engine.timed_eval(tok)
+            return [int(tok.item())]
+        t0 = time.perf_counter()
+        nxt, self.next = self.next, None
+        if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
+            y = nxt[0]  # root's forward was queued by the last step; y is its argmax
+            engine.count_forward()  # that pass is used now
+        else:
+            logits, _ = engine.forward_chain([root], wait=False)
+            y = mx.argmax(logits[-1:], axis=-1)
+            engine.timed_eval(y)
+            t0 = time.perf_counter()
+        if queue_next and engine.trimmable(2):
+            following = mx.argmax(engine.queue_token(y), axis=-1)
+            mx.async_eval(following)
+            tok = int(y.item())
+            engine.resolve_last(tok)
+            self.next = (following, engine.offset)
+        else:
+            tok = int(y.item())
+        engine.clock.seconds += time.perf_counter() - t0
+        return [tok]
+
+    @property
+    def queued(self) -> bool:
+        """Whether the forward pass of the last token is queued."""
+        return self.next is not None
+
+    def unqueue(self, engine: Engine, root: int) -> None:
+        """Drop a queued forward pass whose token a draft step feeds itself."""
+        nxt, self.next = self.next, None
+        if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
+            engine.trim_to(engine.offset - 1)
+
+
+def plain_interval(curve: CostCurve, reprobe: Sequence[int]) -> int:
+    """Plain steps between re-probes whose steps take ``reprobe`` slots: their
+    extra cost ``sum(c(s) - 1)`` spread over the interval is
+    ``REPROBE_OVERHEAD``, within ``[MIN_PLAIN_STEPS, MAX_PLAIN_STEPS]``."""
+    extra = sum(max(curve(s) - 1.0, 0.0) for s in reprobe)
+    n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
+    return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
+
+
+def cut_offer(curve: CostCurve, offer: Offer, scale: float = 1.0) -> tuple[list[Item], int, float]:
+    """Take an offer's items (until no longer prefix can pay, where the offer
+    bounds what it has not produced: :class:`~mlx_mtp.budget.PrefixBound`)
+    and find the best prefix under ``curve``, node values times ``scale``.
+
+    Returns:
+        ``(items taken, n, rate)``: the best prefix keeps ``n`` items, at
+        ``rate`` expected tokens per unit of forward time.
+    """
+    bound = PrefixBound(curve, offer.max_slots, offer.base_slots, offer.base_value, offer.item_cost)
+    stop = offer.remaining if offer.max_slots is not None else None
+    items: list[Item] = []
+    for it in offer.items:
+        items.append(it)
+        bound.add(it.value * scale if it.node else it.value, it.slots)
+        if stop is not None and len(items) >= offer.reprobe_items:
+            if bound.exhausted(stop(scale)):
+                break
+    return items, bound.best_n, bound.best
+
+
+class Planner:
+    """Runs one generation's steps of a :class:`~mlx_mtp.methods.base.DraftMethod`
+    (see the module doc).
+
+    Args:
+        ctx: the method's context (``ctx.planner`` is set to this planner).
+        method: a prepared draft method (its ``auto`` turns the budget on).
+        sampler: None for greedy decoding, else the sampler of plain decoding.
+        curves: the forward cost curves (only read when ``method.auto``): a
+            :class:`~mlx_mtp.costs.LiveCurves` is refined from this
+            generation's passes; fixed curves are used as they are.
+
+    Attributes:
+        acceptance: this generation's acceptance estimates.
+        curve: the cost curve at the cache's current length (``auto``).
+        plain_steps: one-token steps run instead of a draft so far (plain
+            mode, and a step whose offer had nothing to send).
+        reprobes: re-probes after plain mode so far.
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        method: DraftMethod,
+        sampler: Sampler | None,
+        curves: LiveCurves | CostCurve | CostCurves | None = None,
+    ):
+        self.ctx, self.method, self.sampler = ctx, method, sampler
+        self.auto = bool(method.auto)
+        if curves is not None and not isinstance(curves, LiveCurves):
+            curves = LiveCurves(as_curves(curves), learn=False)
+        self.curves = curves
+        self.acceptance = Acceptance(method.acceptance_model())
+        ctx.planner = self
+        # what the method's begin() may read (lookahead's window)
+        self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
+        self.plain = PlainSteps(sampler)
+        self.plain_left = self.plain_steps = self.reprobes = 0
+        self._due = False  # this step is a re-probe
+        self._primed = False  # the last step primed a re-probe
+
+    # ----------------------------------------------------------------- step
+    def step(self, root: int) -> StepOutput:
+        """One decoding step after ``root`` (the last committed token, not yet
+        in the cache): a plain step or a draft step."""
+        engine = self.ctx.engine
+        clock, start = engine.clock, engine.offset
+        seconds, slots = clock.seconds, clock.slots
+        out = self._step(root)
+        if self.auto:  # a measurement of the cost curve at this step's slots
+            passes = out.forwards
+            if passes == 1 and clock.slots > slots:
+                self.curves.observe(clock.slots - slots, clock.seconds - seconds, start)
+        return out
+
+    def finish(self) -> None:
+        """The generation ended: cache what the cost curve learned."""
+        if self.auto:
+            self.curves.save()
+
+    def chain_length(self, source: str, most: int, item_cost: float) -> int:
+        """How many drafts a source whose drafts cost ``item_cost`` one-token
+        forwards each should make (a native MTP layer), from its per-depth
+        estimates under the cost curve: ``most`` with fixed settings; at least
+        one on a re-probe or a nearly free device."""
+        if not self.auto:
+            return most
+        values = chain_values(self.acceptance.qs(source, most))
+        n, _ = best_prefix(self.curve, values, 1, item_cost=item_cost)
+        if self._due or self.curve(3) <= 1.0 + REPROBE_OVERHEAD:
+            n = max(n, 1)
+        return n
+
+    def _step(self, root: int) -> StepOutput:
+        engine = self.ctx.engine
+        if self.plain_left > 0:  # plain mode: pipelined one-token steps until the re-probe
+            self.plain_left -= 1
+            if self.plain_left == 0:
+                self.reprobes += 1
+                self._due = True
+            return self._plain(root, queue_next=not self._due)
+        self.plain.unqueue(engine, root)
+        if self.auto:  # the cost of a draft slot grows with the context
+            self.curve = self.curves.at(engine.offset)
+        offer = self.method.propose(self.ctx, root)
+        reprobe, self._due = self._due, False
+        primed, self._primed = self._primed, False
+        if not self.auto:
+            items = list(offer.items)
+            return self._send(offer, items, len(items), forced=False)
+        items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor)
+        curve = self.curve
+        slots = self._reprobe_slots(offer, items)
+        if not items:
+            if offer.primes and not primed:  # no candidates yet: this pass makes them
+                self._due = self._primed = reprobe
+                return self._send(offer, items, 0, forced=False)
+            if offer.required:
+                return self._send(offer, items, 0, forced=False)
+            if offer.wait and not primed:
+                return self._plain(root, queue_next=False, offer=offer)
+        elif reprobe or curve(max(slots)) <= 1.0 + REPROBE_OVERHEAD:
+            # a re-probe, or a nearly free device: a few items whatever they are worth
+            n = max(n, min(len(items), offer.reprobe_items))
+            return self._send(offer, items, n, forced=reprobe)
+        elif offer.required or rate > 1.0:
+            return self._send(offer, items, n, forced=False)
+        self.plain_left = plain_interval(curve, slots)
+        return self._plain(root, queue_next=True, offer=offer)
+
+    @staticmethod
+    def _reprobe_slots(offer: Offer, items: list[Item]) -> tuple[int, ...]:
+        """Slots of the steps of a re-probe of this offer: the base and
+        ``reprobe_items`` items (a primed re-probe: the base alone first)."""
+        r = offer.reprobe_items
+        taken = [it.slots for it in items[:r]]
+        step = offer.base_slots + sum(taken) + offer.item_slots * (r - len(taken))
+        return (offer.base_slots, step) if offer.primes else (step,)
+
+    def _plain(self, root: int, queue_next: bool, offer: Offer | None = None) -> StepOutput:
+        self.plain_steps += 1
+        if not self.method.lossless:  # a lossy method's one-token step is its own
+            offer = offer if offer is not None else self.method.propose(self.ctx, root)
+            return offer.run(0)
+        tokens = self.plain.step(self.ctx.engine, root, queue_next)
+        self.method.observe(self.ctx, None, PlainResult(tokens, self.plain.queued))
+        return StepOutput(tokens)
+
+    def _send(self, offer: Offer, items: list[Item], n: int, forced: bool) -> StepOutput:
+        """Run the step with the first ``n`` items; learn from its outcome."""
+        acc = self.acceptance
+        reset = forced and acc.model.reset_on_reprobe_hit
+        if offer.run is not None:  # lossy: the method's own pass
+            out = offer.run(n)
+            if n and offer.source:
+                if reset and out.accepted == out.drafted:
+                    acc.reset()  # the text changed: old rates no longer apply
+                acc.source(offer.source).record(out.drafted, out.accepted)
+            return out
+        draft = offer.build(n)
+        verified = speculative_step(self.ctx.engine, draft, self.sampler)
+        self.method.observe(self.ctx, draft, verified)
+        self._learn(offer, items[:n], draft, verified, reset)
+        return StepOutput(verified.tokens, draft.drafted, len(verified.path))
+
+    def _learn(
+        self, offer: Offer, kept: list[Item], draft: Draft, verified: Verified, reset: bool
+    ) -> None:
+        acc = self.acceptance
+        path = verified.path
+        if self.auto and acc.calibration is not None and any(it.node for it in kept):
+            acc.calibration.record(sum(it.value for it in kept if it.node), len(path))
+        if not draft.tags:
+            return
+        if reset and draft.drafted and len(path) == draft.drafted:
+            acc.reset()  # a re-probe's whole draft accepted: the text changed
+        on_path = {0, *path}
+        parents = draft.parent_slots()
+        gained = dict.fromkeys(offer.gains, 0)
+        for i, tags in enumerate(draft.tags):
+            slot = i + 1
+            if int(parents[slot]) in on_path:
+                hit = slot in on_path
+                acc.record(tags, hit)
+                if hit:
+                    for name in {t[0] for t in tags} & gained.keys():
+                        gained[name] += 1
+        for name, tokens in gained.items():
+            acc.record_gain(name, tokens)
