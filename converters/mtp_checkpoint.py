@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlx_mtp.engine import TREE_FAMILIES
+from mlx_mtp.families import TREE_FAMILIES
 from mlx_mtp.errors import (
     CheckpointMismatchError,
     InvalidArgumentError,
@@ -53,7 +53,7 @@ from mlx_mtp.mtp_checkpoint import (
 )
 
 #: model types whose checkpoints confadapt can decode: the llama-style families
-#: of the tree forward pass (listed once, in :data:`mlx_mtp.engine.TREE_FAMILIES`)
+#: of the tree forward pass (listed once, in :data:`mlx_mtp.families.TREE_FAMILIES`)
 SUPPORTED_MODEL_TYPES = TREE_FAMILIES
 
 #: largest output shard (bytes); mlx-lm's ``save_model`` uses 5 GB
