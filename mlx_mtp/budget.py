@@ -49,9 +49,15 @@ class CostCurve:
         context: tokens in the cache when it was measured (None: not known,
             or the same at every context).
         seconds: the measured time of one slot (None: not known).
+        measured: the costs are timings at these sizes only: between two
+            sizes ``c`` takes the larger one's cost, so that a step of the
+            device's kernels between them (Metal's quantized matmul works in
+            32-row tiles) is never priced below what was measured. Otherwise
+            (a curve given by hand, a simulated device) ``c`` is linear in
+            between.
 
-    ``c(n)`` is linear between measured sizes and extends the last segment's
-    slope beyond the largest one; ``c(n) = 1`` for ``n <= 1``.
+    ``c(n)`` extends the last segment's slope beyond the largest size;
+    ``c(n) = 1`` for ``n <= 1``.
 
     Raises:
         ValueError: sizes not increasing from 1, or lengths differ.
@@ -63,6 +69,7 @@ class CostCurve:
         costs: Sequence[float],
         context: int | None = None,
         seconds: float | None = None,
+        measured: bool = False,
     ):
         sizes = [int(s) for s in sizes]
         costs = [float(c) for c in costs]
@@ -74,6 +81,7 @@ class CostCurve:
         for c in costs[1:]:
             mono.append(max(mono[-1], c if math.isfinite(c) else mono[-1]))
         self.sizes, self.costs, self.context, self.seconds = sizes, mono, context, seconds
+        self.measured = measured
         self._least: dict[int, list[float]] = {}
 
     @classmethod
@@ -98,6 +106,8 @@ class CostCurve:
         i = bisect.bisect_left(s, n)  # on the list: called per draft item, every step
         if i >= len(s):
             i = len(s) - 1
+        elif self.measured:  # up to the next measured size: never below a measured step
+            return c[i]
         a, b = i - 1, i
         return c[a] + (c[b] - c[a]) * (n - s[a]) / (s[b] - s[a])
 
@@ -190,7 +200,7 @@ class CostCurves:
         costs = [lo(n) + w * (hi(n) - lo(n)) for n in lo.sizes]
         if w > 1.0:  # extrapolated: never above n one-token passes
             costs = [min(c, float(n)) for c, n in zip(costs, lo.sizes)]
-        return CostCurve(lo.sizes, costs, context=context, seconds=lo.seconds)
+        return CostCurve(lo.sizes, costs, context=context, seconds=lo.seconds, measured=lo.measured)
 
     def to_list(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.curves]
@@ -228,9 +238,10 @@ def best_prefix(
     base_slots: int = 1,
     base_value: float = 0.0,
     item_cost: float = 0.0,
+    base_cost: float = 0.0,
 ) -> tuple[int, float]:
     """The prefix of a best-first list of draft items that maximises expected
-    tokens per unit of forward time.
+    tokens per unit of time.
 
     Args:
         curve: the device's forward cost.
@@ -242,12 +253,15 @@ def best_prefix(
         item_cost: time each item costs besides its slots, in one-token
             forwards (a draft model's pass per drafted token: ``mtp``'s
             layer and LM head); 0 for drafts that cost nothing to make.
+        base_cost: time a draft step costs besides its forward pass, in
+            one-token forwards (the host work of drafting and verifying).
 
     Returns:
         ``(n, rate)``: items to keep (0 = none) and the rate
-        ``(1 + base_value + sum(values[:n])) / (c(base_slots + slots[:n]) + n * item_cost)``.
+        ``(1 + base_value + sum(values[:n])) / (c(base_slots + slots[:n]) + n * item_cost
+        + base_cost)``.
     """
-    p = PrefixBound(curve, None, base_slots, base_value, item_cost)
+    p = PrefixBound(curve, None, base_slots, base_value, item_cost, base_cost)
     for i, v in enumerate(values):
         p.add(v, slots if isinstance(slots, int) else slots[i])
     return p.best_n, p.best
@@ -272,7 +286,7 @@ class PrefixBound:
         curve: the device's forward cost.
         max_slots: the most slots a prefix may take (BC); needed only by
             :meth:`exhausted`.
-        base_slots, base_value, item_cost: as :func:`best_prefix`.
+        base_slots, base_value, item_cost, base_cost: as :func:`best_prefix`.
 
     Attributes:
         best_n, best: the best prefix of the items added so far and its rate
@@ -286,10 +300,12 @@ class PrefixBound:
         base_slots: int = 1,
         base_value: float = 0.0,
         item_cost: float = 0.0,
+        base_cost: float = 0.0,
     ):
         self.curve, self.max_slots, self.item_cost = curve, max_slots, item_cost
+        self.base_cost = base_cost
         self.total, self.used, self.items = 1.0 + base_value, base_slots, 0
-        self.best_cost = curve(self.used)
+        self.best_cost = curve(self.used) + base_cost
         self.best_n, self.best = 0, self.total / self.best_cost
 
     def add(self, value: float, slots: int) -> None:
@@ -298,7 +314,7 @@ class PrefixBound:
         self.total += v
         self.used += slots
         self.items += 1
-        cost = self.curve(self.used) + self.item_cost * self.items
+        cost = self.curve(self.used) + self.item_cost * self.items + self.base_cost
         r = self.total / cost
         # a free item of any value is taken (1 + 1e-19 rounds to 1 in a ratio)
         if r > self.best or (v > 0.0 and cost <= self.best_cost):
@@ -312,7 +328,8 @@ class PrefixBound:
             raise ValueError("PrefixBound.exhausted needs max_slots")
         if s >= top:
             return True
-        u, a, c, m = max(per_slot, 0.0), self.total, self.curve(s), self.curve.least_slopes(top)[s]
+        u, a, m = max(per_slot, 0.0), self.total, self.curve.least_slopes(top)[s]
+        c = self.curve(s) + self.base_cost + self.item_cost * self.items
         if u == 0.0 or u * c < m * a * (1.0 - 1e-9):  # the bound falls with every slot
             return True
         d = top - s  # a margin for rounding: stop only when clearly done

@@ -47,18 +47,22 @@ from .budget import CostCurve, CostCurves, as_curves, parse_curve
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
 from .fingerprint import model_fingerprint
+from .timing import simulated_device
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-#: forward sizes (slots) the curve is measured at
-CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: forward sizes (slots) the curve is measured at: every size up to 16 (where
+#: Metal's quantized matmul switches from its vector to its matrix kernel on
+#: M1/M2), then both sides of its 32-row tiles (33 rows cost about twice 32)
+CURVE_SIZES = (*range(1, 17), 24, 32, 33, 40, 48, 64)
 #: timing rounds per size of a full measurement (after one warm-up round)
 CURVE_REPEATS = 3
 #: timing rounds of the warm-up of a first ``auto`` run
 WARMUP_REPEATS = 1
-#: version of the cache file layout (3: the one-slot time and the learned curve)
-CURVE_FORMAT = 3
+#: version of the cache file layout (3: the one-slot time and the learned curve;
+#: 4: keys with quantization and MLX version, dense sizes)
+CURVE_FORMAT = 4
 #: tokens added to the cache for the second, long-context curve
 LONG_CONTEXT_EXTRA = 1024
 #: weight of a new measurement in the online averages
@@ -144,7 +148,7 @@ def measure_cost_curve(
                     times[s].append(dt)
     t1 = float(np.median(times[1]))
     costs = [float(np.median(times[s])) / t1 for s in sizes]
-    return CostCurve(sizes, costs, context=start, seconds=t1)
+    return CostCurve(sizes, costs, context=start, seconds=t1, measured=True)
 
 
 def measure_cost_curves(
@@ -205,20 +209,41 @@ def device_name() -> str:
     return f"{kind}:{name}"
 
 
+def quantization(model: Any) -> str:
+    """The weight quantization of a model's layers, which chooses the
+    device's matmul kernels: ``"none"``, or e.g. ``"affine-4b-g64"`` (mode,
+    bits, group size; several joined by ``+`` when layers differ)."""
+    kinds = set()
+    for _, m in model.named_modules():
+        if hasattr(m, "bits") and hasattr(m, "group_size"):
+            mode = getattr(m, "mode", "affine")
+            kinds.add(f"{mode}-{m.bits}b-g{m.group_size}")
+    return "+".join(sorted(kinds)) or "none"
+
+
 def curve_key(engine: Engine) -> dict[str, str]:
     """What a cached curve must match: the model's architecture and fingerprint
     (two architectures can share a fingerprint: tiny test models built from one
-    seed), the device and the dtype the model computes in."""
+    seed), its weight quantization, the dtype it computes in, the device
+    (with the BLAS threads on a CPU) and the MLX version (kernels change
+    between releases)."""
     dtype = str(engine.embed_tokens([0]).dtype).replace("mlx.core.", "")
     arch = getattr(getattr(engine.model, "args", None), "model_type", None)
     model = model_fingerprint(engine.model)
-    return {"model": f"{arch}-{model}" if arch else model, "device": device_name(), "dtype": dtype}
+    return {
+        "model": f"{arch}-{model}" if arch else model,
+        "quantization": quantization(engine.model),
+        "device": device_name(),
+        "dtype": dtype,
+        "mlx": mx.__version__,
+    }
 
 
 def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
-    """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of device>.json``."""
-    dev = hashlib.sha256(key["device"].encode()).hexdigest()[:10]
-    return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{dev}.json"
+    """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of the rest of the key>.json``."""
+    rest = json.dumps({k: v for k, v in key.items() if k not in ("model", "dtype")}, sort_keys=True)
+    h = hashlib.sha256(rest.encode()).hexdigest()[:10]
+    return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{h}.json"
 
 
 def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | None:
@@ -230,11 +255,17 @@ def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | No
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("format") not in (2, CURVE_FORMAT) or data.get("key") != key:
+        if data.get("format") != CURVE_FORMAT or data.get("key") != key:
             return None
         return CostCurves(
             [
-                CostCurve(c["sizes"], c["costs"], context=c["context"], seconds=c.get("seconds"))
+                CostCurve(
+                    c["sizes"],
+                    c["costs"],
+                    context=c["context"],
+                    seconds=c.get("seconds"),
+                    measured=True,
+                )
                 for c in data["curves"]
             ]
         )
@@ -282,6 +313,9 @@ class LiveCurves:
         self.sizes = list(first.sizes)
         self.k = np.ones(len(self.sizes))
         self.t1 = first.seconds
+        #: host seconds per draft step of each method (its settings string),
+        #: carried from one generation to the next (:class:`~mlx_mtp.planner.Planner`)
+        self.host: dict[str, float] = {}
         self.changed = False
         self._at: dict[int, tuple[int, CostCurve]] = {}
         self.version = 0
@@ -293,7 +327,9 @@ class LiveCurves:
         if hit is None or hit[0] != self.version:
             base = self.base.at(context)
             costs = [base(s) * float(f) for s, f in zip(self.sizes, self.k)]
-            curve = CostCurve(self.sizes, costs, context=base.context, seconds=self.t1)
+            curve = CostCurve(
+                self.sizes, costs, context=base.context, seconds=self.t1, measured=base.measured
+            )
             hit = self._at[bucket] = (self.version, curve)
         return hit[1]
 
@@ -330,7 +366,10 @@ class LiveCurves:
         out = []
         for c in self.base.curves:
             costs = [c(s) * float(f) for s, f in zip(self.sizes, self.k)]
-            out.append(CostCurve(self.sizes, costs, context=c.context, seconds=self.t1))
+            curve = CostCurve(
+                self.sizes, costs, context=c.context, seconds=self.t1, measured=c.measured
+            )
+            out.append(curve)
         return CostCurves(out)
 
     def save(self) -> None:
@@ -356,7 +395,9 @@ _LIVE: dict[str, LiveCurves] = {}
 
 def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
     """This device's forward cost curves for the engine's model (see the
-    module doc): ``$MLX_MTP_COST_CURVE`` (pinned, not refined), else shared
+    module doc): a simulated device's (``$MLX_MTP_SIMULATE_DEVICE``,
+    :mod:`mlx_mtp.timing`), else ``$MLX_MTP_COST_CURVE`` (pinned, not
+    refined), else shared
     per (model, device, dtype) in this process, else the cached file, else a
     warm-up measurement (cached). ``MLX_MTP_REMEASURE_COST=1`` ignores the
     cached file. On a model sharded over several ranks every rank gets rank
@@ -367,6 +408,11 @@ def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
     Raises:
         InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
     """
+    sim = simulated_device()
+    if sim is not None:  # the planner runs on the simulated device's own curve
+        per_token, curve = sim
+        sim_curve = CostCurve(curve.sizes, curve.costs, seconds=per_token)
+        return LiveCurves(CostCurves([sim_curve]), learn=False)
     spec = os.environ.get("MLX_MTP_COST_CURVE")
     if spec:
         return LiveCurves(CostCurves([parse_curve(spec)]), learn=False)

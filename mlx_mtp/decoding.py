@@ -12,7 +12,6 @@ clears MLX's buffer cache every 256 tokens, and prefills in steps of 2048
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -179,9 +178,10 @@ def generate_steps(
         prompt_tokens=len(prompt),
     )
     mx.reset_peak_memory()
-    t0 = time.perf_counter()
+    clock = engine.clock  # a simulated device's virtual clock too (mlx_mtp.timing)
+    t0 = clock.now()
     stats.prefill_tokens = engine.sync(prompt[:-1])
-    stats.prefill_time = time.perf_counter() - t0
+    stats.prefill_time = clock.now() - t0
     planner = None
     if isinstance(method, DraftMethod):
         curves = ctx.curves
@@ -196,7 +196,7 @@ def generate_steps(
     wired = wired_limit(engine.model)
     wired.__enter__()
     cleared = 0
-    t0 = time.perf_counter()
+    t0 = clock.now()
     try:
         while finish is None:
             if n - cleared >= CLEAR_CACHE_EVERY:
@@ -217,7 +217,7 @@ def generate_steps(
             stats.drafted += out.drafted
             stats.accepted += min(out.accepted, len(tokens) - 1) if tokens else 0
             stats.accept_lengths.append(len(tokens))
-            stats.decode_time = time.perf_counter() - t0
+            stats.decode_time = clock.now() - t0
             stats.forward_time = engine.forward_seconds - f0
             stats.slots = engine.forward_slots - s0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9

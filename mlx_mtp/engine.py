@@ -31,7 +31,7 @@ from .cache_view import TreeCacheView
 from .errors import CacheNotTrimmableError, UnsupportedModelError
 from .families import model_parts
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
-from .timing import DeviceClock
+from .timing import make_clock
 
 #: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
 PREFILL_STEP = 2048
@@ -50,7 +50,7 @@ class Engine:
         self.max_kv_size = max_kv_size
         self.use_model(model)
         #: forward passes, their slots and device seconds (:mod:`mlx_mtp.timing`)
-        self.clock = DeviceClock()
+        self.clock = make_clock()
         #: tokens the last :meth:`sync` processed (its hidden states are the
         #: model's last forward outputs: the native MTP layer reads them)
         self.last_prefill = 0
@@ -313,7 +313,7 @@ class Engine:
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
         logits, h = self._chain(mx.array(tokens))
-        self.clock.finish(t0, [logits] if h is None else [logits, h], wait)
+        self.clock.finish(t0, [logits] if h is None else [logits, h], wait, len(tokens))
         return logits, (h if hidden else None)
 
     def _chain(self, ids: mx.array, count: bool = True) -> tuple[mx.array, mx.array | None]:
@@ -436,15 +436,16 @@ class Engine:
         self._tree_rows = (L, n, views) if plain else None
         self.cached.extend(slot_tokens)
         self.count_forward(n)
-        return self._tree_outputs(h, t0, hidden, logit_rows, wait)
+        return self._tree_outputs(h, t0, hidden, logit_rows, wait, n)
 
     def _tree_outputs(
-        self, h: mx.array, t0: float, hidden: bool, logit_rows: int | None, wait: bool
+        self, h: mx.array, t0: float, hidden: bool, logit_rows: int | None, wait: bool, n: int
     ) -> tuple[mx.array, mx.array | None]:
-        """Logits of a tree pass's hidden states ``h`` (N, D), evaluated now
-        (``wait``) or started for :meth:`settle`; ``t0`` is the pass's start."""
+        """Logits of a tree pass's hidden states ``h`` (N, D) of ``n`` slots,
+        evaluated now (``wait``) or started for :meth:`settle`; ``t0`` is the
+        pass's start."""
         logits = self.lm_head(h if logit_rows is None else h[:logit_rows])
-        self.clock.finish(t0, [logits, h], wait)
+        self.clock.finish(t0, [logits, h], wait, n)
         return logits, (h if hidden else None)
 
     def _forward_chain_tree(
@@ -481,7 +482,7 @@ class Engine:
         h = self.backbone(None, cache=self.cache, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.count_forward(n)
-        return self._tree_outputs(h, t0, hidden, logit_rows, wait)
+        return self._tree_outputs(h, t0, hidden, logit_rows, wait, n)
 
     def keep(self, start: int, slots: list[int]) -> None:
         """After a tree forward that began at cache offset ``start``, keep only the

@@ -14,7 +14,13 @@ bottom:
    offer can bound what it has not produced yet:
    :class:`~mlx_mtp.budget.PrefixBound`); node values are scaled by the
    whole-draft calibration when the method learns one.
-3. If no prefix beats a one-token step (rate 1), the method enters *plain
+   The whole step is priced: a draft step's time is its forward pass
+   ``c(n)`` plus the host work this method's draft steps measured (drafting,
+   tree building, the walk, keeping the cache), and it is compared with a
+   plain step's measured, pipelined time, all in one-token forwards (where
+   the curve knows the seconds of a forward; ``MLX_MTP_HOST_TERM=0`` leaves
+   the host out).
+3. If no prefix beats a plain step, the method enters *plain
    mode*: pipelined one-token steps exactly as ``ntp`` runs them
    (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
    costs at most ``REPROBE_OVERHEAD`` of the time; a re-probe sends at least
@@ -38,7 +44,7 @@ re-probe interval are this package's own (docs/budget.md).
 from __future__ import annotations
 
 import math
-import time
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,6 +67,8 @@ if TYPE_CHECKING:
 REPROBE_OVERHEAD = 0.01
 #: bounds of the plain-mode interval (steps)
 MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 64
+#: weight of a new step in the averages of host and plain-step time
+HOST_RATE = 0.2
 
 
 @dataclass
@@ -208,12 +216,14 @@ class PlainSteps:
 
     def __init__(self, sampler: Sampler | None):
         self.sampler = sampler
-        #: (lazy argmax after the queued token, cache offset after it)
-        self.next: tuple[mx.array, int] | None = None
+        #: (lazy argmax after the queued token, cache offset after it, when
+        #: the clock has it done)
+        self.next: tuple[mx.array, int, float] | None = None
 
     def step(self, engine: Engine, root: int, queue_next: bool = True) -> list[int]:
         """Commit one token after ``root``; with ``queue_next`` also start the
         forward pass of that token (only where the cache can drop it again)."""
+        clock = engine.clock
         if self.sampler is not None:
             logits, _ = engine.forward_chain([root], wait=False)
             last = logits[-1:].astype(mx.float32)
@@ -221,25 +231,27 @@ class PlainSteps:
             tok = draw(self.sampler, lp, engine.slot_positions[-1:] + 1)
             engine.timed_eval(tok)
             return [int(tok.item())]
-        t0 = time.perf_counter()
+        t0 = clock.now()
         nxt, self.next = self.next, None
         if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
-            y = nxt[0]  # root's forward was queued by the last step; y is its argmax
+            y, done = nxt[0], nxt[2]  # root's forward was queued by the last step
             engine.count_forward()  # that pass is used now
         else:
             logits, _ = engine.forward_chain([root], wait=False)
-            y = mx.argmax(logits[-1:], axis=-1)
+            y, done = mx.argmax(logits[-1:], axis=-1), 0.0
             engine.timed_eval(y)
-            t0 = time.perf_counter()
+            t0 = clock.now()
         if queue_next and engine.trimmable(2):
+            # queue the forward of y before reading it: the device works on while
+            # the host waits for y and hands it out
             following = mx.argmax(engine.queue_token(y), axis=-1)
-            mx.async_eval(following)
-            tok = int(y.item())
+            queued = clock.launch([following], 1)
+            tok = clock.block(lambda: int(y.item()), done)
             engine.resolve_last(tok)
-            self.next = (following, engine.offset)
+            self.next = (following, engine.offset, queued)
         else:
-            tok = int(y.item())
-        engine.clock.seconds += time.perf_counter() - t0
+            tok = clock.block(lambda: int(y.item()), done)
+        clock.seconds += clock.now() - t0
         return [tok]
 
     @property
@@ -254,25 +266,34 @@ class PlainSteps:
             engine.trim_to(engine.offset - 1)
 
 
-def plain_interval(curve: CostCurve, reprobe: Sequence[int]) -> int:
+def plain_interval(
+    curve: CostCurve, reprobe: Sequence[int], host: float = 0.0, plain: float = 1.0
+) -> int:
     """Plain steps between re-probes whose steps take ``reprobe`` slots: their
-    extra cost ``sum(c(s) - 1)`` spread over the interval is
-    ``REPROBE_OVERHEAD``, within ``[MIN_PLAIN_STEPS, MAX_PLAIN_STEPS]``."""
-    extra = sum(max(curve(s) - 1.0, 0.0) for s in reprobe)
+    extra cost ``sum(c(s) + host - plain)`` (``host``: a draft step's host
+    work, ``plain``: a plain step's time, in one-token forwards) spread over
+    the interval is ``REPROBE_OVERHEAD``, within ``[MIN_PLAIN_STEPS,
+    MAX_PLAIN_STEPS]``."""
+    extra = sum(max(curve(s) + host - plain, 0.0) for s in reprobe)
     n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
     return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
 
 
-def cut_offer(curve: CostCurve, offer: Offer, scale: float = 1.0) -> tuple[list[Item], int, float]:
+def cut_offer(
+    curve: CostCurve, offer: Offer, scale: float = 1.0, host: float = 0.0
+) -> tuple[list[Item], int, float]:
     """Take an offer's items (until no longer prefix can pay, where the offer
     bounds what it has not produced: :class:`~mlx_mtp.budget.PrefixBound`)
-    and find the best prefix under ``curve``, node values times ``scale``.
+    and find the best prefix under ``curve``, node values times ``scale``,
+    a draft step costing ``host`` one-token forwards of host work besides.
 
     Returns:
         ``(items taken, n, rate)``: the best prefix keeps ``n`` items, at
-        ``rate`` expected tokens per unit of forward time.
+        ``rate`` expected tokens per one-token forward of time.
     """
-    bound = PrefixBound(curve, offer.max_slots, offer.base_slots, offer.base_value, offer.item_cost)
+    bound = PrefixBound(
+        curve, offer.max_slots, offer.base_slots, offer.base_value, offer.item_cost, host
+    )
     stop = offer.remaining if offer.max_slots is not None else None
     items: list[Item] = []
     for it in offer.items:
@@ -324,6 +345,15 @@ class Planner:
         self.plain_left = self.plain_steps = self.reprobes = 0
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
+        # the whole step (docs/budget.md): the host work of this method's draft
+        # steps and a plain step's (pipelined) time, in seconds, averaged online;
+        # counted only where the curve knows the seconds of one forward
+        self._t1 = self.curves.t1 if self.auto else None
+        self.host_term = self._t1 is not None and os.environ.get("MLX_MTP_HOST_TERM") != "0"
+        self._key = method.describe()
+        self.host = self.curves.host.get(self._key, 0.0) if self.auto else 0.0
+        self.plain_time: float | None = None
+        self._kind = ""
 
     # ----------------------------------------------------------------- step
     def step(self, root: int) -> StepOutput:
@@ -331,17 +361,39 @@ class Planner:
         in the cache): a plain step or a draft step."""
         engine = self.ctx.engine
         clock, start = engine.clock, engine.offset
-        seconds, slots = clock.seconds, clock.slots
+        t0, seconds, slots = clock.now(), clock.seconds, clock.slots
+        self._kind = ""
         out = self._step(root)
         if self.auto:  # a measurement of the cost curve at this step's slots
-            passes = out.forwards
-            if passes == 1 and clock.slots > slots:
-                self.curves.observe(clock.slots - slots, clock.seconds - seconds, start)
+            device = clock.seconds - seconds
+            if out.forwards == 1 and clock.slots > slots:
+                self.curves.observe(clock.slots - slots, device, start)
+            wall = clock.now() - t0
+            if self._kind == "draft":
+                self.host += HOST_RATE * (wall - device - self.host)
+            elif self._kind == "plain":
+                old = self.plain_time if self.plain_time is not None else wall
+                self.plain_time = old + HOST_RATE * (wall - old)
         return out
 
+    @property
+    def host_cost(self) -> float:
+        """A draft step's host work in one-token forwards (0 without the host term)."""
+        return self.host / self._t1 if self.host_term else 0.0
+
+    @property
+    def plain_cost(self) -> float:
+        """A plain step's time in one-token forwards (1 until one is measured,
+        or without the host term)."""
+        if not self.host_term or self.plain_time is None:
+            return 1.0
+        return max(self.plain_time / self._t1, 1e-3)
+
     def finish(self) -> None:
-        """The generation ended: cache what the cost curve learned."""
+        """The generation ended: cache what the cost curve learned, keep the
+        method's host time for its next generation."""
         if self.auto:
+            self.curves.host[self._key] = self.host
             self.curves.save()
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
@@ -352,10 +404,17 @@ class Planner:
         if not self.auto:
             return most
         values = chain_values(self.acceptance.qs(source, most))
-        n, _ = best_prefix(self.curve, values, 1, item_cost=item_cost)
-        if self._due or self.curve(3) <= 1.0 + REPROBE_OVERHEAD:
+        n, _ = best_prefix(self.curve, values, 1, item_cost=item_cost, base_cost=self.host_cost)
+        if self._due or self._cheap((3,)):
             n = max(n, 1)
         return n
+
+    def _cheap(self, slots: Sequence[int]) -> bool:
+        """Whether the largest step of ``slots`` slots costs a plain step's time
+        up to ``REPROBE_OVERHEAD`` (a memory-bound device with little host
+        work): probing every step then costs no more than a periodic re-probe."""
+        draft = self.curve(max(slots)) + self.host_cost
+        return draft <= (1.0 + REPROBE_OVERHEAD) * self.plain_cost
 
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine
@@ -364,6 +423,7 @@ class Planner:
             if self.plain_left == 0:
                 self.reprobes += 1
                 self._due = True
+            self._kind = "plain"
             return self._plain(root, queue_next=not self._due)
         self.plain.unqueue(engine, root)
         if self.auto:  # the cost of a draft slot grows with the context
@@ -374,8 +434,8 @@ class Planner:
         if not self.auto:
             items = list(offer.items)
             return self._send(offer, items, len(items), forced=False)
-        items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor)
-        curve = self.curve
+        host, plain = self.host_cost, self.plain_cost
+        items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
         slots = self._reprobe_slots(offer, items)
         if not items:
             if offer.primes and not primed:  # no candidates yet: this pass makes them
@@ -385,13 +445,13 @@ class Planner:
                 return self._send(offer, items, 0, forced=False)
             if offer.wait and not primed:
                 return self._plain(root, queue_next=False, offer=offer)
-        elif reprobe or curve(max(slots)) <= 1.0 + REPROBE_OVERHEAD:
+        elif reprobe or self._cheap(slots):
             # a re-probe, or a nearly free device: a few items whatever they are worth
             n = max(n, min(len(items), offer.reprobe_items))
             return self._send(offer, items, n, forced=reprobe)
-        elif offer.required or rate > 1.0:
+        elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
             return self._send(offer, items, n, forced=False)
-        self.plain_left = plain_interval(curve, slots)
+        self.plain_left = plain_interval(self.curve, slots, host, plain)
         return self._plain(root, queue_next=True, offer=offer)
 
     @staticmethod
@@ -414,6 +474,7 @@ class Planner:
 
     def _send(self, offer: Offer, items: list[Item], n: int, forced: bool) -> StepOutput:
         """Run the step with the first ``n`` items; learn from its outcome."""
+        self._kind = "draft"
         acc = self.acceptance
         reset = forced and acc.model.reset_on_reprobe_hit
         if offer.run is not None:  # lossy: the method's own pass

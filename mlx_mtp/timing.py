@@ -6,15 +6,26 @@ device spends on them, including vocabulary-wide work on their outputs
 time. A pass can be started without waiting (``mx.async_eval``): the host then
 builds the graphs that read its outputs while the device runs, and
 :meth:`DeviceClock.wait` counts the device time from the pass's start.
+
+:class:`SimulatedClock` (``MLX_MTP_SIMULATE_DEVICE``) is a virtual clock for
+judging the budget against a fast GPU on a machine that has none: every
+forward pass takes the simulated device's time for its slot count instead of
+this machine's, host work takes its real time, and a pass queued before the
+host goes on overlaps that host work, as on a real device (see
+:func:`simulated_device` and docs/mac.md).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
+
+from .errors import InvalidArgumentError
 
 
 class DeviceClock:
@@ -23,48 +34,71 @@ class DeviceClock:
     Attributes:
         passes: forward passes counted (prefill chunks excluded).
         slots: input slots (tokens and masks) over those passes.
-        seconds: wall seconds inside those passes (graph build + evaluation)
-            and the device work on their outputs.
-        pending: a pass started without waiting: (start time, its outputs).
+        seconds: seconds inside those passes (graph build + evaluation) and
+            the device work on their outputs.
+        pending: a pass started without waiting: (start time, its outputs,
+            when it is done).
     """
+
+    simulated = False
 
     def __init__(self) -> None:
         self.passes = 0
         self.slots = 0
         self.seconds = 0.0
-        self.pending: tuple[float, list[mx.array]] | None = None
+        self.pending: tuple[float, list[mx.array], float] | None = None
+
+    def now(self) -> float:
+        """The clock's time in seconds (``time.perf_counter`` here)."""
+        return time.perf_counter()
 
     def count(self, slots: int = 1) -> None:
         """Count one forward pass of ``slots`` input slots."""
         self.passes += 1
         self.slots += int(slots)
 
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
+    def launch(self, outputs: list[mx.array], slots: int) -> float:
+        """Start a pass of ``slots`` slots (``mx.async_eval``); returns when
+        it will be done on this clock (0: not known, a real device)."""
+        mx.async_eval(*outputs)
+        return 0.0
 
-    def finish(self, t0: float, outputs: list[mx.array], wait: bool) -> None:
-        """A pass whose graph building began at ``t0``: evaluate ``outputs``
-        now (``wait``) or start them and leave the pass pending."""
+    def block(self, read: Callable[[], Any], done: float = 0.0) -> Any:
+        """``read()`` (which waits for the device: ``int(y.item())``), the
+        pass behind it done at ``done`` (from :meth:`launch`)."""
+        return read()
+
+    def finish(self, t0: float, outputs: list[mx.array], wait: bool, slots: int = 1) -> None:
+        """A pass of ``slots`` slots whose graph building began at ``t0``:
+        evaluate ``outputs`` now (``wait``) or start them and leave the pass
+        pending for :meth:`wait`."""
+        done = self.launch(outputs, slots)
         if wait:
-            mx.eval(*outputs)
-            self.seconds += time.perf_counter() - t0
+            self.block(lambda: mx.eval(*outputs), done)
+            self.seconds += self.now() - t0
         else:
-            mx.async_eval(*outputs)
-            self.pending = (t0, outputs)
+            self.pending = (t0, outputs, done)
 
     def wait(self, *arrays: mx.array) -> None:
         """Evaluate ``arrays`` (and a pending pass) and count the time as
         device time, from the pending pass's start if there is one."""
-        t0, running = self.pending or (time.perf_counter(), [])
-        mx.eval(*arrays, *running)
-        self.pending = None
-        self.seconds += time.perf_counter() - t0
+        if self.pending is None:
+            t0 = self.now()
+            mx.eval(*arrays)
+        else:
+            t0, running, done = self.pending
+            self.pending = None
+            self.block(lambda: mx.eval(*arrays, *running), done)
+        self.seconds += self.now() - t0
 
     def settle(self) -> None:
         """Finish a pass started without waiting, if any."""
         if self.pending is not None:
             self.wait()
+
+    def sync(self) -> None:
+        """Wait until the device has finished everything queued."""
+        mx.synchronize()
 
     @contextmanager
     def untimed(self) -> Iterator[None]:
@@ -75,3 +109,86 @@ class DeviceClock:
         finally:
             self.settle()
             self.passes, self.slots, self.seconds = saved
+
+
+class SimulatedClock(DeviceClock):
+    """A virtual clock: forward passes take a simulated device's time.
+
+    Virtual time runs with real time, except while the host waits for this
+    machine's computation of a pass: that wait is left out, and the clock
+    moves on to when the simulated device would have finished the pass. The
+    simulated device runs one pass at a time; a pass of ``n`` slots takes
+    ``seconds_per_token * curve(n)``. So a pipelined one-token step (the next
+    pass queued before the host reads the current token) costs the larger of
+    its host work and the device time, a draft step its serial host work plus
+    the device time. Device work outside passes (top-k, an MTP layer) keeps
+    its real time.
+
+    Args:
+        seconds_per_token: the simulated one-token pass.
+        curve: the simulated relative cost ``c(n)`` (a
+            :class:`~mlx_mtp.budget.CostCurve`).
+    """
+
+    simulated = True
+
+    def __init__(self, seconds_per_token: float, curve: Any):
+        super().__init__()
+        self.seconds_per_token, self.curve = seconds_per_token, curve
+        self.offset = 0.0  # virtual - real time
+        self.free = 0.0  # when the simulated device finishes its queue
+
+    def now(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def launch(self, outputs: list[mx.array], slots: int) -> float:
+        r0 = time.perf_counter()
+        mx.async_eval(*outputs)  # the CPU backend may compute some of it right here
+        self.offset -= time.perf_counter() - r0
+        start = max(self.now(), self.free)
+        self.free = start + self.seconds_per_token * self.curve(slots)
+        return self.free
+
+    def block(self, read: Callable[[], Any], done: float = 0.0) -> Any:
+        r0 = time.perf_counter()
+        out = read()
+        self.offset -= time.perf_counter() - r0  # this machine's compute: not counted
+        self.offset += max(done - self.now(), 0.0)  # the simulated device's instead
+        return out
+
+    def sync(self) -> None:
+        self.block(mx.synchronize, self.free)
+
+
+def simulated_device(spec: str | None = None) -> tuple[float, Any] | None:
+    """The simulated device of ``MLX_MTP_SIMULATE_DEVICE`` (or ``spec``):
+    ``"ms_per_token=12,curve=1:1,16:1.05,64:1.3"`` -> (seconds per token,
+    :class:`~mlx_mtp.budget.CostCurve`), None when not set.
+
+    Raises:
+        InvalidArgumentError: a malformed specification.
+    """
+    from .budget import parse_curve
+
+    spec = os.environ.get("MLX_MTP_SIMULATE_DEVICE") if spec is None else spec
+    if not spec:
+        return None
+    ms, _, curve = spec.replace(" ", "").partition(",curve=")
+    key, _, value = ms.partition("=")
+    try:
+        per_token = float(value) / 1000.0
+        if key != "ms_per_token" or not curve or not 0 < per_token < 60:
+            raise ValueError
+        return per_token, parse_curve(curve)
+    except (ValueError, InvalidArgumentError):
+        raise InvalidArgumentError(
+            f"MLX_MTP_SIMULATE_DEVICE={spec!r} is not a device: give "
+            "'ms_per_token=MS,curve=SLOTS:COST,...', e.g. "
+            "'ms_per_token=12,curve=1:1,16:1.05,64:1.3'."
+        ) from None
+
+
+def make_clock() -> DeviceClock:
+    """A :class:`SimulatedClock` under ``MLX_MTP_SIMULATE_DEVICE``, else a real one."""
+    sim = simulated_device()
+    return SimulatedClock(*sim) if sim is not None else DeviceClock()

@@ -356,3 +356,53 @@ def test_auto_defaults_are_exact_on_smollm(
         assert stats.drafted > 0  # the memory-bound device does draft
     else:
         assert stats.plain_steps > 0 and stats.reprobes > 0
+
+
+# ------------------------------------------------- keys, steps, the whole step
+def test_curve_keys_name_quantization_dtype_and_mlx_version(monkeypatch):
+    import mlx.nn as nn
+
+    model = make_tiny_model("llama", seed=4)
+    key = curve_key(Engine(model))
+    assert key["quantization"] == "none" and key["mlx"] == mx.__version__
+    bf16 = make_tiny_model("llama", seed=4)
+    bf16.set_dtype(mx.bfloat16)
+    q8 = make_tiny_model("llama", seed=4)
+    nn.quantize(q8, group_size=32, bits=8)
+    kb, kq = curve_key(Engine(bf16)), curve_key(Engine(q8))
+    assert kb["dtype"] == "bfloat16" and kq["quantization"] == "affine-8b-g32"
+    assert len({curve_path(k) for k in (key, kb, kq)}) == 3  # three files
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    assert curve_path(curve_key(Engine(model))) != curve_path(key)  # another MLX: measured again
+
+
+def test_measured_curve_never_prices_a_kernel_step_below_what_was_measured():
+    """A device whose cost doubles past 32 rows (Metal's 32-row tiles): the
+    curve measured at the default sizes prices every size from 33 on at least
+    at the step, where linear interpolation over the old sizes (32, 48)
+    priced 33-47 slots below it."""
+
+    def true_cost(n):  # flat, then twice as dear from 33 rows on
+        return 1.0 + 0.01 * n if n <= 32 else 2.0 + 0.01 * n
+
+    sizes = list(costs.CURVE_SIZES)
+    measured = CostCurve(sizes, [true_cost(s) / true_cost(1) for s in sizes], measured=True)
+    for n in range(1, 65):
+        assert measured(n) >= true_cost(n) / true_cost(1) - 1e-9, n
+    old = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    linear = CostCurve(old, [true_cost(s) / true_cost(1) for s in old])
+    assert linear(40) < true_cost(40) / true_cost(1) - 0.3  # what the old sampling did
+    assert 33 in sizes and all(s in sizes for s in range(1, 17))
+
+
+def test_host_work_counts_in_the_cut():
+    """A draft step also pays the host work of drafting and verifying: a
+    prefix worth 1.02x on forward time alone does not pay once a step costs
+    0.2 forwards of host work more."""
+    flat = CostCurve.flat(16, 0.003)
+    vals = [0.02] * 4  # a weak draft: +2% tokens, nearly free slots
+    n, rate = best_prefix(flat, vals, 1)
+    assert n == 4 and rate > 1.0
+    n, rate = best_prefix(flat, vals, 1, base_cost=0.2)
+    assert rate < 1.0
+    assert planner.plain_interval(flat, (3,), host=0.2) > planner.plain_interval(flat, (3,))

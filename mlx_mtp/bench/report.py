@@ -189,7 +189,14 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"dtype {s['dtype'] or 'default'}",
         f"- environment: {env.get('platform')}, mlx {env.get('mlx')}, mlx-lm "
         f"{env.get('mlx_lm')}, device {env.get('device')}, BLAS {env.get('blas')}, "
-        f"{env.get('date')}",
+        f"{env.get('date')}"
+        + (
+            f"; times on the virtual clock of a simulated device ({env['simulated_device']}: "
+            "forward passes at the simulated device's time, host work as measured)"
+            if env.get("simulated_device")
+            else ""
+        )
+        + ("; host term off (MLX_MTP_HOST_TERM=0)" if env.get("host_term") is False else ""),
         f"- reference: `{results['reference']}`; speedup = aggregate decode tokens/s "
         "ratio vs the reference over the same prompts (methods interleaved "
         + (

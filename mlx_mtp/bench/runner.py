@@ -15,6 +15,7 @@ and recomputes the aggregates.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 import zlib
@@ -33,6 +34,7 @@ from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
 from ..loading import DTYPES, load_model, resolve_model
 from ..methods import make_method
+from ..timing import simulated_device
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
 from .peer import PEER_NAME, MLXLMPeer
@@ -277,6 +279,11 @@ def run_bench(
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
+    if simulated_device() is not None and any(s.name == PEER_NAME for s in config.methods):
+        raise InvalidArgumentError(
+            f"the {PEER_NAME} row runs mlx-lm's own loop on this machine, not on the simulated "
+            "device of MLX_MTP_SIMULATE_DEVICE: drop it from --methods, or unset the variable."
+        )
     if config.interleave and distributed.size() > 1:
         raise InvalidArgumentError(
             "--interleave runs on one process; drop it for a sharded (mlx.launch) benchmark."
@@ -478,11 +485,13 @@ def _run_interleaved(
         while live:
             for label in list(live):
                 g = live[label]
-                t0 = time.perf_counter()
+                clock = models[label].engine.clock  # virtual on a simulated device
+                t0 = clock.now()
                 chunk = next(g["it"])
-                t1 = time.perf_counter()
+                t1 = clock.now()
                 _synchronize_streams()
-                t2 = time.perf_counter()
+                clock.sync()
+                t2 = clock.now()
                 # the first call also prefills: take its decode part from the loop's clock
                 g["decode"] += (
                     t2 - t0 if g["last"] is not None else chunk.stats.decode_time + t2 - t1
@@ -559,6 +568,8 @@ def _environment() -> dict[str, Any]:
         "mlx_lm": lm_ver,
         "device": str(mx.default_device()),
         "blas": _blas.blas_status(),
+        "simulated_device": os.environ.get("MLX_MTP_SIMULATE_DEVICE") or None,
+        "host_term": os.environ.get("MLX_MTP_HOST_TERM") != "0",
         "ranks": distributed.size(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

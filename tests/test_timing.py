@@ -1,0 +1,91 @@
+"""The simulated device (mlx_mtp.timing.SimulatedClock): forward passes take
+the simulated device's time, host work its real time, pipelined passes overlap
+host work; and the planner's host term on it."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlx_mtp.budget import CostCurve
+from mlx_mtp.context import Context
+from mlx_mtp.engine import Engine
+from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.methods import make_method
+from mlx_mtp.testing import decode, make_tiny_model
+from mlx_mtp.timing import SimulatedClock, simulated_device
+
+SPEC = "ms_per_token=12,curve=1:1,16:1.05,64:1.3"
+
+
+def test_spec_parses_and_bad_specs_are_refused():
+    per_token, curve = simulated_device(SPEC)
+    assert per_token == pytest.approx(0.012) and curve(16) == pytest.approx(1.05)
+    assert simulated_device("") is None
+    for bad in ("ms_per_token=x,curve=1:1", "curve=1:1", "ms_per_token=12", "ms=12,curve=1:1"):
+        with pytest.raises(InvalidArgumentError, match="MLX_MTP_SIMULATE_DEVICE"):
+            simulated_device(bad)
+
+
+def test_a_pass_takes_the_simulated_time_not_this_machines():
+    clock = SimulatedClock(0.012, CostCurve([1, 16, 64], [1.0, 1.05, 1.3]))
+    a = mx.random.normal((512, 512))
+    # (lower bounds are exact; upper bounds leave room for this machine's own
+    # Python time around the calls, which the virtual clock counts as host work)
+    big = a @ a @ a
+    t0 = clock.now()
+    clock.finish(t0, [big], wait=True, slots=16)  # real compute: not counted
+    assert 0.0126 <= clock.now() - t0 < 0.0126 + 0.005
+    # host work counts as measured; a queued pass overlaps it
+    t0 = clock.now()
+    done = clock.launch([a @ a], 1)
+    time.sleep(0.02)  # 20 ms of host work while the 12 ms pass runs
+    clock.block(lambda: None, done)
+    assert 0.02 <= clock.now() - t0 < 0.02 + 0.008  # max(host, device), not the sum
+    t0 = clock.now()
+    time.sleep(0.005)
+    clock.finish(clock.now(), [a @ a], wait=True, slots=1)  # serial: host + device
+    assert 0.017 <= clock.now() - t0 < 0.017 + 0.008
+
+
+def test_plain_decoding_runs_at_the_simulated_speed(monkeypatch):
+    """ntp on the simulated 12 ms/token device runs at about 83 tok/s on the
+    virtual clock, whatever this CPU takes per pass (the tiny model here)."""
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    engine = Engine(make_tiny_model("llama", seed=0))
+    assert engine.clock.simulated
+    out, stats = decode(engine, make_method("ntp"), [3, 5, 7, 9], 40)
+    assert len(out) == 40
+    assert 60 < stats.decode_tps <= 84  # host work of each step may show where it is longer
+
+
+def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch):
+    """pld on a repetitive prompt, simulated fast device: with host work
+    slowed (a sleep in every propose) the planner runs plain steps; with the
+    host term off it drafts on and loses time."""
+    from mlx_mtp.methods.pld import PLD
+
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    real = PLD.propose
+
+    def slow(self, ctx, root):
+        time.sleep(0.02)  # 20 ms of host work: more than a 12 ms forward
+        return real(self, ctx, root)
+
+    monkeypatch.setattr(PLD, "propose", slow)
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9] * 6
+    runs = {}
+    for term in ("1", "0"):
+        monkeypatch.setenv("MLX_MTP_HOST_TERM", term)
+        from mlx_mtp.costs import device_curves
+
+        ctx = Context(Engine(model))
+        assert device_curves(ctx.engine).t1 == pytest.approx(0.012)
+        m = make_method("pld")
+        m.prepare(ctx)
+        runs[term] = decode(ctx, m, prompt, 48)[1]
+    assert runs["1"].plain_steps > runs["0"].plain_steps
+    assert runs["1"].decode_tps > runs["0"].decode_tps
