@@ -114,14 +114,17 @@ def combine(qs_by_source: dict[str, float]) -> float:
 
 
 def merge_chains(
-    chains: Sequence[tuple[str, Sequence[int], Sequence[float]]],
+    chains: Sequence[tuple[Any, ...]],
 ) -> dict[tuple[int, ...], dict[int, Child]]:
     """Merge candidate chains into a trie: path (tokens below the root) ->
     {token: Child}.
 
     Args:
-        chains: (source name, tokens, per-depth conditional q) triples; q[d] is
-            the estimate for tokens[d] given tokens[:d] accepted.
+        chains: (source name, tokens, per-depth conditional q[, raw scores])
+            tuples; q[d] is the estimate for tokens[d] given tokens[:d]
+            accepted; the raw scores (default 1: a token guess) go into the
+            nodes' tags, for the source's calibration (a draft model's
+            probabilities).
 
     Returns:
         The trie. Where chains agree on a prefix they share nodes; a token
@@ -130,15 +133,16 @@ def merge_chains(
     """
     per: dict[tuple[int, ...], dict[int, dict[str, float]]] = {}
     srcs: dict[tuple[int, ...], dict[int, list[Tag]]] = {}
-    for name, toks, qs in chains:
+    for name, toks, qs, *more in chains:
+        raws = more[0] if more else [1.0] * len(toks)
         path: tuple[int, ...] = ()
-        for d, (t, q) in enumerate(zip(toks, qs)):
+        for d, (t, q, r) in enumerate(zip(toks, qs, raws)):
             t, q = int(t), float(q)
             slot = per.setdefault(path, {}).setdefault(t, {})
             slot[name] = max(slot.get(name, 0.0), q)
             lst = srcs.setdefault(path, {}).setdefault(t, [])
             if all(s[0] != name for s in lst):
-                lst.append((name, d + 1, 1.0))
+                lst.append((name, d + 1, float(r)))
             path += (t,)
     return {
         path: {t: Child(t, combine(by_src), srcs[path][t]) for t, by_src in kids.items()}

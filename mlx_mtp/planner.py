@@ -409,6 +409,17 @@ class Planner:
             n = max(n, 1)
         return n
 
+    @property
+    def t1(self) -> float | None:
+        """Seconds of a one-token forward of the target (None: not known)."""
+        return self._t1
+
+    def prefix_bound(self, item_cost: float, max_slots: int) -> PrefixBound:
+        """A :class:`~mlx_mtp.budget.PrefixBound` on this step's curve, for a
+        source that decides while it drafts whether drafting more can pay
+        (each draft costing ``item_cost`` one-token forwards: a draft model)."""
+        return PrefixBound(self.curve, max_slots, 1, 0.0, item_cost, self.host_cost)
+
     def _cheap(self, slots: Sequence[int]) -> bool:
         """Whether the largest step of ``slots`` slots costs a plain step's time
         up to ``REPROBE_OVERHEAD`` (a memory-bound device with little host

@@ -29,6 +29,7 @@ METHODS: dict[str, str] = {
     "lookahead": "mlx_mtp.methods.lookahead:Lookahead",
     "hybrid": "mlx_mtp.methods.hybrid:Hybrid",
     "mtp": "mlx_mtp.methods.mtp:MTP",
+    "draft": "mlx_mtp.methods.draft:DraftModelMethod",
 }
 
 #: what each method is, for messages about methods not built into this install
@@ -41,6 +42,7 @@ DESCRIPTIONS: dict[str, str] = {
     "lookahead": "lookahead (Jacobi) decoding",
     "hybrid": "hybrid probe + n-gram (+ native MTP) draft tree, a chain on recurrent models",
     "mtp": "the checkpoint's native MTP layer (Qwen3.5/3.6, Qwen3-Next, DeepSeek nextn): a chain",
+    "draft": "a smaller model of the same tokenizer drafts (--draft-model): a chain or a tree",
 }
 
 

@@ -49,6 +49,7 @@ from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
 from ..native_mtp import has_native_mtp
 from ..planner import Item, Offer, PlainResult
+from ..sources.draft import DraftModel, parse_width
 from ..sources.lookup import PromptLookup
 from ..sources.masks import MaskVectors, candidate_lists, mask_candidates, top_candidates
 from ..sources.native import NativeDrafter
@@ -104,6 +105,9 @@ class Hybrid(DraftMethod):
             curve (the layer's own pass counted, as ``--method mtp`` does).
         heads: a folder holding the MTP layer (default: the model's own
             checkpoint folder).
+        draft_model: a draft model (as ``--method draft`` takes it) whose
+            greedy chain and alternatives per depth are one more source.
+        draft_width: candidates per depth from the draft model (default 4).
 
     Raises:
         InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
@@ -117,7 +121,7 @@ class Hybrid(DraftMethod):
     #: per source and depth, no forgetting; mask candidates calibrated per
     #: depth (prior 1); the whole draft scaled by accepted / predicted tokens
     ACCEPTANCE = AcceptanceModel(
-        priors={**PRIORS, "probe": 1.0},
+        priors={**PRIORS, "probe": 1.0, "draft": 1.0},
         default_prior=0.3,
         weight=4.0,
         decay=1.0,
@@ -142,6 +146,8 @@ class Hybrid(DraftMethod):
         mtp: Any = "auto",
         mtp_depth: Any = 3,
         heads: Any = None,
+        draft_model: Any = None,
+        draft_width: Any = 4,
     ):
         if str(tree) != "dynamic":
             raise InvalidArgumentError(
@@ -171,6 +177,9 @@ class Hybrid(DraftMethod):
         )
         self.max_draft = parse_int("max_draft", max_draft, 1) if max_draft is not None else None
         self.use_pool = bool(parse_int("pool", pool, 0, 1))
+        self.draft = None
+        if draft_model not in (None, ""):
+            self.draft = DraftModel(draft_model, parse_width(draft_width))
 
     @property
     def block_complexity(self) -> int:
@@ -181,8 +190,13 @@ class Hybrid(DraftMethod):
         bc = f"auto<={self.bc}" if self.auto else str(self.bc)
         shape = ", shape=chain" if self.chain else ""
         mtp = f", mtp<={self.mtp_depth}" if self.drafter is not None else ""
+        draft = ""
+        if self.draft is not None:
+            draft = (
+                f", draft={getattr(getattr(self.draft, 'loaded', None), 'name', self.draft.spec)}"
+            )
         m = self.lookup.matches
-        return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{init})"
+        return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{draft}{init})"
 
     def prepare(self, ctx: Context) -> None:
         model = ctx.engine.model
@@ -213,6 +227,8 @@ class Hybrid(DraftMethod):
         if self.mtp_opt == 1 or (self.mtp_opt == "auto" and has_mtp):
             self.drafter = NativeDrafter()
             self.drafter.prepare(ctx, self.heads)
+        if self.draft is not None:
+            self.draft.prepare(ctx)
 
     @property
     def learned(self) -> mx.array | None:
@@ -253,6 +269,8 @@ class Hybrid(DraftMethod):
             toks = self.drafter.draft(engine, min(n, depth))
             if toks:
                 chains.append(("mtp", toks, acc.qs("mtp", len(toks))))
+        if self.draft is not None:  # the draft model's chain and its alternatives
+            chains += self.draft.candidates(ctx, root, min(depth, 8), self.auto)
         return chains
 
     # ------------------------------------------------------------------ step

@@ -1,0 +1,210 @@
+"""A small model drafting for a large one: the draft-model source.
+
+Speculative decoding with a draft model (Leviathan, Kalman, Matias 2023;
+Chen et al. 2023): a smaller model of the same tokenizer proposes the next
+tokens greedily, the target verifies them in one forward pass. Read top to
+bottom:
+
+1. The draft model has its own :class:`~mlx_mtp.engine.Engine`. Before it
+   drafts, its KV cache is brought in step with the target's committed tokens
+   (:meth:`Engine.sync <mlx_mtp.engine.Engine.sync>` keeps the longest common
+   prefix: rejected drafts are dropped, tokens it has not seen, such as the
+   bonus token or those of plain steps, are fed in one pass).
+2. Depth by depth it feeds its last token and takes its most probable token
+   as the next draft (the chain); its ``width - 1`` next most probable tokens
+   at each depth become siblings of that draft (leaves), so that one target
+   pass verifies a tree: the chain plus the draft's alternatives at every
+   depth, a cheap form of the dynamic trees of SpecInfer (Miao et al. 2024)
+   and EAGLE-2 (Li et al. 2024), which expand only the most probable path.
+3. A node's value is its path probability under the draft model, each
+   factor scaled by a per-depth calibration learned online (accepted per
+   predicted, prior 1). With ``depth="auto"`` drafting stops once no longer
+   chain can pay for its slots and for the draft model's own passes under
+   the planner's cost curve; the planner then cuts the tree as any offer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..context import Context
+from ..engine import Engine
+from ..errors import InvalidArgumentError, UnsupportedModelError
+from .masks import top_candidates
+
+#: texts whose token ids the target and draft tokenizers must agree on
+PROBE_TEXTS = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Ünïcödé, 中文, emoji 🙂 and numbers 1234567890.",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+)
+
+#: draft models loaded in this process, by (spec, dtype): bound once, shared
+_LOADED: dict[tuple[str, str | None], Any] = {}
+
+
+def load_draft(spec: Any, dtype: str | None) -> Any:
+    """The draft model ``spec`` (an alias, folder, GGUF file or hub id, or a
+    :class:`~mlx_mtp.loading.LoadedModel`), loaded once per process and dtype."""
+    from ..loading import load_model
+
+    if not isinstance(spec, str):
+        return spec
+    key = (spec, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(spec, dtype)
+    return _LOADED[key]
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's parameters (what a memory-bound pass reads)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def check_tokenizers(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids than the
+    target's (the vocabulary sizes may differ: embedding tables are padded).
+
+    Raises:
+        UnsupportedModelError: naming the first text, and the ids, that differ.
+    """
+    for text in PROBE_TEXTS:
+        a, b = list(target.encode(text)), list(draft.encode(text))
+        if a != b:
+            raise UnsupportedModelError(
+                f"--draft-model {draft_name}: its tokenizer encodes {text[:32]!r} as "
+                f"{b[:8]}..., the target {target_name}'s as {a[:8]}...: a draft model "
+                "must share the target's tokenizer (e.g. a smaller model of the same family)."
+            )
+    ta, tb = set(target.eos_token_ids or []), set(draft.eos_token_ids or [])
+    if ta != tb:
+        raise UnsupportedModelError(
+            f"--draft-model {draft_name}: its end-of-sequence ids {sorted(tb)} differ from the "
+            f"target's {sorted(ta)}; use a draft model of the same tokenizer."
+        )
+
+
+class DraftModel:
+    """The draft model as a draft source (see the module doc).
+
+    Args:
+        spec: the draft model (as :func:`load_draft` takes it).
+        width: candidates per depth (1: a chain, mlx-lm's algorithm).
+
+    Attributes:
+        draft_cost: one draft pass's time in one-token target forwards: the
+            ratio of the two models' weight bytes until a pass is measured,
+            then measured draft seconds per pass over the target's.
+    """
+
+    def __init__(self, spec: Any, width: int = 1):
+        self.spec, self.width = spec, width
+        self.engine: Engine | None = None
+        self.draft_cost = 0.0
+
+    def prepare(self, ctx: Context) -> None:
+        """Load the draft model (in the target's dtype) and check its tokenizer.
+
+        Raises:
+            UnsupportedModelError: no tokenizer to compare (a bare model), or
+                a tokenizer that differs from the target's.
+        """
+        if ctx.loaded is None:
+            raise UnsupportedModelError(
+                "a draft model needs the target's tokenizer to check against: load the "
+                "target with mlx_mtp.load / load_model (a LoadedModel), not a bare model."
+            )
+        dtype = getattr(ctx.loaded, "dtype", None)
+        self.loaded = load_draft(self.spec, dtype)
+        name = getattr(self.loaded, "name", str(self.spec))
+        check_tokenizers(ctx.loaded.tokenizer, self.loaded.tokenizer, ctx.loaded.name, name)
+        self.engine = Engine(self.loaded.model)
+        self.vocab = len(ctx.loaded.tokenizer.vocab) if ctx.loaded.tokenizer else None
+        self.draft_cost = weight_bytes(self.loaded.model) / max(weight_bytes(ctx.engine.model), 1)
+        self.seconds_per_pass: float | None = None
+
+    def candidates(
+        self, ctx: Context, root: int, depth: int, auto: bool
+    ) -> list[tuple[str, list[int], list[float], list[float]]]:
+        """Draft after ``root`` (the target's cache holds everything before
+        it): up to ``depth`` chain tokens (fewer with ``auto`` once no longer
+        chain can pay), with ``width - 1`` alternatives at every depth.
+
+        Returns:
+            Chains ``("draft", tokens, conditional estimates, raw draft
+            probabilities)`` for :func:`~mlx_mtp.allocate.merge_chains`: the
+            chain first, then one chain per alternative (the chain's prefix
+            and the alternative token).
+        """
+        eng = self.engine
+        eng.sync(ctx.engine.cached)  # in step with the target's committed tokens
+        acc = ctx.acceptance
+        planner = ctx.planner
+        bound = planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
+        chain: list[int] = []
+        conds: list[float] = []
+        raws: list[float] = []
+        alts: list[tuple[int, int, float, float]] = []  # (depth, token, cond, raw)
+        tok, path = root, 1.0
+        t0, s0 = eng.clock.now(), eng.clock.seconds
+        for d in range(1, depth + 1):
+            logits, _ = eng.forward_chain([tok], wait=False)
+            row = logits[-1:]
+            if self.vocab is not None and row.shape[-1] > self.vocab:
+                row = row[:, : self.vocab]  # rows past the tokenizer: embedding padding
+            top, top_p = top_candidates(row, self.width)
+            eng.timed_eval(top, top_p)
+            toks, ps = np.array(top)[0], np.array(top_p)[0]
+            order = np.argsort(-ps, kind="stable")
+            toks, ps = toks[order], ps[order]
+            cal = acc.q("draft", d)
+            for t, p in zip(toks[1:].tolist(), ps[1:].tolist()):
+                alts.append((d, int(t), min(p * cal, 1.0), float(p)))
+            tok = int(toks[0])
+            cond = min(float(ps[0]) * cal, 1.0)
+            chain.append(tok)
+            conds.append(cond)
+            raws.append(float(ps[0]))
+            path *= cond
+            if bound is not None:
+                bound.add(path, 1)
+                if bound.exhausted(path):  # a longer chain's nodes are worth at most this
+                    break
+        self._measure(ctx, len(chain), eng.clock.now() - t0)
+        ctx.engine.clock.seconds += eng.clock.seconds - s0  # draft passes are device work
+        out = [("draft", chain, conds, raws)]
+        for d, t, cond, raw in alts:
+            out.append(
+                ("draft", [*chain[: d - 1], t], [*conds[: d - 1], cond], [*raws[: d - 1], raw])
+            )
+        return out
+
+    def _measure(self, ctx: Context, passes: int, seconds: float) -> None:
+        """Refine :attr:`draft_cost` from the draft passes just run."""
+        if passes < 1:
+            return
+        per = seconds / passes
+        old = self.seconds_per_pass
+        self.seconds_per_pass = per if old is None else 0.8 * old + 0.2 * per
+        t1 = ctx.planner.t1 if ctx.planner is not None else None
+        if t1:
+            self.draft_cost = self.seconds_per_pass / t1
+
+
+def parse_width(value: Any) -> int:
+    """The ``width`` option: candidates per depth, 1..16.
+
+    Raises:
+        InvalidArgumentError: not an integer in range.
+    """
+    try:
+        w = int(value)
+    except (TypeError, ValueError):
+        w = 0
+    if isinstance(value, bool) or not 1 <= w <= 16 or str(value).strip() != str(w):
+        raise InvalidArgumentError(f"option width must be an integer in [1, 16], got {value!r}")
+    return w

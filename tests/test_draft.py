@@ -1,0 +1,208 @@
+"""Draft-model speculative decoding (``--method draft``, and the draft model as
+a source of ``hybrid``): exact vs plain greedy decoding in float32 on pairs
+made for the test (tiny random models with one tokenizer), the tokenizer check,
+multi-turn cache reuse, sampling, and the real Qwen2.5-Coder pair."""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_mtp.budget import CostCurve
+from mlx_mtp.context import Context
+from mlx_mtp.engine import Engine
+from mlx_mtp.errors import InvalidArgumentError, UnsupportedModelError
+from mlx_mtp.methods import make_method
+from mlx_mtp.testing import decode, make_tiny_model
+
+
+class ByteTokenizer:
+    """A tokenizer of the tiny models: one id per byte (mod ``vocab``)."""
+
+    def __init__(self, vocab: int = 256, shift: int = 0, eos: tuple[int, ...] = ()):
+        self.vocab = {str(i): i for i in range(vocab)}
+        self.shift, self.eos_token_ids = shift, list(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return [(b + self.shift) % len(self.vocab) for b in text.encode("utf-8")]
+
+
+def _loaded(model, name, tok=None):
+    return types.SimpleNamespace(
+        model=model, tokenizer=tok or ByteTokenizer(), name=name, dtype="float32", path=Path(".")
+    )
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(target, a draft close to it, an unrelated draft): tiny llama models of
+    one byte tokenizer. The close draft is the target with slightly perturbed
+    weights, so most (not all) of its drafts are accepted."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    target = make_tiny_model("llama", seed=11)
+    close = make_tiny_model("llama", seed=11)
+    mx.random.seed(3)
+    noisy = [(k, v + 0.05 * mx.random.normal(v.shape)) for k, v in tree_flatten(close.parameters())]
+    close.update(tree_unflatten(noisy))
+    far = make_tiny_model("llama", seed=12, num_hidden_layers=1)
+    return _loaded(target, "target"), _loaded(close, "close"), _loaded(far, "far")
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(4, 20))).tolist() for _ in range(n)]
+
+
+def _run(target, name, prompts, n=40, curve=None, sampler=None, **opts):
+    ctx = Context(Engine(target.model), target, curves=curve)
+    m = make_method(name, **opts)
+    m.prepare(ctx)
+    outs, stats = [], []
+    for p in prompts:
+        out, st = decode(ctx, m, p, n, sampler=sampler)
+        outs.append(out)
+        stats.append(st)
+    return outs, stats, m
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"shape": "chain", "num_draft_tokens": 2},
+        {"shape": "chain", "num_draft_tokens": 4},
+        {"shape": "tree", "num_draft_tokens": 3},
+        {"shape": "tree", "width": 2},
+        {},
+    ],
+    ids=["chain-k2", "chain-k4", "tree-k3", "tree-auto-w2", "defaults"],
+)
+def test_draft_equals_greedy_on_many_prompts(pair, opts):
+    target, close, far = pair
+    prompts = _prompts(8)
+    ref, _, _ = _run(target, "ntp", prompts)
+    flat = CostCurve.flat(16, 0.003)
+    for draft in (close, far):
+        outs, stats, _ = _run(target, "draft", prompts, curve=flat, draft_model=draft, **opts)
+        assert outs == ref, (draft.name, opts)
+    # the close draft really drafts and is accepted (no silent plain decoding)
+    _, stats, _ = _run(target, "draft", prompts, curve=flat, draft_model=close, **opts)
+    assert sum(s.accepted for s in stats) > 0.3 * sum(s.generated_tokens for s in stats)
+
+
+def test_tree_accepts_alternatives_the_chain_misses(pair):
+    """The tree verifies the draft's next most probable tokens too: with the
+    same depth it commits at least as many tokens per target pass."""
+    target, close, _ = pair
+    prompts = _prompts(8, seed=1)
+    flat = CostCurve.flat(16, 0.003)
+    _, chain, _ = _run(
+        target, "draft", prompts, curve=flat, draft_model=close, shape="chain", num_draft_tokens=3
+    )
+    _, tree, _ = _run(
+        target,
+        "draft",
+        prompts,
+        curve=flat,
+        draft_model=close,
+        shape="tree",
+        num_draft_tokens=3,
+        width=4,
+    )
+    tau = lambda sts: sum(s.generated_tokens for s in sts) / sum(s.forward_passes for s in sts)  # noqa: E731
+    assert tau(tree) >= tau(chain) > 1.2
+
+
+def test_hybrid_takes_the_draft_model_as_a_source(pair):
+    target, close, _ = pair
+    prompts = _prompts(4, seed=2)
+    ref, _, _ = _run(target, "ntp", prompts)
+    for bc in ("12", "auto"):
+        outs, stats, m = _run(
+            target, "hybrid", prompts, curve=CostCurve.flat(16, 0.003), bc=bc, draft_model=close
+        )
+        assert outs == ref and "draft=close" in m.describe()
+        assert sum(s.accepted for s in stats) > 0
+
+
+def test_auto_stops_drafting_when_draft_passes_cost_too_much(pair):
+    """On a CPU-like curve with a draft pass as dear as a target one, auto
+    drafts little and runs plain steps; on a flat curve it drafts deep."""
+    target, close, _ = pair
+    prompts = _prompts(3, seed=3)
+    ref, _, _ = _run(target, "ntp", prompts, n=32)
+    steep = CostCurve.linear(1.0)
+    outs, stats, m = _run(target, "draft", prompts, n=32, curve=steep, draft_model=close)
+    m.source.draft_cost = 1.0
+    assert outs == ref and sum(s.plain_steps for s in stats) > 0
+    outs, stats, _ = _run(
+        target, "draft", prompts, n=32, curve=CostCurve.flat(64, 0.0), draft_model=close
+    )
+    assert outs == ref and max(s.slots_per_forward for s in stats) > 3
+
+
+def test_mismatched_tokenizer_and_missing_draft_are_refused(pair):
+    target, close, _ = pair
+    shifted = _loaded(close.model, "shifted", ByteTokenizer(shift=1))
+    ctx = Context(Engine(target.model), target)
+    with pytest.raises(UnsupportedModelError, match="tokenizer encodes"):
+        make_method("draft", draft_model=shifted).prepare(ctx)
+    other_eos = _loaded(close.model, "eos", ByteTokenizer(eos=(7,)))
+    with pytest.raises(UnsupportedModelError, match="end-of-sequence"):
+        make_method("draft", draft_model=other_eos).prepare(ctx)
+    with pytest.raises(InvalidArgumentError, match="--draft-model"):
+        make_method("draft")
+    with pytest.raises(InvalidArgumentError, match="width"):
+        make_method("draft", draft_model=close, width=0)
+    with pytest.raises(InvalidArgumentError, match="shape=chain"):
+        make_method("draft", draft_model=close, shape="chain", width=3)
+
+
+def test_draft_cache_stays_in_step_across_turns(pair):
+    """A second turn reuses both caches by prefix and equals a fresh run."""
+    target, close, _ = pair
+    ctx = Context(Engine(target.model), target, curves=CostCurve.flat(16, 0.003))
+    m = make_method("draft", draft_model=close)
+    m.prepare(ctx)
+    first = [5, 17, 99, 3, 42]
+    out1, _ = decode(ctx, m, first, 20)
+    turn2 = first + out1 + [7, 8, 9]
+    out2, _ = decode(ctx, m, turn2, 20)
+    assert m.source.engine.cached[: len(turn2) - 1] == turn2[:-1]
+    ref, _ = decode(Context(Engine(target.model)), make_method("ntp"), turn2, 20)
+    assert out2 == ref
+
+
+def test_sampling_keeps_the_target_distribution():
+    """At temperature 0.8 / top-p 0.9 (the suite's sampling case: a tiny model
+    with flattened logits), tokens committed through the draft tree follow
+    plain sampling's distribution (chi-square on tokens 1-2 jointly and on
+    token 3), with draft tokens accepted."""
+    import mlx.core as mx
+    from conftest import chi2_same, sampling_case
+
+    from mlx_mtp.decoding import generate_steps
+
+    n = 600
+    model, prompt, sampler, plain = sampling_case("llama", n, 3)
+    loaded = _loaded(model, "tiny32", ByteTokenizer(vocab=32))
+    ctx = Context(Engine(model), loaded, curves=CostCurve.flat(16, 0.003))
+    m = make_method("draft", draft_model=_loaded(model, "same", ByteTokenizer(vocab=32)))
+    m.prepare(ctx)
+    mx.random.seed(1)
+    seqs, accepted = [], 0
+    for _ in range(n):
+        ctx.engine.reset()
+        out = []
+        for step in generate_steps(ctx, m, prompt, max_tokens=3, sampler=sampler):
+            out.extend(step.tokens)
+        accepted += step.stats.accepted
+        seqs.append(tuple(out))
+    assert accepted > n // 2
+    assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
+    assert chi2_same(Counter(s[2] for s in plain), Counter(s[2] for s in seqs), n)
