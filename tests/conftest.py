@@ -52,6 +52,26 @@ def qwen():
 
 
 @pytest.fixture(scope="session")
+def qwen_large():
+    """The draft-model pair's target, Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF
+    imported by scripts/get_draft_pair.sh), loaded in float32 (about 6 GB): a
+    ``LoadedModel``. Fails (does not skip) when the model was not imported."""
+    from pathlib import Path
+
+    from mlx_mtp.converters.gguf import COMPLETE_MARKER
+    from mlx_mtp.loading import QWEN_CODER_LARGE, imported_model_dir, load_model
+
+    path = imported_model_dir(QWEN_CODER_LARGE, Path(REAL_MLX_MTP_HOME))
+    if not (path / COMPLETE_MARKER).exists():
+        pytest.fail(
+            f"The Qwen 1.5B test model is not imported ({path} is missing). Run "
+            "`bash scripts/get_draft_pair.sh` first (the README's test command does).",
+            pytrace=False,
+        )
+    return load_model(str(path), dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def spec_prompts(smollm):
     """Chat-formatted token ids of Spec-Bench prompts, round-robin over the six
     tasks (first question of each task, then the second, ...): a list of lists."""

@@ -206,3 +206,43 @@ def test_sampling_keeps_the_target_distribution():
     assert accepted > n // 2
     assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
     assert chi2_same(Counter(s[2] for s in plain), Counter(s[2] for s in seqs), n)
+
+
+# ------------------------------------------------------------ the real pair
+#: Qwen2.5-Coder-1.5B-Instruct's greedy continuation (float32, this package's
+#: ntp) of PAIR_PROMPT, recorded once: the imported model is checked against it
+PAIR_PROMPT = "Write a Python function that returns the squares of a list of numbers."
+
+
+def test_real_pair_draft_equals_greedy(qwen_large, qwen):
+    """Qwen2.5-Coder-0.5B drafts for Qwen2.5-Coder-1.5B (one tokenizer): chain
+    and tree, fixed and auto, equal plain greedy decoding in float32 on a few
+    prompts, and the draft is accepted often (a real draft source)."""
+    prompts = [
+        PAIR_PROMPT,
+        "Explain what a hash map is in two sentences.",
+        "def fibonacci(n):",
+    ]
+    ntp = qwen_large.bind("ntp")
+    refs = [ntp.generate(p, max_tokens=20).tokens for p in prompts]
+    assert ntp.tokenizer.decode(refs[0][:6])  # a real answer
+    for opts in (
+        {"shape": "chain", "num_draft_tokens": 3},
+        {"shape": "tree", "num_draft_tokens": 3},
+        {},
+    ):
+        m = qwen_large.bind("draft", draft_model=qwen, **opts)
+        acc = gen = 0
+        for p, ref in zip(prompts, refs):
+            r = m.generate(p, max_tokens=20)
+            assert r.tokens == ref, (opts, p)
+            acc, gen = acc + r.stats.accepted, gen + r.stats.generated_tokens
+        assert acc > 0.3 * gen, opts  # most tokens come from the draft
+
+
+def test_real_pair_tokenizers_agree_and_others_are_refused(qwen_large, qwen, smollm):
+    from mlx_mtp.sources.draft import check_tokenizers
+
+    check_tokenizers(qwen_large.tokenizer, qwen.tokenizer, "1.5b", "0.5b")
+    with pytest.raises(UnsupportedModelError, match="tokenizer"):
+        qwen_large.bind("draft", draft_model=smollm)

@@ -109,6 +109,8 @@ class BenchConfig:
             each in turn (see :func:`mlx_mtp.bench.runner._run_interleaved`),
             for speed ratios on a machine whose speed drifts; peak memory is
             then that of all methods together.
+        draft_model: the draft model of ``draft`` and ``mlx_lm_draft`` rows
+            that name none (None: such rows are refused).
         out: output folder.
     """
 
@@ -126,6 +128,7 @@ class BenchConfig:
     repeats: int = 1
     dtype: str | None = None
     interleave: bool = False
+    draft_model: str | None = None
     out: str = "bench-out"
 
     def validate(self) -> None:
@@ -159,5 +162,7 @@ class BenchConfig:
         d.pop("out")
         if not self.interleave:  # folders written before the option existed stay resumable
             d.pop("interleave")
+        if self.draft_model is None:
+            d.pop("draft_model")
         d["methods"] = [m.label for m in self.methods]
         return d

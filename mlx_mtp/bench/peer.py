@@ -1,11 +1,14 @@
-"""The ``mlx_lm`` benchmark row: mlx-lm's own generation loop as a peer baseline.
+"""The ``mlx_lm`` and ``mlx_lm_draft`` benchmark rows: mlx-lm's own generation
+loop, plain and with its draft-model speculation, as peer baselines.
 
 ``ntp`` is this package's plain decoding through :class:`~mlx_mtp.engine.Engine`;
 ``mlx_lm`` is what a user would otherwise run: ``mlx_lm.generate.stream_generate``
 (its prefill in steps of 2048, ``mx.async_eval`` pipelining, ``wired_limit``,
 periodic ``mx.clear_cache``) on the same model object and the same prompt ids,
-interleaved with the other methods by the runner (DESIGN §7: "a fair baseline
-is mlx-lm's own loop").
+interleaved with the other methods by the runner (a fair baseline is mlx-lm's
+own loop). ``mlx_lm_draft`` is the same call with ``draft_model`` and
+``num_draft_tokens=k``: mlx-lm's speculative decoding, a greedy chain of k
+draft tokens verified by the target.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from ..api import Result
 from ..decoding import GenerationStats
 from ..errors import InvalidArgumentError
 
-#: the ``--methods`` name of the peer row
-PEER_NAME = "mlx_lm"
+#: the ``--methods`` names of the peer rows
+PEER_NAME, PEER_DRAFT_NAME = "mlx_lm", "mlx_lm_draft"
+PEER_NAMES = (PEER_NAME, PEER_DRAFT_NAME)
 
 
 class MLXLMPeer:
@@ -42,20 +46,38 @@ class MLXLMPeer:
     two token lists compare one to one. ``forward_time`` is set to the whole
     decode time (mlx-lm's loop does not separate device from host time).
 
+    Args:
+        name: ``mlx_lm`` or ``mlx_lm_draft``.
+        k: drafts per step of ``mlx_lm_draft`` (mlx-lm's ``num_draft_tokens``, 2).
+        draft_model: the draft model of ``mlx_lm_draft`` (a spec or a
+            LoadedModel; loaded in the target's dtype when the row is bound).
+
     Raises:
-        InvalidArgumentError: any option given (``mlx_lm`` takes none).
+        InvalidArgumentError: options ``mlx_lm`` does not take, a bad ``k``,
+            ``mlx_lm_draft`` without a draft model.
     """
 
-    name = PEER_NAME
     lossless = True
-    block_complexity = 1
 
-    def __init__(self, **options: Any):
+    def __init__(self, name: str = PEER_NAME, **options: Any):
+        self.name = name
+        self.k, self.draft_spec, self.draft = 0, None, None
+        if name == PEER_DRAFT_NAME:
+            self.draft_spec = options.pop("draft_model", None)
+            k = options.pop("k", 2)
+            if isinstance(k, bool) or not str(k).isdigit() or not 1 <= int(k) <= 32:
+                raise InvalidArgumentError(f"--methods: {name}:k must be in [1, 32], got {k!r}")
+            self.k = int(k)
+            if self.draft_spec in (None, ""):
+                raise InvalidArgumentError(
+                    f"--methods: {name} needs a draft model: --draft-model MODEL."
+                )
         if options:
             raise InvalidArgumentError(
-                f"--methods: {PEER_NAME} (mlx-lm's own stream_generate) takes no settings, got "
+                f"--methods: {name} (mlx-lm's own stream_generate) does not take "
                 f"{', '.join(f'{k}={v}' for k, v in options.items())}."
             )
+        self.block_complexity = 1 + self.k
         self.loaded: Any = None
 
     def describe(self) -> str:
@@ -63,11 +85,20 @@ class MLXLMPeer:
             ver = version("mlx-lm")
         except Exception:  # pragma: no cover - metadata missing in odd installs
             ver = "?"
-        return f"mlx_lm.stream_generate (mlx-lm {ver}, prefill step 2048)"
+        desc = f"mlx_lm.stream_generate (mlx-lm {ver}, prefill step 2048"
+        if self.draft is not None:
+            desc += f", draft_model={self.draft.name}, num_draft_tokens={self.k}"
+        return desc + ")"
 
     def bind(self, loaded: Any) -> MLXLMPeer:
-        """Use ``loaded`` (a :class:`~mlx_mtp.loading.LoadedModel`); returns self."""
+        """Use ``loaded`` (a :class:`~mlx_mtp.loading.LoadedModel`), and load
+        the draft model in its dtype; returns self."""
+        from ..sources.draft import check_tokenizers, load_draft
+
         self.loaded = loaded
+        if self.draft_spec is not None:
+            self.draft = load_draft(self.draft_spec, loaded.dtype)
+            check_tokenizers(loaded.tokenizer, self.draft.tokenizer, loaded.name, self.draft.name)
         return self
 
     def reset(self) -> None:
@@ -103,6 +134,10 @@ class MLXLMPeer:
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         tokens, text, finish, last = [], [], None, t0
+        draft = {}
+        if self.draft is not None:
+            draft = {"draft_model": self.draft.model, "num_draft_tokens": self.k}
+        drafted = 0
         for r in stream_generate(
             self.loaded.model,
             tok,
@@ -110,16 +145,22 @@ class MLXLMPeer:
             max_tokens=max_tokens,
             sampler=sampler,
             prompt_progress_callback=progress,
+            **draft,
         ):
             last = time.perf_counter()
             text.append(r.text)
             finish = r.finish_reason
             tokens.append(int(r.token))  # the last response carries the EOS that stopped it
+            drafted += bool(getattr(r, "from_draft", False))
         start = marks[-1] if marks else t0
         stats.prefill_time = start - t0
         stats.generated_tokens = len(tokens)
         stats.decode_time = stats.forward_time = last - start
-        stats.forward_passes = stats.steps = stats.slots = len(tokens)
+        # mlx-lm marks the tokens its draft model proposed and the target kept
+        passes = len(tokens) - drafted
+        stats.forward_passes = stats.steps = passes
+        stats.slots = passes * (1 + self.k)
+        stats.drafted, stats.accepted = passes * self.k, drafted
         stats.accept_lengths = [1] * len(tokens)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         return Result("".join(text), tokens, stats, finish)

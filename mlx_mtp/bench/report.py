@@ -13,7 +13,7 @@ from typing import Any
 
 from . import metrics
 from .config import BenchConfig
-from .peer import PEER_NAME
+from .peer import PEER_DRAFT_NAME, PEER_NAME
 from .plots import write_plots
 
 SCHEMA = "mlx-mtp-bench/1"
@@ -70,6 +70,12 @@ def build_results(
     # the mlx_lm row (mlx-lm's own loop), when benchmarked: every speedup also against it
     peer_label = next((s.label for s in config.methods if s.name == PEER_NAME), None)
     peer = {metrics.record_key(r): r for r in by_method[peer_label]} if peer_label else None
+    # and against the fastest mlx_lm_draft row (mlx-lm's draft-model speculation)
+    drafts = [s.label for s in config.methods if s.name == PEER_DRAFT_NAME and by_method[s.label]]
+    best_draft = max(
+        drafts, key=lambda lb: metrics.summarize(by_method[lb], ref)["speedup"] or 0, default=None
+    )
+    peer_draft = {metrics.record_key(r): r for r in by_method[best_draft]} if best_draft else None
     exact_check = config.temp == 0
 
     prompts_out = []
@@ -117,6 +123,8 @@ def build_results(
             if any(r["task"] == g for r in recs)
         }
         overall = metrics.summarize(recs, ref)
+        if peer_draft is not None:
+            overall["speedup_vs_mlx_lm_draft"] = metrics.summarize(recs, peer_draft)["speedup"]
         if peer is not None:
             overall["speedup_vs_mlx_lm"] = metrics.summarize(recs, peer)["speedup"]
             for g, t in tasks.items():
@@ -160,6 +168,8 @@ def build_results(
             "seen earlier in the same output, counts pooled over prompts",
             "speedup_vs_mlx_lm": "as speedup, against the mlx_lm row (mlx-lm's own "
             "stream_generate on the same model and prompts); present when it was benchmarked",
+            "speedup_vs_mlx_lm_draft": "as speedup, against the fastest mlx_lm_draft row "
+            "(mlx-lm's draft-model speculation); present when one was benchmarked",
             "exact": "lossless method's tokens equal the reference's (temp 0 only)",
             "agreement": "share of the reference's tokens a lossless method reproduces "
             "before its first differing token, pooled over prompts (temp 0 only); 1.0 in "
@@ -231,18 +241,27 @@ def render_markdown(results: dict[str, Any]) -> str:
 
     head = " | ".join(tasks)
     peer = any("speedup_vs_mlx_lm" in m["overall"] for m in results["methods"])
+    pdraft = any("speedup_vs_mlx_lm_draft" in m["overall"] for m in results["methods"])
     lines += [
         "## Speedup per task (Spec-Bench style)",
         "",
         f"| Method | BC | {head} | Overall |"
         + (" Overall vs mlx_lm |" if peer else "")
+        + (" Overall vs mlx_lm_draft |" if pdraft else "")
         + " Mean accepted tokens (tau) |",
-        "|---|---:|" + "---:|" * len(tasks) + "---:|" + ("---:|" if peer else "") + "---:|",
+        "|---|---:|"
+        + "---:|" * len(tasks)
+        + "---:|"
+        + ("---:|" if peer else "")
+        + ("---:|" if pdraft else "")
+        + "---:|",
     ]
     for m in results["methods"]:
         cells = [_fmt(m["tasks"].get(t, {}).get("speedup"), ".2f", "x") for t in tasks]
         o = m["overall"]
         vs_peer = f" {_fmt(o.get('speedup_vs_mlx_lm'), '.2f', 'x')} |" if peer else ""
+        if pdraft:
+            vs_peer += f" {_fmt(o.get('speedup_vs_mlx_lm_draft'), '.2f', 'x')} |"
         lines.append(
             f"| {m['label']} | {m['block_complexity']} | {' | '.join(cells)} "
             f"| {_fmt(o['speedup'], '.2f', 'x')} |{vs_peer} {_fmt(o['tau'])} |"
@@ -252,6 +271,12 @@ def render_markdown(results: dict[str, Any]) -> str:
             "",
             "Per-task speedups are vs `ntp`; `Overall vs mlx_lm` is vs mlx-lm's own "
             "`stream_generate` loop (the `mlx_lm` row) on the same model and prompts.",
+        ]
+    if pdraft:
+        lines += [
+            "",
+            "`Overall vs mlx_lm_draft` is vs the fastest `mlx_lm_draft` row: mlx-lm's own "
+            "draft-model speculation (`stream_generate(..., draft_model=...)`).",
         ]
     lines += [
         "",

@@ -37,7 +37,7 @@ from ..methods import make_method
 from ..timing import simulated_device
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
-from .peer import PEER_NAME, MLXLMPeer
+from .peer import PEER_DRAFT_NAME, PEER_NAME, PEER_NAMES, MLXLMPeer
 from .plots import PLOT_FILES
 from .report import build_results, write_outputs
 
@@ -279,7 +279,7 @@ def run_bench(
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
-    if simulated_device() is not None and any(s.name == PEER_NAME for s in config.methods):
+    if simulated_device() is not None and any(s.name in PEER_NAMES for s in config.methods):
         raise InvalidArgumentError(
             f"the {PEER_NAME} row runs mlx-lm's own loop on this machine, not on the simulated "
             "device of MLX_MTP_SIMULATE_DEVICE: drop it from --methods, or unset the variable."
@@ -288,10 +288,7 @@ def run_bench(
         raise InvalidArgumentError(
             "--interleave runs on one process; drop it for a sharded (mlx.launch) benchmark."
         )
-    methods = {
-        s.label: MLXLMPeer(**s.options) if s.name == PEER_NAME else make_method(s.name, **s.options)
-        for s in config.methods
-    }
+    methods = {s.label: _make(s, config) for s in config.methods}
     prompts, groups = select_prompts(config)
     out = Path(config.out)
     if not generate and not (out / RECORDS).exists():
@@ -554,6 +551,18 @@ def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[s
         ok, pred, gold = metrics.gsm8k_correct(res.text, p.answer)
         rec.update(correct=ok, pred=pred, gold=gold)
     return rec
+
+
+def _make(spec: Any, config: BenchConfig) -> Any:
+    """The method (or mlx-lm peer) of one ``--methods`` entry; ``draft`` and
+    ``mlx_lm_draft`` rows that name no draft model get ``--draft-model``."""
+    opts = dict(spec.options)
+    if spec.name in ("draft", PEER_DRAFT_NAME) and "draft_model" not in opts:
+        if config.draft_model is not None:
+            opts["draft_model"] = config.draft_model
+    if spec.name in PEER_NAMES:
+        return MLXLMPeer(spec.name, **opts)
+    return make_method(spec.name, **opts)
 
 
 def _environment() -> dict[str, Any]:

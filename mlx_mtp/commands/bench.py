@@ -52,6 +52,11 @@ def register(app: typer.Typer) -> None:
             "speed ratios that a drifting machine speed does not blur (peak memory is then "
             "that of all methods together).",
         ),
+        draft_model: str | None = typer.Option(
+            None,
+            "--draft-model",
+            help="Draft model of the draft and mlx_lm_draft rows (alias, folder, GGUF, repo id).",
+        ),
         out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Discard an earlier run with other settings in --out."
@@ -89,6 +94,7 @@ def register(app: typer.Typer) -> None:
             repeats=repeats,
             dtype=dtype,
             interleave=interleave,
+            draft_model=draft_model,
             out=out,
         )
         run_bench(
