@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
         dtype: str | None = BASE_DTYPE,
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
-        from ..converters.clp_heads import convert
+        from ..converters.clp_import import convert
 
         loaded = load_model(model, dtype=dtype)
         summary = convert(src, dst, loaded, source=source, overwrite=overwrite)

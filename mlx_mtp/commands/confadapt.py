@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     ) -> None:
         """Convert a self-distilled MTP checkpoint (Kirchenbauer et al.) for --method confadapt."""
-        from ..converters.mtp_checkpoint import convert_mtp_checkpoint as convert
+        from ..converters.confadapt_import import convert_mtp_checkpoint as convert
 
         out = convert(
             src,
@@ -147,7 +147,7 @@ def register(app: typer.Typer) -> None:
             regions=regions,
             gen_tokens=gen_tokens,
         )
-        from ..mtp_checkpoint import adapter_dirs
+        from ..confadapt_format import adapter_dirs
 
         if not lora:
             how = f" --model {path}"

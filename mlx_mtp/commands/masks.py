@@ -47,9 +47,9 @@ def run_train_masks(
     Raises:
         InvalidArgumentError: bad data file or options.
     """
+    from ..confadapt_format import tokenizer_eos_ids
     from ..fingerprint import model_fingerprint
     from ..learned_masks import save_learned_masks
-    from ..mtp_checkpoint import tokenizer_eos_ids
     from ..training.continuations import Continuations
     from ..training.masks import eval_masks, mean_prompt_vectors, train_masks
 

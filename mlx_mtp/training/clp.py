@@ -10,7 +10,7 @@ Xie & Zhou, *CLP* (arXiv 2606.10935; DESIGN §2.2). Three phases:
 2. **Heads.** Cross-entropy of head j's logits (through the frozen LM head)
    against ``t_{n+1+j}``; AdamW; only the heads train.
 3. **Span predictor** (and the gate baseline): labels are the longest run of
-   correct head predictions (:func:`mlx_mtp.clp_heads.span_labels`), loss is
+   correct head predictions (:func:`mlx_mtp.clp_format.span_labels`), loss is
    cross-entropy over the k+1 classes, input ``h_n``.
 
 Checkpoints go to ``OUT/../.NAME.train/`` (the continuations with their hidden
@@ -35,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..clp_heads import (
+from ..clp_format import (
     CLPHeads,
     base_config,
     count_params,
@@ -43,11 +43,11 @@ from ..clp_heads import (
     save_heads,
     span_labels,
 )
+from ..confadapt_format import tokenizer_eos_ids
 from ..data import eval_prompts, read_prompts, render_prompt
 from ..errors import InvalidArgumentError
 from ..families import model_parts
 from ..fingerprint import model_fingerprint
-from ..mtp_checkpoint import tokenizer_eos_ids
 from .continuations import Continuations, TrainSequence
 
 

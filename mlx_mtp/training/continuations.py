@@ -96,7 +96,7 @@ def greedy_continuations(
 
     Args:
         max_tokens: new tokens per prompt (fewer after an EOS, which is kept).
-        eos: end-of-sequence ids (:func:`mlx_mtp.mtp_checkpoint.tokenizer_eos_ids`).
+        eos: end-of-sequence ids (:func:`mlx_mtp.confadapt_format.tokenizer_eos_ids`).
         hidden: also return each step's final-norm hidden state (float16).
         progress: show a tqdm bar, or a bar to update (one tick per prompt).
 

@@ -26,7 +26,7 @@ with the mask token added to the vocabulary (embedding and LM head resized,
 tied embeddings included). LoRA mode trains low-rank deltas plus the mask
 token's embedding row and writes a small adapter folder, keyed by the base
 model's fingerprint, that ``--method confadapt`` applies on load. By default
-the deltas are gated (:class:`~mlx_mtp.mtp_checkpoint.GatedLoRALinear`,
+the deltas are gated (:class:`~mlx_mtp.confadapt_format.GatedLoRALinear`,
 after Samragh et al., arXiv 2507.11851 §3.3): they act only at mask tokens, so
 real tokens, and with them every block's first token, stay exactly the base
 model's. ``gated=False`` uses mlx-lm's plain LoRA, which the next-token loss
@@ -53,11 +53,7 @@ from mlx_lm.utils import save_config, save_model
 from tqdm import tqdm
 
 from ..cache_view import FixedCache, install_positional_rope
-from ..data import render_prompt
-from ..dims import dense_weight
-from ..errors import InvalidArgumentError
-from ..fingerprint import model_fingerprint, model_signature
-from ..mtp_checkpoint import (
+from ..confadapt_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
@@ -72,6 +68,10 @@ from ..mtp_checkpoint import (
     tokenizer_mask_id,
     write_metadata,
 )
+from ..data import render_prompt
+from ..dims import dense_weight
+from ..errors import InvalidArgumentError
+from ..fingerprint import model_fingerprint, model_signature
 from .continuations import Continuations
 
 #: linears adapted in LoRA mode (llama-style names)

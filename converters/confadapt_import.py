@@ -13,7 +13,7 @@ output shard (:data:`MAX_SHARD_BYTES`), not the whole model (an 8B bf16
 checkpoint evaluated up front needed about 16 GB). The shards are written by
 :func:`save_sharded` (mlx-lm's ``save_model`` layout, plus a progress bar and a
 shard size that can be set). This module adds the checks, the MTP
-metadata file (:data:`~mlx_mtp.mtp_checkpoint.MTP_CONFIG`: mask token id
+metadata file (:data:`~mlx_mtp.confadapt_format.MTP_CONFIG`: mask token id
 looked up in the tokenizer, EOS ids, prompt format, default k) and the prompt
 format: ``plain`` (BOS + input + "\\n\\n", the Qwen checkpoint's format, which
 becomes the folder's chat template; the original one is kept in the metadata)
@@ -34,14 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlx_mtp.engine import TREE_FAMILIES
-from mlx_mtp.errors import (
-    CheckpointMismatchError,
-    InvalidArgumentError,
-    UnsupportedModelError,
-)
-from mlx_mtp.loading import one_line
-from mlx_mtp.mtp_checkpoint import (
+from mlx_mtp.confadapt_format import (
     MASK_TOKEN,
     PROMPT_FORMATS,
     MissingMaskTokenError,
@@ -51,6 +44,13 @@ from mlx_mtp.mtp_checkpoint import (
     tokenizer_mask_id,
     write_metadata,
 )
+from mlx_mtp.engine import TREE_FAMILIES
+from mlx_mtp.errors import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    UnsupportedModelError,
+)
+from mlx_mtp.loading import one_line
 
 #: model types whose checkpoints confadapt can decode: the llama-style families
 #: of the tree forward pass (listed once, in :data:`mlx_mtp.engine.TREE_FAMILIES`)

@@ -31,7 +31,7 @@ Head architectures (``architecture`` in the config):
     ``x = input_proj([hidden_norm(h_n); token_norm(e_{n+1})])``, one dense
     decoder block whose self-attention sees only the current position (so it
     reduces to ``o_proj(v_proj(.))``), ``final_norm``, then the backbone's LM
-    head. k = 1. See :mod:`mlx_mtp.converters.clp_heads` for what is dropped.
+    head. k = 1. See :mod:`mlx_mtp.converters.clp_import` for what is dropped.
 
 Span predictor: exactly one ``nn.Linear(hidden_size, k + 1)`` on ``h_n``; class
 c means "keep the first c head tokens" (0..k). Gate baseline: an MLP

@@ -1,7 +1,7 @@
 """Import CLP heads: this package's own format, Medusa heads, MiMo native MTP.
 
 ``mlx-mtp convert clp-heads SRC DST --model M`` writes a heads folder (see
-:mod:`mlx_mtp.clp_heads`) stamped with the fingerprint of base model M. Every
+:mod:`mlx_mtp.clp_format`) stamped with the fingerprint of base model M. Every
 source is checked against M's hidden size and vocabulary; the write is atomic
 (temporary sibling folder, renamed into place last) and never replaces an
 existing DST unless ``overwrite``.
@@ -72,7 +72,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.clp_heads import (
+from mlx_mtp.clp_format import (
     CONFIG_FILE,
     FORMAT,
     WEIGHTS_FILE,
