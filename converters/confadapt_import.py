@@ -44,16 +44,16 @@ from mlx_mtp.confadapt_format import (
     tokenizer_mask_id,
     write_metadata,
 )
-from mlx_mtp.engine import TREE_FAMILIES
 from mlx_mtp.errors import (
     CheckpointMismatchError,
     InvalidArgumentError,
     UnsupportedModelError,
 )
+from mlx_mtp.families import TREE_FAMILIES
 from mlx_mtp.loading import one_line
 
 #: model types whose checkpoints confadapt can decode: the llama-style families
-#: of the tree forward pass (listed once, in :data:`mlx_mtp.engine.TREE_FAMILIES`)
+#: of the tree forward pass (listed once, in :data:`mlx_mtp.families.TREE_FAMILIES`)
 SUPPORTED_MODEL_TYPES = TREE_FAMILIES
 
 #: largest output shard (bytes); mlx-lm's ``save_model`` uses 5 GB
