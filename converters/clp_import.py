@@ -3,8 +3,8 @@
 ``mlx-mtp convert clp-heads SRC DST --model M`` writes a heads folder (see
 :mod:`mlx_mtp.clp_format`) stamped with the fingerprint of base model M. Every
 source is checked against M's hidden size and vocabulary; the write is atomic
-(temporary sibling folder, renamed into place last) and never replaces an
-existing DST unless ``overwrite``.
+(:func:`mlx_mtp.artifacts.atomic_folder`) and never replaces an existing DST
+unless ``overwrite``.
 
 What is mapped, exactly:
 
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,6 +71,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp.artifacts import atomic_folder
 from mlx_mtp.clp_format import (
     CONFIG_FILE,
     FORMAT,
@@ -163,7 +163,9 @@ def convert(
     if kind == "clp":
         config, _ = read_heads(folder)
         check_compatible(config, loaded.model, str(folder))
-        _copy_atomic(folder, dst)
+        with atomic_folder(dst) as tmp:
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                shutil.copyfile(folder / name, tmp / name)
         return f"copied CLP heads ({config['architecture']}, k={config['k']}) to {dst}"
     if kind in ("qwen3-mtp", "deepseek-nextn"):
         return _from_native_mtp(folder, dst, loaded, kind)
@@ -173,21 +175,6 @@ def convert(
         heads, note = _from_mimo(folder, loaded)
     save_heads(heads, dst, dtype=mx.float16)
     return f"{note}; written to {dst}"
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    tmp.chmod(0o755)
-    try:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            shutil.copyfile(src / name, tmp / name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _keep_all_predictor(heads: CLPHeads) -> None:

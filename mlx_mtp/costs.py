@@ -42,7 +42,7 @@ from mlx_lm.utils import does_model_support_input_embeddings
 from tqdm import tqdm
 
 from . import distributed
-from .artifacts import atomic_write_text, cache_home
+from .artifacts import artifact_dir, atomic_write_text
 from .budget import CostCurve, CostCurves, as_curves, parse_curve
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
@@ -218,7 +218,7 @@ def curve_key(engine: Engine) -> dict[str, str]:
 def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
     """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of device>.json``."""
     dev = hashlib.sha256(key["device"].encode()).hexdigest()[:10]
-    return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{dev}.json"
+    return artifact_dir("cost_curves", home) / f"{key['model']}-{key['dtype']}-{dev}.json"
 
 
 def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | None:

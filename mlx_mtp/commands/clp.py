@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ..loading import cache_home, load_model
+from ..artifacts import artifact_dir
+from ..loading import load_model
 from . import BASE_DTYPE, group
 
 
@@ -58,7 +59,7 @@ def register(app: typer.Typer) -> None:
         loaded = load_model(model, dtype=dtype)
         if out is None:
             name = Path(model).name if "/" in model else model
-            out = cache_home() / "clp" / f"{name}-{model_fingerprint(loaded.model)}"
+            out = artifact_dir("clp") / f"{name}-{model_fingerprint(loaded.model)}"
         cfg = TrainConfig(
             k=k,
             bottleneck=bottleneck,

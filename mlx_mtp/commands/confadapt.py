@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
+from ..artifacts import artifact_dir
 from ..data import (
     eval_prompts,
     read_prompts,
     resolve_data,  # JSONL file or a named data set
 )
 from ..errors import InvalidArgumentError
-from ..loading import cache_home, load_model
+from ..loading import load_model
 from . import BASE_DTYPE_HELP, group
 
 
@@ -48,7 +49,7 @@ def run_train_mtp(
     if out is None:
         fp = model_fingerprint(lm.model)
         name = "" if model.count("/") else f"{model}-"
-        out = cache_home() / ("confadapt" if lora else "models") / f"{name}mtp-{fp}"
+        out = artifact_dir("confadapt" if lora else "models") / f"{name}mtp-{fp}"
     trainer = Trainer(lm, prompts, out, cfg, prompt_format=prompt_format)
     return trainer.run(resume=resume, stop_after=stop_after)
 
@@ -147,11 +148,9 @@ def register(app: typer.Typer) -> None:
             regions=regions,
             gen_tokens=gen_tokens,
         )
-        from ..confadapt_format import adapter_dirs
-
         if not lora:
             how = f" --model {path}"
-        elif path.resolve() in [d.resolve() for d in adapter_dirs()]:
+        elif path.parent.resolve() == artifact_dir("confadapt").resolve():  # found by itself
             how = f" --model {model}"
         else:
             how = f" --model {model} --opt adapter={path}"

@@ -57,7 +57,6 @@ from ..confadapt_format import (  # noqa: F401  (re-exported: the names before t
     MaskGate,
     MissingMaskTokenError,
     MTPMetadata,
-    adapter_dirs,
     apply_adapter,
     clone_modules,
     find_adapter,

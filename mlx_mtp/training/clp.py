@@ -35,6 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from ..artifacts import atomic_write, atomic_write_text
 from ..clp_format import (
     CLPHeads,
     base_config,
@@ -128,10 +129,9 @@ def head_predictions(
 def _save_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer, state: dict) -> None:
     params = dict(tree_flatten(module.trainable_parameters()))
     opt_state = {f"opt.{k}": v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)}
-    tmp = ckdir / "heads_ckpt.tmp.safetensors"
-    mx.save_safetensors(str(tmp), {**params, **opt_state})
-    tmp.rename(ckdir / "heads_ckpt.safetensors")
-    (ckdir / "heads_state.json").write_text(json.dumps(state))
+    weights = {**params, **opt_state}
+    atomic_write(ckdir / "heads_ckpt.safetensors", lambda t: mx.save_safetensors(str(t), weights))
+    atomic_write_text(ckdir / "heads_state.json", json.dumps(state))
 
 
 def _load_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer) -> dict | None:

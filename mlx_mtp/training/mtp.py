@@ -36,8 +36,6 @@ term only holds near the base model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +50,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import save_config, save_model
 from tqdm import tqdm
 
+from ..artifacts import atomic_folder
 from ..cache_view import FixedCache, install_positional_rope
 from ..confadapt_format import (
     ADAPTER_CONFIG,
@@ -525,17 +524,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Trainable weights, optimizer state and the step, written atomically."""
-        d = self.ckpt_dir()
-        tmp = d.with_name(d.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable())
-        state = dict(tree_flatten(self.opt.state))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), state)
-        info = {"step": self.step, "config": asdict(self.cfg), "fingerprint": self.fingerprint}
-        (tmp / "state.json").write_text(json.dumps(info, indent=2))
-        shutil.rmtree(d, ignore_errors=True)
-        os.replace(tmp, d)
+        with atomic_folder(self.ckpt_dir()) as tmp:
+            mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable())
+            state = dict(tree_flatten(self.opt.state))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), state)
+            info = {"step": self.step, "config": asdict(self.cfg), "fingerprint": self.fingerprint}
+            (tmp / "state.json").write_text(json.dumps(info, indent=2))
 
     def resume(self) -> bool:
         """Load the checkpoint if there is one for the same model and settings.
@@ -604,17 +598,9 @@ class Trainer:
         return self.export()
 
     def export(self) -> Path:
-        """Write the result to ``out`` (temp sibling, then rename)."""
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if self.cfg.lora:
-            self._export_adapter(tmp)
-        else:
-            self._export_model(tmp)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(tmp, self.out)
+        """Write the result to ``out`` (:func:`~mlx_mtp.artifacts.atomic_folder`)."""
+        with atomic_folder(self.out) as tmp:
+            (self._export_adapter if self.cfg.lora else self._export_model)(tmp)
         return self.out
 
     def _export_adapter(self, d: Path) -> None:

@@ -1,0 +1,182 @@
+"""The artifact store (mlx_mtp/artifacts.py) and faults at its edges: discovery
+order, atomic writes, a full disk during a GGUF import, a checkpoint conversion
+or a heads write (a small tmpfs). A fault is one line (``error: ...``, exit 2
+in the CLI) and leaves nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from test_confadapt_checkpoint import make_checkpoint, tokenizer_dirs  # noqa: F401 (fixture)
+from test_gguf import write_tiny_gguf
+
+from mlx_mtp.artifacts import atomic_folder, atomic_write, find_artifact
+from mlx_mtp.clp_format import CLPHeads, base_config, load_heads, save_heads
+from mlx_mtp.errors import MTPError
+from mlx_mtp.fingerprint import model_fingerprint
+from mlx_mtp.testing import make_tiny_model
+
+
+# ------------------------------------------------------------------ helpers
+def _mount(folder: Path, options: str) -> None:
+    """Mount a tmpfs on ``folder`` or skip (needs root and mount rights)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+
+
+@pytest.fixture()
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: room for a few small files, not for a model or heads."""
+    d = tmp_path / "small-disk"
+    d.mkdir()
+    _mount(d, "size=64k")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> tuple[int, str]:
+    """Run ``mlx-mtp ARGS`` in a new process: (exit status, stderr)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return r.returncode, r.stderr
+
+
+def _one_error_line(rc: int, stderr: str, *words: str) -> str:
+    """The CLI ended with exit 2 and exactly one ``error:`` line containing
+    ``words`` (progress bars may also be on stderr), and no traceback."""
+    assert rc == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+    return errors[0]
+
+
+def _heads(model, gate_hidden=None) -> CLPHeads:
+    cfg = base_config(model, "tiny", 2, "resblock", bottleneck=8, gate_hidden=gate_hidden)
+    heads = CLPHeads(cfg)
+    mx.eval(heads.parameters())
+    return heads
+
+
+# ------------------------------------------------------------------ the store
+def test_find_artifact_order_and_matching(tmp_path):
+    """First root first, entries by name; other models, corrupt metadata and
+    entries refused by ``accept`` are skipped; a fingerprint string matches
+    exactly."""
+    model, other = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    fp = model_fingerprint(model)
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+
+    def put(root, name, **meta):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text(json.dumps(meta))
+
+    put(user, "a-other", fingerprint=model_fingerprint(other))
+    put(user, "b-mine", fingerprint=fp, kind="x")
+    put(user, "c-mine", fingerprint=fp)
+    put(shipped, "a-mine", fingerprint=fp)
+    (user / "0-corrupt").mkdir()
+    (user / "0-corrupt" / "config.json").write_text("{not json")
+    roots = [user, tmp_path / "missing", shipped]
+    assert find_artifact(model, roots, "*/config.json") == user / "b-mine"
+    assert find_artifact(fp, roots, "*/config.json") == user / "b-mine"
+    no_x = find_artifact(model, roots, "*/config.json", accept=lambda p, m: "kind" not in m)
+    assert no_x == user / "c-mine"
+    assert find_artifact(model, [shipped, user], "*/config.json") == shipped / "a-mine"
+    assert find_artifact(make_tiny_model("llama", seed=2), roots, "*/config.json") is None
+
+
+def test_atomic_writes_keep_what_was_there(tmp_path):
+    f = tmp_path / "f.json"
+    f.write_text("old")
+
+    def fail(p):
+        p.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(f, fail)
+    assert f.read_text() == "old" and sorted(tmp_path.iterdir()) == [f]
+    d = tmp_path / "d"
+    with atomic_folder(d) as tmp:
+        (tmp / "x").write_text("1")
+    with pytest.raises(ValueError), atomic_folder(d) as tmp:
+        (tmp / "x").write_text("2")
+        raise ValueError
+    assert (d / "x").read_text() == "1" and sorted(tmp_path.iterdir()) == [d, f]
+
+
+def test_mlx_write_failures_are_oserrors(tmp_path, monkeypatch):
+    """MLX's RuntimeError for a failed write becomes an OSError naming the
+    file; its other errors pass unchanged."""
+
+    def raising(message):
+        def save(*a, **k):
+            raise RuntimeError(message)
+
+        return save
+
+    target = tmp_path / "w.safetensors"
+    monkeypatch.setattr(mx, "save_safetensors", raising("[write] Unable to write 8 bytes to file."))
+    with pytest.raises(OSError, match=f"cannot write {target}.*disk full"):
+        atomic_write(target, lambda p: mx.save_safetensors(str(p), {}))
+    monkeypatch.setattr(mx, "save_safetensors", raising("[load_safetensors] corrupt source"))
+    with pytest.raises(RuntimeError, match="corrupt source"):
+        atomic_write(target, lambda p: mx.save_safetensors(str(p), {}))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ full disk
+def test_full_disk_during_a_gguf_import(tmp_path, full_disk):
+    from mlx_mtp.converters.gguf import convert_gguf
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, {})
+    with pytest.raises(OSError, match="cannot write") as e:
+        convert_gguf(src, full_disk / "model")
+    assert "\n" not in str(e.value)
+    assert list(full_disk.iterdir()) == []
+    rc, err = _cli("convert", "gguf", str(src), str(full_disk / "model"))
+    _one_error_line(rc, err, "cannot write", str(full_disk / "model"))
+    assert list(full_disk.iterdir()) == []
+
+
+def test_full_disk_during_a_checkpoint_conversion(tmp_path, full_disk, tokenizer_dirs):  # noqa: F811
+    from mlx_mtp.converters.confadapt_import import convert_mtp_checkpoint
+
+    src = make_checkpoint(tmp_path / "src", "qwen3", tokenizer_dirs)
+    with pytest.raises(OSError, match="cannot write|No space") as e:
+        convert_mtp_checkpoint(src, full_disk / "out")
+    assert not isinstance(e.value, MTPError)  # not reported as a corrupt checkpoint
+    assert list(full_disk.iterdir()) == []
+
+
+def test_full_disk_keeps_the_heads_there(full_disk):
+    """Heads that fit stay loadable when larger ones (a ~1M-value gate) fail
+    to replace them."""
+    model = make_tiny_model("llama", seed=0)
+    save_heads(_heads(model), full_disk / "heads")
+    with pytest.raises(OSError, match="cannot write"):
+        save_heads(_heads(model, gate_hidden=1024), full_disk / "heads")
+    assert [p.name for p in full_disk.iterdir()] == ["heads"]
+    assert load_heads(full_disk / "heads", model).k == 2
