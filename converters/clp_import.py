@@ -4,7 +4,8 @@
 :mod:`mlx_mtp.clp_format`) stamped with the fingerprint of base model M. Every
 source is checked against M's hidden size and vocabulary; the write is atomic
 (:func:`mlx_mtp.artifacts.atomic_folder`) and never replaces an existing DST
-unless ``overwrite``.
+unless ``overwrite``; a truncated or corrupt source file is one
+:class:`HeadConversionError`.
 
 What is mapped, exactly:
 
@@ -84,6 +85,7 @@ from mlx_mtp.clp_format import (
     save_heads,
 )
 from mlx_mtp.errors import CheckpointMismatchError, MTPError
+from mlx_mtp.loading import one_line
 from mlx_mtp.native_mtp import NEXTN_FAMILIES, find_mtp_tensors, find_nextn_tensors
 
 SOURCES = ("auto", "clp", "medusa", "mimo-mtp", "qwen3-mtp", "deepseek-nextn")
@@ -201,7 +203,7 @@ def _check_sizes(what: str, d: int, v: int | None, model: Any) -> None:
 
 # -------------------------------------------------------------------- medusa
 def _from_medusa(folder: Path, loaded: Any) -> tuple[CLPHeads, str]:
-    w = mx.load(str(folder / MEDUSA_FILE))
+    w = _load(folder / MEDUSA_FILE)
     heads_idx: dict[int, dict[str, mx.array]] = {}
     for key, val in w.items():
         i, _, rest = key.partition(".")
@@ -271,18 +273,28 @@ def _tensor_names(folder: Path) -> list[str]:
     idx = folder / "model.safetensors.index.json"
     if idx.is_file():
         return list(json.loads(idx.read_text()).get("weight_map", {}))
-    names: list[str] = []
-    for f in sorted(folder.glob("*.safetensors")):
-        names.extend(_safetensors_header(f))
-    return names
+    return [n for f in sorted(folder.glob("*.safetensors")) for n in _load(f, names=True)]
 
 
-def _safetensors_header(path: Path) -> list[str]:
-    """Tensor names of a safetensors file, read from its JSON header only."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return [k for k in header if k != "__metadata__"]
+def _load(path: Path, names: bool = False) -> Any:
+    """``mx.load`` of a safetensors file or (``names``) its tensor names, read
+    from the JSON header alone (whatever the dtypes; MLX cannot load some).
+
+    Raises:
+        HeadConversionError: a truncated or corrupt file (MLX's RuntimeError
+            names no file).
+    """
+    try:
+        if not names:
+            return mx.load(str(path))
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+    except (RuntimeError, ValueError) as e:
+        raise HeadConversionError(
+            f"{path} cannot be read ({one_line(e)}): the file is truncated or corrupt; "
+            "download it again."
+        ) from e
 
 
 def _read_tensors(folder: Path, prefix: str) -> dict[str, mx.array]:
@@ -295,7 +307,7 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, mx.array]:
         files = [f for f in sorted(folder.glob("*.safetensors")) if f.name != MEDUSA_FILE]
     out = {}
     for f in files:
-        out.update({k: v for k, v in mx.load(str(f)).items() if k.startswith(prefix)})
+        out.update({k: v for k, v in _load(f).items() if k.startswith(prefix)})
     return out
 
 

@@ -7,7 +7,8 @@ CLP and MTP heads, confadapt adapters, imported models.
   (:func:`atomic_write`), a folder built under a temporary name and swapped
   into place (:func:`atomic_folder`); MLX's write failures (a full disk) are
   ``OSError`` naming the file (:func:`mlx_write_errors`). A reader never sees
-  half an artifact; a failed write leaves what was there.
+  half an artifact; a failed write leaves what was there. A command checks
+  its output folder before it works (:func:`check_writable`).
 - Finding: :func:`find_artifact`, the first artifact in :func:`search_dirs`
   (the cache, then the shipped assets) made for the model
   (:func:`mlx_mtp.fingerprint.same_model`).
@@ -26,6 +27,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from .errors import InvalidArgumentError
 from .fingerprint import same_model
 
 #: the kinds of artifact, each a folder of that name (GGUF imports are ``models``)
@@ -135,6 +137,32 @@ def atomic_folder(dest: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_writable(folder: Path, what: str = "--out") -> None:
+    """Refuse an output ``folder`` (chosen by ``what``) that cannot take a new
+    file, before any work is done: the folder or, where it does not exist
+    yet, its nearest existing parent. Leaves nothing (a probe file is made and
+    removed).
+
+    Raises:
+        InvalidArgumentError: a file where a folder is needed, or a read-only
+            or forbidden folder.
+    """
+    folder = near = Path(folder).expanduser()
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    try:
+        if not near.is_dir():
+            raise NotADirectoryError(f"{near} is a file")
+        fd, probe = tempfile.mkstemp(dir=near, prefix=".mlx-mtp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = f"{e.strerror}: {near}" if e.strerror else str(e)
+        raise InvalidArgumentError(
+            f"{what}: cannot write in {folder} ({reason}); choose another {what}."
+        ) from e
 
 
 # ------------------------------------------------------------------ finding

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -50,6 +51,8 @@ from .fingerprint import model_fingerprint
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger("mlx_mtp")
 
 #: forward sizes (slots) the curve is measured at
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -334,8 +337,10 @@ class LiveCurves:
         return CostCurves(out)
 
     def save(self) -> None:
-        """Cache what was learned (nothing when nothing changed or no key);
-        an unwritable cache is warned about once."""
+        """Cache what was learned (nothing when nothing changed or no key). An
+        unwritable cache (a read-only ``$MLX_MTP_HOME``) is said once, in one
+        line on the ``mlx_mtp`` logger (stderr unless logging is set up); the
+        curve stays in this process (:data:`_LIVE`)."""
         if not self.changed or self.key is None or not distributed.is_main():
             return
         self.changed = False
@@ -344,9 +349,12 @@ class LiveCurves:
         except OSError as e:
             if not getattr(self, "_warned", False):
                 self._warned = True
-                warnings.warn(
-                    f"could not cache the cost curve ({e}); it is kept for this run only.",
-                    stacklevel=2,
+                log.warning(
+                    "mlx-mtp: cannot cache the cost curve in %s (%s); it is kept for this "
+                    "process only and timed again by the next one. Set MLX_MTP_HOME to a "
+                    "writable folder to keep it, or pin one with MLX_MTP_COST_CURVE.",
+                    curve_path(self.key).parent,
+                    getattr(e, "strerror", None) or e,
                 )
 
 

@@ -56,6 +56,14 @@ class LearnedMasksNotFoundError(MTPError):
     """No learned mask file exists for this model."""
 
 
+def masks_folder(path: str | Path | None = None) -> Path:
+    """The folder :func:`save_learned_masks` writes into for ``path``: a
+    ``.safetensors``/``.json`` file's folder, or ``path`` itself (default
+    ``cache_home()/masks``)."""
+    p = Path(path) if path is not None else artifact_dir("masks")
+    return p.parent if p.suffix in SUFFIXES else p
+
+
 def save_learned_masks(
     masks: mx.array | np.ndarray,
     model: nn.Module,

@@ -1,7 +1,9 @@
 """The artifact store (mlx_mtp/artifacts.py) and faults at its edges: discovery
 order, atomic writes, a full disk during a GGUF import, a checkpoint conversion
-or a heads write (a small tmpfs). A fault is one line (``error: ...``, exit 2
-in the CLI) and leaves nothing half-written."""
+or a heads write (a small tmpfs), a truncated Medusa file, a read-only
+``MLX_MTP_HOME``, and the training commands' checks of their output and data
+before they work. A fault is one line (``error: ...``, exit 2 in the CLI) and
+leaves nothing half-written."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from test_clp_converters import _loaded, _medusa_repo
 from test_confadapt_checkpoint import make_checkpoint, tokenizer_dirs  # noqa: F401 (fixture)
 from test_gguf import write_tiny_gguf
 
-from mlx_mtp.artifacts import atomic_folder, atomic_write, find_artifact
+from mlx_mtp.artifacts import atomic_folder, atomic_write, check_writable, find_artifact
 from mlx_mtp.clp_format import CLPHeads, base_config, load_heads, save_heads
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import InvalidArgumentError, MTPError
 from mlx_mtp.fingerprint import model_fingerprint
 from mlx_mtp.testing import make_tiny_model
 
@@ -45,6 +49,28 @@ def full_disk(tmp_path):
     _mount(d, "size=64k")
     yield d
     subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.fixture()
+def read_only(tmp_path):
+    """An empty folder nothing can be written in: a read-only tmpfs as root
+    (root ignores permission bits), mode 0555 otherwise."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    if os.geteuid() == 0:
+        _mount(d, "ro,size=64k")
+    else:
+        d.chmod(0o555)
+    try:
+        (d / "probe").write_text("x")
+        pytest.skip("the folder is still writable here")
+    except OSError:
+        pass
+    yield d
+    if os.geteuid() == 0:
+        subprocess.run(["umount", str(d)], check=True)
+    else:
+        d.chmod(0o755)
 
 
 def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> tuple[int, str]:
@@ -146,6 +172,16 @@ def test_mlx_write_failures_are_oserrors(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_writable(tmp_path, read_only):
+    check_writable(tmp_path / "new" / "deeper")  # made later: fine, nothing made now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["read-only"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="--out: .* is a file"):
+        check_writable(tmp_path / "file" / "sub")
+    with pytest.raises(InvalidArgumentError, match="MLX_MTP_HOME"):
+        check_writable(read_only / "masks", "MLX_MTP_HOME")
+
+
 # ------------------------------------------------------------------ full disk
 def test_full_disk_during_a_gguf_import(tmp_path, full_disk):
     from mlx_mtp.converters.gguf import convert_gguf
@@ -180,3 +216,132 @@ def test_full_disk_keeps_the_heads_there(full_disk):
         save_heads(_heads(model, gate_hidden=1024), full_disk / "heads")
     assert [p.name for p in full_disk.iterdir()] == ["heads"]
     assert load_heads(full_disk / "heads", model).k == 2
+
+
+# ------------------------------------------------------------------ truncated
+@pytest.mark.parametrize("keep", [4, 100, 0.5])
+def test_truncated_medusa_file_is_one_clear_error(tmp_path, keep):
+    from mlx_mtp.converters.clp_import import MEDUSA_FILE, HeadConversionError, convert
+
+    repo, _ = _medusa_repo(tmp_path)
+    f = repo / MEDUSA_FILE
+    data = f.read_bytes()
+    f.write_bytes(data[: int(keep * len(data)) if keep < 1 else keep])
+    with pytest.raises(HeadConversionError, match="truncated or corrupt") as e:
+        convert(repo, tmp_path / "out", _loaded(make_tiny_model("llama", seed=0)))
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]
+
+
+def test_truncated_medusa_file_in_the_cli(tmp_path):
+    from mlx_mtp.converters.clp_import import MEDUSA_FILE
+
+    repo, _ = _medusa_repo(tmp_path)
+    (repo / MEDUSA_FILE).write_bytes((repo / MEDUSA_FILE).read_bytes()[:200])
+    rc, err = _cli("convert", "clp-heads", str(repo), str(tmp_path / "out"))
+    _one_error_line(rc, err, MEDUSA_FILE, "truncated")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ read-only home
+_TIMED_RUNS = """
+import mlx_mtp
+from mlx_mtp import costs
+from mlx_mtp.engine import Engine
+from mlx_mtp.testing import make_tiny_model
+
+timed = []
+measure = costs.measure_cost_curve
+costs.measure_cost_curve = lambda *a, **k: timed.append(1) or measure(*a, **k)
+model = make_tiny_model("llama", seed=0)
+for _ in range(3):  # three engines and generations of one model in one process
+    live = costs.device_curves(Engine(model))
+    live.observe(2, 0.01, 0)
+    live.save()
+print(len(timed))
+"""
+
+
+def test_read_only_home_is_one_line_and_timed_once(read_only):
+    """The cost curve cannot be cached: one plain line on stderr (no warning
+    with a source line), naming the folder and MLX_MTP_HOME, and the curve is
+    timed once in the process however many engines and generations use it."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_MTP_COST_CURVE"}
+    r = subprocess.run(
+        [sys.executable, "-c", _TIMED_RUNS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "MLX_MTP_HOME": str(read_only)},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1"]
+    lines = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if "cost curve" in ln]
+    assert len(lines) == 1, r.stderr
+    assert str(read_only / "cost_curves") in lines[0] and "MLX_MTP_HOME" in lines[0]
+    assert "Warning" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ training checks
+@pytest.fixture()
+def prompts(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(4)))
+    return f
+
+
+def _no_loading(monkeypatch, *modules):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    for m in modules:
+        monkeypatch.setattr(m, "load_model", refuse)
+
+
+def test_train_masks_checks_out_before_it_loads_or_trains(
+    tmp_path, prompts, read_only, monkeypatch
+):
+    import mlx_mtp.commands.masks as masks
+
+    _no_loading(monkeypatch, masks)
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file" / "m.safetensors", read_only / "m.safetensors", read_only):
+        with pytest.raises(InvalidArgumentError, match="--out"):
+            masks.run_train_masks("smollm2-135m", [prompts], out=out)
+    monkeypatch.setenv("MLX_MTP_HOME", str(read_only))
+    with pytest.raises(InvalidArgumentError, match="MLX_MTP_HOME"):
+        masks.run_train_masks("smollm2-135m", [prompts])  # the default: the cache's masks/
+
+
+def test_train_masks_cli_unwritable_out(tmp_path, prompts):
+    (tmp_path / "file").write_text("x")
+    args = ("train", "masks", "--data", str(prompts), "--out", str(tmp_path / "file" / "m"))
+    _one_error_line(*_cli(*args), "--out", "is a file")
+
+
+def test_train_mtp_checks_out_before_it_loads(tmp_path, prompts, monkeypatch):
+    import mlx_mtp.commands.confadapt as confadapt
+
+    _no_loading(monkeypatch, confadapt)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="--out"):
+        confadapt.run_train_mtp("smollm2-135m", str(prompts), out=tmp_path / "file" / "adapter")
+
+
+def test_train_clp_writes_nothing_when_its_arguments_fail(tmp_path, prompts, read_only):
+    from mlx_mtp.training.clp import TrainConfig, train_clp
+
+    loaded = SimpleNamespace(model=make_tiny_model("llama", seed=0), tokenizer=None, name="tiny")
+    missing = TrainConfig(data=[str(prompts), str(tmp_path / "missing.jsonl")])
+    with pytest.raises(InvalidArgumentError, match="missing.jsonl"):
+        train_clp(loaded, tmp_path / "heads" / "h", missing, log=lambda s: None)
+    with pytest.raises(InvalidArgumentError, match="--out"):
+        train_clp(loaded, read_only / "h", TrainConfig(data=[str(prompts)]), log=lambda s: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "read-only"]
+
+
+def test_train_clp_cli_missing_data_leaves_nothing(tmp_path):
+    out = tmp_path / "heads" / "h"
+    args = ("train", "clp", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
+    _one_error_line(*_cli(*args), "missing.jsonl")
+    assert list(tmp_path.iterdir()) == []

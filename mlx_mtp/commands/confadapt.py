@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ..artifacts import artifact_dir
+from ..artifacts import artifact_dir, check_writable
 from ..data import (
     eval_prompts,
     read_prompts,
@@ -45,11 +45,14 @@ def run_train_mtp(
     cfg = TrainConfig(lora=lora, lr=lr, seed=seed, **config)
     if steps is not None:
         cfg.steps = steps
+    if out is not None:  # checked before anything is loaded or trained
+        check_writable(out.parent)
     lm = load_model(model, dtype=dtype)
     if out is None:
         fp = model_fingerprint(lm.model)
         name = "" if model.count("/") else f"{model}-"
         out = artifact_dir("confadapt" if lora else "models") / f"{name}mtp-{fp}"
+        check_writable(out.parent, "MLX_MTP_HOME (or --out)")
     trainer = Trainer(lm, prompts, out, cfg, prompt_format=prompt_format)
     return trainer.run(resume=resume, stop_after=stop_after)
 
@@ -69,6 +72,7 @@ def register(app: typer.Typer) -> None:
         """Convert a self-distilled MTP checkpoint (Kirchenbauer et al.) for --method confadapt."""
         from ..converters.confadapt_import import convert_mtp_checkpoint as convert
 
+        check_writable(dst.parent, "DST")  # before the checkpoint is downloaded or read
         out = convert(
             src,
             dst,

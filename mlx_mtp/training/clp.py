@@ -35,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..artifacts import atomic_write, atomic_write_text
+from ..artifacts import atomic_write, atomic_write_text, check_writable
 from ..clp_format import (
     CLPHeads,
     base_config,
@@ -167,30 +167,33 @@ def train_clp(
         held-out split, parameter counts, example counts, wall time.
 
     Raises:
-        InvalidArgumentError: bad data or settings.
+        InvalidArgumentError: bad data or settings, or an ``out`` that cannot
+            be written (checked before anything is written or trained).
     """
     t_start = time.time()
     if cfg.k < 1 or cfg.k > 8:
         raise InvalidArgumentError(f"k must be in [1, 8], got {cfg.k}")
     out = Path(out)
-    ckdir = out.parent / f".{out.name}.train"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for f in ckdir.glob("*"):
-            f.unlink()
     model, tok = loaded.model, loaded.tokenizer
     model.eval()
     mx.random.seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     _, lm_head, embed = model_parts(model)
 
-    # ---- phase 1: self-distilled data
+    # ---- phase 1: self-distilled data (the prompts and the output folder are
+    # checked before anything is written)
     texts = []
     for path in cfg.data:  # shuffled per file; ``limit`` caps each file
         part = read_prompts(path, exclude=eval_prompts() if cfg.exclude_eval else ())
         rng.shuffle(part)
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)
+    check_writable(out.parent)
+    ckdir = out.parent / f".{out.name}.train"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for f in ckdir.glob("*"):
+            f.unlink()
     prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
     # by length: the held-out split below permutes this order
     prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)
