@@ -30,24 +30,23 @@ reference dequantizer ported to numpy); the weights are then stored as
 BPE) only, and it must carry ``tokenizer.ggml.merges``. Anything else is refused
 with :class:`GGUFImportError` before a single byte is written.
 
-The conversion is atomic: it writes into a temporary sibling folder and renames
-it into place only once every file is complete, so an interrupted conversion
+The conversion is atomic (:func:`mlx_mtp.artifacts.atomic_folder`): it writes
+into a temporary sibling folder and moves it into place only once every file
+is complete, so an interrupted or failed conversion (a full disk: ``OSError``)
 never leaves a folder that later loads as a model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp.artifacts import atomic_folder
 from mlx_mtp.errors import MTPError
 
 #: GGML tensor types that ``mx.load`` reads (quantized ones map to MLX affine
@@ -562,6 +561,7 @@ def convert_gguf(
             tokenizer (including byte-level BPE without merges), an unmappable
             tensor name, or a bad ``dtype``/``quantize``.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        OSError: the folder cannot be written (a full disk; nothing is left).
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in ("float16", "bfloat16", "float32"):
@@ -586,10 +586,7 @@ def convert_gguf(
     if tok_files["generation_config.json"].get("eos_token_id") is not None:
         config["eos_token_id"] = tok_files["generation_config.json"]["eos_token_id"]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is not secret
+    with atomic_folder(out_dir) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         files = {"config.json": config, **tok_files}
         for fname, content in files.items():
@@ -597,14 +594,4 @@ def convert_gguf(
                 json.dump(content, f, ensure_ascii=False, indent=1)
         marker = {"source": str(gguf_path), "dtype": dtype, "quantize": quantize}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
-        if out_dir.exists():
-            backup = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, backup)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

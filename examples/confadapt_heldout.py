@@ -49,10 +49,10 @@ def main() -> None:
 
     from mlx_mtp.cache_view import install_positional_rope
     from mlx_mtp.commands.confadapt import resolve_data
+    from mlx_mtp.confadapt_format import apply_adapter, read_adapter_config, tokenizer_eos_ids
     from mlx_mtp.data import spec_bench_sample
     from mlx_mtp.loading import load_model
     from mlx_mtp.methods.confadapt import confadapt_length
-    from mlx_mtp.mtp_checkpoint import apply_adapter, read_adapter_config, tokenizer_eos_ids
     from mlx_mtp.training.continuations import greedy_continuations
     from mlx_mtp.training.mtp import encode_prompt, forward_layout, region_layout
 

@@ -1,33 +1,37 @@
-"""One home for what mlx-mtp writes: cost curves, learned masks, CLP and MTP
-heads, confadapt adapters, imported models.
+"""One home for what mlx-mtp writes and finds: cost curves, learned masks,
+CLP and MTP heads, confadapt adapters, imported models.
 
-Everything lives under :func:`cache_home` (``$MLX_MTP_HOME``, default
-``~/.cache/mlx-mtp``), one folder per kind (:data:`KINDS`), and is written
-atomically: a file through a temporary file in the same folder and
-``os.replace`` (:func:`atomic_write`), a folder by building it under a
-temporary name and swapping it into place (:func:`atomic_folder`). A reader
-never sees half an artifact, and a failed write (a full disk, an interrupt)
-leaves what was there before.
+- Where: ``<cache_home()>/<kind>`` (``$MLX_MTP_HOME``, default
+  ``~/.cache/mlx-mtp``; :data:`KINDS`); some ship in ``mlx_mtp/assets/<kind>``.
+- Writing, atomically: a file through a temporary file in the same folder
+  (:func:`atomic_write`), a folder built under a temporary name and swapped
+  into place (:func:`atomic_folder`); MLX's write failures (a full disk) are
+  ``OSError`` naming the file (:func:`mlx_write_errors`). A reader never sees
+  half an artifact; a failed write leaves what was there. A command checks
+  its output folder before it works (:func:`check_writable`).
+- Finding: :func:`find_artifact`, the first artifact in :func:`search_dirs`
+  (the cache, then the shipped assets) made for the model
+  (:func:`mlx_mtp.fingerprint.same_model`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-#: kind -> folder under the cache home
-KINDS = {
-    "cost_curves": "cost_curves",
-    "masks": "masks",
-    "clp": "clp",
-    "confadapt": "confadapt",
-    "models": "models",
-    "gguf": "gguf",
-}
+import mlx.nn as nn
+
+from .errors import InvalidArgumentError
+from .fingerprint import same_model
+
+#: the kinds of artifact, each a folder of that name (GGUF imports are ``models``)
+KINDS = ("cost_curves", "masks", "clp", "confadapt", "models")
 
 #: artifacts that ship inside the package (learned masks, CLP heads, adapters)
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -39,33 +43,40 @@ def cache_home() -> Path:
 
 
 def artifact_dir(kind: str, home: Path | None = None) -> Path:
-    """``<home or cache_home()>/<kind's folder>`` (not created).
+    """``<home or cache_home()>/<kind>`` (not created).
 
     Raises:
         KeyError: an unknown kind.
     """
-    return (home or cache_home()) / KINDS[kind]
+    if kind not in KINDS:
+        raise KeyError(kind)
+    return (home or cache_home()) / kind
 
 
+def search_dirs(kind: str, shipped: bool = True) -> list[Path]:
+    """Where artifacts of ``kind`` are looked for, in order: the user's cache
+    folder, then (``shipped``) the package's ``assets/<kind>``."""
+    return [artifact_dir(kind)] + ([ASSETS / kind] if shipped else [])
+
+
+# ------------------------------------------------------------------ writing
 def atomic_write(path: Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
     """Write ``path`` atomically: ``write(tmp)`` fills a temporary file in the
-    same folder (created if missing), which then replaces ``path``.
-
-    Args:
-        path: the destination.
-        write: fills the file it is given (its name keeps ``path``'s suffix,
-            for writers that choose the format by it).
-        mode: permissions of the written file (temporary files are private).
+    same folder (created if missing; its name keeps ``path``'s suffix, for
+    writers that choose the format by it), which then replaces ``path`` with
+    permissions ``mode``.
 
     Raises:
-        OSError: the folder cannot be created or written (nothing changed).
+        OSError: the folder cannot be created or written, or MLX cannot write
+            (:func:`mlx_write_errors`; nothing changed).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     os.close(fd)
     try:
-        write(Path(tmp))
+        with mlx_write_errors(path):
+            write(Path(tmp))
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
@@ -80,21 +91,38 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 
 @contextmanager
-def atomic_folder(dest: Path) -> Iterator[Path]:
-    """Build a folder under a temporary name next to ``dest`` and move it into
-    place when the block ends without an exception; an existing ``dest`` is
-    replaced only then (kept aside until the new one is in place). On an
-    exception the temporary folder is removed and ``dest`` is left as it was.
+def mlx_write_errors(path: Path) -> Iterator[None]:
+    """MLX's write failures (a full disk: a ``RuntimeError`` naming no file,
+    ``[write] Unable to write N bytes to file.``) inside the block raised as an
+    ``OSError`` naming ``path``, the write failure callers and the CLI (one
+    line, exit 2) expect. Other errors (a lazy array whose source cannot be
+    read) pass unchanged. :func:`atomic_write` and :func:`atomic_folder` apply it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith(("[write]", "[save")):
+            raise
+        raise OSError(f"cannot write {path} ({e}): is the disk full?") from e
 
-    Yields:
-        The temporary folder to fill.
+
+@contextmanager
+def atomic_folder(dest: Path) -> Iterator[Path]:
+    """Build a folder in the temporary folder it yields, next to ``dest``, and
+    move it into place when the block ends without an exception; an existing
+    ``dest`` is replaced only then (kept aside until the new one is in place).
+    On an exception the temporary folder is removed, ``dest`` left as it was.
+
+    Raises:
+        OSError: the folder cannot be created or written, or MLX cannot write
+            in it (:func:`mlx_write_errors`; nothing changed).
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; artifacts are ordinary folders
     try:
-        yield tmp
+        with mlx_write_errors(dest):
+            yield tmp
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.replace(dest, old / dest.name)
@@ -109,3 +137,57 @@ def atomic_folder(dest: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_writable(folder: Path, what: str = "--out") -> None:
+    """Refuse an output ``folder`` (chosen by ``what``) that cannot take a new
+    file, before any work is done: the folder or, where it does not exist
+    yet, its nearest existing parent. Leaves nothing (a probe file is made and
+    removed).
+
+    Raises:
+        InvalidArgumentError: a file where a folder is needed, or a read-only
+            or forbidden folder.
+    """
+    folder = near = Path(folder).expanduser()
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    try:
+        if not near.is_dir():
+            raise NotADirectoryError(f"{near} is a file")
+        fd, probe = tempfile.mkstemp(dir=near, prefix=".mlx-mtp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = f"{e.strerror}: {near}" if e.strerror else str(e)
+        raise InvalidArgumentError(
+            f"{what}: cannot write in {folder} ({reason}); choose another {what}."
+        ) from e
+
+
+# ------------------------------------------------------------------ finding
+def find_artifact(
+    model: nn.Module | str,
+    roots: list[Path],
+    meta: str,
+    keys: tuple[str, str] = ("fingerprint", "signature"),
+    accept: Callable[[Path, dict[str, Any]], bool] | None = None,
+) -> Path | None:
+    """The first artifact in ``roots`` (in order, entries by name) made for
+    ``model`` (fingerprint, else signature: :func:`~mlx_mtp.fingerprint.same_model`;
+    a fingerprint string: exact match), or None. An artifact is a root's entry
+    whose JSON object ``root.glob(meta)`` finds: ``"*.json"`` (the entry is
+    that file), ``"*/config.json"`` (the folder). ``keys`` name the metadata's
+    fingerprint and signature; ``accept(path, metadata)`` may refuse more."""
+    for root in roots:
+        for path in sorted(root.glob(meta), key=lambda p: p.relative_to(root).parts):
+            try:
+                info = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if not isinstance(info, dict) or (accept is not None and not accept(path, info)):
+                continue
+            fp, sig = info.get(keys[0]), info.get(keys[1])
+            if fp == model if isinstance(model, str) else same_model(model, fp, sig):
+                return root / path.relative_to(root).parts[0]
+    return None

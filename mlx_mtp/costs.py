@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -42,7 +43,7 @@ from mlx_lm.utils import does_model_support_input_embeddings
 from tqdm import tqdm
 
 from . import distributed
-from .artifacts import atomic_write_text, cache_home
+from .artifacts import artifact_dir, atomic_write_text
 from .budget import CostCurve, CostCurves, as_curves, parse_curve
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
@@ -51,6 +52,8 @@ from .timing import simulated_device
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = logging.getLogger("mlx_mtp")
 
 #: forward sizes (slots) the curve is measured at: every size up to 16 (where
 #: Metal's quantized matmul switches from its vector to its matrix kernel on
@@ -243,7 +246,7 @@ def curve_path(key: dict[str, str], home: Path | None = None) -> Path:
     """``$MLX_MTP_HOME/cost_curves/<model>-<dtype>-<hash of the rest of the key>.json``."""
     rest = json.dumps({k: v for k, v in key.items() if k not in ("model", "dtype")}, sort_keys=True)
     h = hashlib.sha256(rest.encode()).hexdigest()[:10]
-    return (home or cache_home()) / "cost_curves" / f"{key['model']}-{key['dtype']}-{h}.json"
+    return artifact_dir("cost_curves", home) / f"{key['model']}-{key['dtype']}-{h}.json"
 
 
 def load_curve(key: dict[str, str], home: Path | None = None) -> CostCurves | None:
@@ -373,8 +376,10 @@ class LiveCurves:
         return CostCurves(out)
 
     def save(self) -> None:
-        """Cache what was learned (nothing when nothing changed or no key);
-        an unwritable cache is warned about once."""
+        """Cache what was learned (nothing when nothing changed or no key). An
+        unwritable cache (a read-only ``$MLX_MTP_HOME``) is said once, in one
+        line on the ``mlx_mtp`` logger (stderr unless logging is set up); the
+        curve stays in this process (:data:`_LIVE`)."""
         if not self.changed or self.key is None or not distributed.is_main():
             return
         self.changed = False
@@ -383,9 +388,12 @@ class LiveCurves:
         except OSError as e:
             if not getattr(self, "_warned", False):
                 self._warned = True
-                warnings.warn(
-                    f"could not cache the cost curve ({e}); it is kept for this run only.",
-                    stacklevel=2,
+                log.warning(
+                    "mlx-mtp: cannot cache the cost curve in %s (%s); it is kept for this "
+                    "process only and timed again by the next one. Set MLX_MTP_HOME to a "
+                    "writable folder to keep it, or pin one with MLX_MTP_COST_CURVE.",
+                    curve_path(self.key).parent,
+                    getattr(e, "strerror", None) or e,
                 )
 
 

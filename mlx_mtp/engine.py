@@ -67,7 +67,7 @@ class Engine:
 
         For a model that wraps or copies the current one with the same
         tokenizer, such as an on-device MTP adapter applied
-        (:func:`mlx_mtp.mtp_checkpoint.apply_adapter`); the counters of
+        (:func:`mlx_mtp.confadapt_format.apply_adapter`); the counters of
         forward passes and time carry on.
         """
         self.model = model

@@ -25,8 +25,6 @@ Where :func:`load_learned_masks` looks (first hit wins):
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +32,36 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .artifacts import (
+    ASSETS,
+    artifact_dir,
+    atomic_write,
+    atomic_write_text,
+    find_artifact,
+    search_dirs,
+)
 from .dims import model_dims
 from .errors import CheckpointMismatchError, InvalidArgumentError, MTPError
 from .fingerprint import model_fingerprint, model_signature, same_model
-from .loading import cache_home
 
 #: version of the file format written by :func:`save_learned_masks`
 FORMAT_VERSION = 1
 #: shipped learned masks (keyed by model fingerprint)
-ASSETS_DIR = Path(__file__).parent / "assets" / "masks"
+ASSETS_DIR = ASSETS / "masks"
+#: what names a file (a path with another suffix, or none, is a folder)
+SUFFIXES = (".safetensors", ".json")
 
 
 class LearnedMasksNotFoundError(MTPError):
     """No learned mask file exists for this model."""
 
 
-def user_masks_dir() -> Path:
-    """``cache_home()/masks``: where ``mlx-mtp train masks`` saves by default."""
-    return cache_home() / "masks"
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_suffix(".json")
+def masks_folder(path: str | Path | None = None) -> Path:
+    """The folder :func:`save_learned_masks` writes into for ``path``: a
+    ``.safetensors``/``.json`` file's folder, or ``path`` itself (default
+    ``cache_home()/masks``)."""
+    p = Path(path) if path is not None else artifact_dir("masks")
+    return p.parent if p.suffix in SUFFIXES else p
 
 
 def save_learned_masks(
@@ -65,14 +71,15 @@ def save_learned_masks(
     info: dict[str, Any] | None = None,
     overwrite: bool = True,
 ) -> Path:
-    """Write learned mask vectors for ``model`` (atomically: temp file, then rename).
+    """Write learned mask vectors for ``model`` (atomically, the weights first,
+    then the sidecar: :func:`~mlx_mtp.artifacts.atomic_write`).
 
     Args:
         masks: (slots, hidden_size) mask vectors, any float dtype (stored float32).
         model: the model they were trained for (its fingerprint is stored).
         path: target ``.safetensors`` file (the ``.json`` sidecar goes beside it),
             or a folder (file named ``<fingerprint>.safetensors``); default
-            :func:`user_masks_dir`.
+            ``cache_home()/masks``.
         info: extra JSON-serialisable metadata (training summary, model name).
         overwrite: replace existing files; if False an existing file raises.
 
@@ -82,6 +89,7 @@ def save_learned_masks(
     Raises:
         InvalidArgumentError: wrong shape for this model, or the file exists and
             ``overwrite`` is False.
+        OSError: the file cannot be written (nothing changed).
     """
     arr = np.asarray(mx.array(masks).astype(mx.float32))
     hidden = model_dims(model)[0]
@@ -90,14 +98,11 @@ def save_learned_masks(
             f"mask vectors must have shape (slots, {hidden}) for this model, got {arr.shape}"
         )
     fp = model_fingerprint(model)
-    p = Path(path) if path is not None else user_masks_dir()
-    if p.suffix not in (".safetensors", ".json"):
-        p = p / f"{fp}.safetensors"
-    p = p.with_suffix(".safetensors")
-    meta_path = _sidecar(p)
+    p = Path(path) if path is not None else artifact_dir("masks")
+    p = p.with_suffix(".safetensors") if p.suffix in SUFFIXES else p / f"{fp}.safetensors"
+    meta_path = p.with_suffix(".json")
     if not overwrite and (p.exists() or meta_path.exists()):
         raise InvalidArgumentError(f"{p} exists; pass --overwrite or another --out")
-    p.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": "mlx-mtp-learned-masks",
         "version": FORMAT_VERSION,
@@ -108,45 +113,9 @@ def save_learned_masks(
         "weights": p.name,
         **(info or {}),
     }
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-masks-", suffix=".safetensors", dir=p.parent)
-    os.close(fd)
-    mx.save_safetensors(tmp, {"masks": mx.array(arr)}, metadata={"fingerprint": fp})
-    fd, tmp_meta = tempfile.mkstemp(prefix=".tmp-masks-", suffix=".json", dir=p.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
-    for t in (tmp, tmp_meta):
-        os.chmod(t, 0o644)  # mkstemp files are private; these are plain data files
-    os.replace(tmp, p)
-    os.replace(tmp_meta, meta_path)
-    return meta_path
-
-
-def _candidates(fp: str, path: str | Path | None) -> list[Path]:
-    if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            return [p / f"{fp}.json"]
-        return [p.with_suffix(".json")]
-    return [user_masks_dir() / f"{fp}.json", ASSETS_DIR / f"{fp}.json"]
-
-
-def _by_signature(model: nn.Module, folders: list[Path]) -> Path | None:
-    """The first sidecar in ``folders`` whose stored fingerprint/signature
-    matches ``model`` (:func:`~mlx_mtp.fingerprint.same_model`): masks trained
-    on the same weights at another precision (bf16 masks, 4-bit model)."""
-    for folder in folders:
-        if not folder.is_dir():
-            continue
-        for meta_path in sorted(folder.glob("*.json")):
-            try:
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if isinstance(meta, dict) and same_model(
-                model, meta.get("fingerprint"), meta.get("signature")
-            ):
-                return meta_path
-    return None
+    weights = {"masks": mx.array(arr)}
+    atomic_write(p, lambda t: mx.save_safetensors(str(t), weights, metadata={"fingerprint": fp}))
+    return atomic_write_text(meta_path, json.dumps(meta, indent=2))
 
 
 def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.array:
@@ -166,10 +135,13 @@ def load_learned_masks(model: nn.Module, path: str | Path | None = None) -> mx.a
     """
     fp = model_fingerprint(model)
     hidden = model_dims(model)[0]
-    tried = _candidates(fp, path)
-    meta_path = next((p for p in tried if p.exists()), None)
-    if meta_path is None and (path is None or Path(path).is_dir()):
-        meta_path = _by_signature(model, list(dict.fromkeys(p.parent for p in tried)))
+    if path is not None and not Path(path).is_dir():  # a file: that one only
+        roots, tried = [], [Path(path).with_suffix(".json")]
+    else:  # <fingerprint>.json, else masks of the same weights at another precision
+        roots = [Path(path)] if path is not None else search_dirs("masks")
+        tried = [r / f"{fp}.json" for r in roots]
+    hit = next((t for t in tried if t.exists()), None)
+    meta_path = hit or find_artifact(model, roots, "*.json")
     if meta_path is None:
         raise LearnedMasksNotFoundError(
             f"No learned mask embeddings for this model (fingerprint {fp}); looked in "

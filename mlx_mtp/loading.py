@@ -24,7 +24,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
 
 from . import distributed
-from .artifacts import cache_home
+from .artifacts import artifact_dir, cache_home  # noqa: F401  (cache_home: re-exported)
 from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,7 +56,7 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def imported_model_dir(name: str, home: Path | None = None) -> Path:
     """Folder of a model imported once under a fixed name (e.g. by
     scripts/get_test_model.sh): ``<home or cache_home()>/models/<name>``."""
-    return (home or cache_home()) / "models" / name
+    return artifact_dir("models", home) / name
 
 
 def _imported(name: str) -> Path:
@@ -100,7 +100,7 @@ def _gguf_folder(gguf: Path, name: str | None = None) -> Path:
 
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    out = cache_home() / "models" / f"{name or gguf.stem}-{key[:10]}"
+    out = artifact_dir("models") / f"{name or gguf.stem}-{key[:10]}"
     if (out / COMPLETE_MARKER).exists():
         return out
     return convert_gguf(gguf, out, overwrite=out.exists())
@@ -297,7 +297,7 @@ def cached_models() -> list[Path]:
     """Folders of converted models in the cache."""
     from .converters.gguf import COMPLETE_MARKER
 
-    root = cache_home() / "models"
+    root = artifact_dir("models")
     if not root.exists():
         return []
     return sorted(p for p in root.iterdir() if (p / COMPLETE_MARKER).exists())

@@ -204,7 +204,7 @@ def has_native_mtp(folder: str | Path, model: nn.Module) -> bool:
     """Whether ``folder`` holds a native MTP layer for ``model``: the model's
     own checkpoint with ``mtp.*`` tensors (a supported model type), or a heads
     folder of architecture ``native-mtp-layer``. Reads headers only."""
-    from .clp_heads import FORMAT, NATIVE_LAYER
+    from .clp_format import FORMAT, NATIVE_LAYER
 
     folder = Path(folder)
     mtype = getattr(model, "model_type", "")
@@ -402,7 +402,7 @@ def load_native_mtp(
             f"--method mtp needs a checkpoint with a native MTP layer ({', '.join(NATIVE_FAMILIES)}"
             f"); model type {mtype!r} has none. Use --method probe, pld or clp."
         )
-    from .clp_heads import FORMAT, NATIVE_LAYER, check_compatible, read_heads
+    from .clp_format import FORMAT, NATIVE_LAYER, check_compatible, read_heads
 
     folder = Path(folder)
     try:
@@ -527,12 +527,12 @@ def save_native_heads(
     layer: NativeMTPLayer, model: nn.Module, name: str, folder: str | Path, source: dict
 ) -> Path:
     """Write ``layer`` as a heads folder of architecture ``native-mtp-layer``
-    (see :mod:`mlx_mtp.clp_heads`; atomic, float32 or the layer's float dtype).
+    (see :mod:`mlx_mtp.clp_format`; atomic, float32 or the layer's float dtype).
 
     Returns:
         The folder.
     """
-    from .clp_heads import NATIVE_LAYER, base_config, save_heads
+    from .clp_format import NATIVE_LAYER, base_config, save_heads
 
     moe = any(".switch_mlp." in k for k, _ in tree_flatten(layer.parameters()))
     config = base_config(

@@ -59,6 +59,7 @@ def qwen_large():
     from pathlib import Path
 
     from mlx_mtp.converters.gguf import COMPLETE_MARKER
+
     from mlx_mtp.loading import QWEN_CODER_LARGE, imported_model_dir, load_model
 
     path = imported_model_dir(QWEN_CODER_LARGE, Path(REAL_MLX_MTP_HOME))

@@ -115,7 +115,7 @@ def logits_diff(ref, sharded, prompt):
 def tiny_heads(model, folder):
     """CLP heads (2 ahead) for the unsharded ``model``, random but the same on
     every rank (as tests/test_clp.py makes them)."""
-    from mlx_mtp.clp_heads import CLPHeads, base_config, save_heads
+    from mlx_mtp.clp_format import CLPHeads, base_config, save_heads
 
     cfg = base_config(model, "tiny", 2, "resblock", bottleneck=16, gate_hidden=None)
     mx.random.seed(5)

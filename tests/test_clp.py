@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.clp_heads import (
+from mlx_mtp.clp_format import (
     ASSETS,
     CLPHeads,
     GatePredictor,

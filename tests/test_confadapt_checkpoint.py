@@ -78,7 +78,7 @@ def make_checkpoint(
 
 
 def _convert(src, dst, **kw):
-    from mlx_mtp.converters.mtp_checkpoint import convert_mtp_checkpoint
+    from mlx_mtp.converters.confadapt_import import convert_mtp_checkpoint
 
     return convert_mtp_checkpoint(src, dst, **kw)
 
@@ -177,7 +177,7 @@ def test_convert_never_overwrites(tmp_path, tokenizer_dirs):
 
 
 def test_convert_corrupt_or_missing_shard(tmp_path, tokenizer_dirs):
-    from mlx_mtp.converters.mtp_checkpoint import MTPCheckpointError
+    from mlx_mtp.converters.confadapt_import import MTPCheckpointError
 
     src = make_checkpoint(tmp_path / "src", "llama", tokenizer_dirs)
     shard = src / "model-00002-of-00002.safetensors"

@@ -208,7 +208,7 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
 def test_convert_clp_heads_writes_the_nextn_layer_and_mtp_loads_it(deepseek, tmp_path):
     """convert clp-heads finds the nextn layer (as it finds Qwen's mtp.*): the
     heads folder gives the layer's outputs and mtp decodes exactly with it."""
-    from mlx_mtp.converters.clp_heads import convert, detect
+    from mlx_mtp.converters.clp_import import convert, detect
 
     model, loaded = deepseek
     assert detect(loaded.path) == "deepseek-nextn"

@@ -212,29 +212,23 @@ def test_sampling_keeps_the_target_distribution():
 #: Qwen2.5-Coder-1.5B-Instruct's greedy continuation (float32, this package's
 #: ntp) of PAIR_PROMPT, recorded once: the imported model is checked against it
 PAIR_PROMPT = "Write a Python function that returns the squares of a list of numbers."
+PAIR_REFERENCE = [73594, 12669, 198, 750, 9334, 32964, 47207, 982, 262, 3190, 262, 1096]
 
 
 def test_real_pair_draft_equals_greedy(qwen_large, qwen):
     """Qwen2.5-Coder-0.5B drafts for Qwen2.5-Coder-1.5B (one tokenizer): chain
     and tree, fixed and auto, equal plain greedy decoding in float32 on a few
     prompts, and the draft is accepted often (a real draft source)."""
-    prompts = [
-        PAIR_PROMPT,
-        "Explain what a hash map is in two sentences.",
-        "def fibonacci(n):",
-    ]
+    # two prompts x 12 tokens: a 1.5B model in float32 runs at about 1-2 tok/s here
+    prompts = [PAIR_PROMPT, "Explain what a hash map is in two sentences."]
     ntp = qwen_large.bind("ntp")
-    refs = [ntp.generate(p, max_tokens=20).tokens for p in prompts]
-    assert ntp.tokenizer.decode(refs[0][:6])  # a real answer
-    for opts in (
-        {"shape": "chain", "num_draft_tokens": 3},
-        {"shape": "tree", "num_draft_tokens": 3},
-        {},
-    ):
+    refs = [ntp.generate(p, max_tokens=12).tokens for p in prompts]
+    assert refs[0] == PAIR_REFERENCE  # the recorded greedy reference ("```python\ndef square_")
+    for opts in ({"shape": "chain", "num_draft_tokens": 3}, {}):  # mlx-lm's chain; tree, auto
         m = qwen_large.bind("draft", draft_model=qwen, **opts)
         acc = gen = 0
         for p, ref in zip(prompts, refs):
-            r = m.generate(p, max_tokens=20)
+            r = m.generate(p, max_tokens=12)
             assert r.tokens == ref, (opts, p)
             acc, gen = acc + r.stats.accepted, gen + r.stats.generated_tokens
         assert acc > 0.3 * gen, opts  # most tokens come from the draft

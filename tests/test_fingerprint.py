@@ -71,7 +71,7 @@ def smollm_4bit():
 
 
 def test_shipped_artifacts_found_for_the_4bit_model(smollm, smollm_4bit):
-    from mlx_mtp.clp_heads import ASSETS, find_heads, load_heads
+    from mlx_mtp.clp_format import ASSETS, find_heads, load_heads
     from mlx_mtp.learned_masks import load_learned_masks
     from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS, find_mtp_source
 

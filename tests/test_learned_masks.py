@@ -180,8 +180,8 @@ def test_continuations_file_roundtrip_and_mismatch(tmp_path):
 def test_batched_continuations_equal_greedy(smollm, short_spec_prompts, greedy_reference):
     """Batched decoding (left-padded, float32) gives the same greedy
     continuations as one-by-one decoding on real prompts of different lengths."""
+    from mlx_mtp.confadapt_format import tokenizer_eos_ids
     from mlx_mtp.data import load_questions, render_prompt
-    from mlx_mtp.mtp_checkpoint import tokenizer_eos_ids
     from mlx_mtp.training.continuations import greedy_continuations
 
     tok = smollm.tokenizer

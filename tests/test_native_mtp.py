@@ -137,9 +137,9 @@ def test_mtp_weights_survive_loading_and_match_a_reference(hybrid):
 
 
 def test_convert_clp_heads_writes_the_layer_and_mtp_loads_it(hybrid, tmp_path):
-    from mlx_mtp.converters.clp_heads import convert
+    from mlx_mtp.converters.clp_import import convert
 
-    from mlx_mtp.clp_heads import find_heads, load_heads
+    from mlx_mtp.clp_format import find_heads, load_heads
 
     family, model, loaded = hybrid
     src = types.SimpleNamespace(model=model, name=f"tiny-{family}")

@@ -137,7 +137,7 @@ def _clp_untrained(qwen, folder) -> object:
     """CLP with freshly initialized resblock heads for Qwen (no trained heads
     exist for it): each head starts as the identity, so it drafts the backbone's
     own next token again; verification must still reproduce greedy."""
-    from mlx_mtp.clp_heads import CLPHeads, base_config, save_heads
+    from mlx_mtp.clp_format import CLPHeads, base_config, save_heads
 
     heads = CLPHeads(base_config(qwen.model, "qwen2.5-coder-0.5b", 3, "resblock", bottleneck=64))
     save_heads(heads, folder)

@@ -7,7 +7,7 @@ up by :mod:`mlx_mtp.cli` automatically. Commands that share a group (``convert``
 Imports: what ``import mlx_mtp`` loads anyway (loading, data, errors,
 distributed) and the standard library are imported at the top of a command
 module; the feature modules a command runs (training, bench, server,
-converters, fingerprint, mtp_checkpoint, learned_masks) inside the command,
+converters, fingerprint, confadapt_format, learned_masks) inside the command,
 because every ``mlx-mtp`` call imports every command module: importing those
 at the top made each start-up about 1.4 s slower (``python -X importtime``
 and a timed import of each after ``import mlx_mtp.cli``, 2-core x86 Linux;

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ..loading import cache_home, load_model
+from ..artifacts import artifact_dir, check_writable
+from ..loading import load_model
 from . import BASE_DTYPE, group
 
 
@@ -55,10 +56,13 @@ def register(app: typer.Typer) -> None:
         from ..fingerprint import model_fingerprint
         from ..training.clp import TrainConfig, train_clp
 
+        if out is not None:  # checked before the model loads; the data before training
+            check_writable(out.parent)
         loaded = load_model(model, dtype=dtype)
         if out is None:
             name = Path(model).name if "/" in model else model
-            out = cache_home() / "clp" / f"{name}-{model_fingerprint(loaded.model)}"
+            out = artifact_dir("clp") / f"{name}-{model_fingerprint(loaded.model)}"
+            check_writable(out.parent, "MLX_MTP_HOME (or --out)")
         cfg = TrainConfig(
             k=k,
             bottleneck=bottleneck,
@@ -103,8 +107,9 @@ def register(app: typer.Typer) -> None:
         dtype: str | None = BASE_DTYPE,
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
-        from ..converters.clp_heads import convert
+        from ..converters.clp_import import convert
 
+        check_writable(dst.parent, "DST")  # before the model loads
         loaded = load_model(model, dtype=dtype)
         summary = convert(src, dst, loaded, source=source, overwrite=overwrite)
         typer.echo(summary)

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
+from ..artifacts import artifact_dir, check_writable
 from ..data import (
     eval_prompts,
     read_prompts,
     resolve_data,  # JSONL file or a named data set
 )
 from ..errors import InvalidArgumentError
-from ..loading import cache_home, load_model
+from ..loading import load_model
 from . import BASE_DTYPE_HELP, group
 
 
@@ -44,11 +45,14 @@ def run_train_mtp(
     cfg = TrainConfig(lora=lora, lr=lr, seed=seed, **config)
     if steps is not None:
         cfg.steps = steps
+    if out is not None:  # checked before anything is loaded or trained
+        check_writable(out.parent)
     lm = load_model(model, dtype=dtype)
     if out is None:
         fp = model_fingerprint(lm.model)
         name = "" if model.count("/") else f"{model}-"
-        out = cache_home() / ("confadapt" if lora else "models") / f"{name}mtp-{fp}"
+        out = artifact_dir("confadapt" if lora else "models") / f"{name}mtp-{fp}"
+        check_writable(out.parent, "MLX_MTP_HOME (or --out)")
     trainer = Trainer(lm, prompts, out, cfg, prompt_format=prompt_format)
     return trainer.run(resume=resume, stop_after=stop_after)
 
@@ -66,8 +70,9 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST."),
     ) -> None:
         """Convert a self-distilled MTP checkpoint (Kirchenbauer et al.) for --method confadapt."""
-        from ..converters.mtp_checkpoint import convert_mtp_checkpoint as convert
+        from ..converters.confadapt_import import convert_mtp_checkpoint as convert
 
+        check_writable(dst.parent, "DST")  # before the checkpoint is downloaded or read
         out = convert(
             src,
             dst,
@@ -147,11 +152,9 @@ def register(app: typer.Typer) -> None:
             regions=regions,
             gen_tokens=gen_tokens,
         )
-        from ..mtp_checkpoint import adapter_dirs
-
         if not lora:
             how = f" --model {path}"
-        elif path.resolve() in [d.resolve() for d in adapter_dirs()]:
+        elif path.parent.resolve() == artifact_dir("confadapt").resolve():  # found by itself
             how = f" --model {model}"
         else:
             how = f" --model {model} --opt adapter={path}"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from ..artifacts import check_writable
 from . import group
 
 
@@ -30,6 +31,7 @@ def register(app: typer.Typer) -> None:
         """Import a GGUF file into an MLX model folder (see converters/gguf.py)."""
         from ..converters.gguf import convert_gguf
 
-        # GGUFImportError / FileExistsError are printed by cli.main without a traceback
+        check_writable(dst.parent, "DST")  # before the weights are read
+        # GGUFImportError, FileExistsError, OSError (a full disk): one line from cli.main
         out = convert_gguf(src, dst, overwrite=overwrite, dtype=dtype, quantize=quantize or None)
         typer.echo(f"model written to {out}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from ..artifacts import check_writable
 from ..data import eval_prompts, read_prompts, render_prompt
 from ..errors import InvalidArgumentError
 from ..loading import load_model
@@ -45,11 +46,12 @@ def run_train_masks(
         held-out prompts before (mean-prompt-embedding mask) and after training.
 
     Raises:
-        InvalidArgumentError: bad data file or options.
+        InvalidArgumentError: bad data file or options, or an ``out`` that
+            cannot be written (checked before the model loads).
     """
+    from ..confadapt_format import tokenizer_eos_ids
     from ..fingerprint import model_fingerprint
-    from ..learned_masks import save_learned_masks
-    from ..mtp_checkpoint import tokenizer_eos_ids
+    from ..learned_masks import masks_folder, save_learned_masks
     from ..training.continuations import Continuations
     from ..training.masks import eval_masks, mean_prompt_vectors, train_masks
 
@@ -68,6 +70,8 @@ def run_train_masks(
     n_val = max(1, int(round(len(prompts) * val_fraction)))
     if len(prompts) - n_val < 1:
         raise InvalidArgumentError("need at least 2 prompts (one to train on, one held out)")
+    where = "--out" if out else "MLX_MTP_HOME (or --out)"
+    check_writable(masks_folder(out), where)  # before anything is loaded or trained
     lm = load_model(model, dtype=dtype)
     t0 = time.perf_counter()
     meta = {

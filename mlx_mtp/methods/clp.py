@@ -6,7 +6,7 @@ Multi-Token Inference* (arXiv 2606.10935; docs/methods.md). Read top to bottom:
 1. The backbone's own LM head always writes token n+1 (argmax, or a sample at
    temperature > 0). MTP head j (j = 1..k) only writes token n+1+j, from the
    backbone's final-norm hidden state ``h_n`` and the embedding of that token
-   n+1 (see :mod:`mlx_mtp.clp_heads`). A head never competes with the backbone
+   n+1 (see :mod:`mlx_mtp.clp_format`). A head never competes with the backbone
    for a position.
 2. The span predictor, one ``nn.Linear(hidden_size, k + 1)`` on ``h_n``, says
    how many of the k head tokens to keep this step (0..k).
@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..clp_heads import CLPHeads, count_params, find_heads, load_heads, resolve_heads
+from ..clp_format import CLPHeads, count_params, find_heads, load_heads, resolve_heads
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError

@@ -29,7 +29,7 @@ never holds anything that was not committed, so the loop's final trim and the
 next chat turn's prefix reuse (:meth:`Engine.sync`) stay correct.
 
 The mask token, the ``mtp_config.json`` format, the embedding surgery and
-on-device adapters are the library :mod:`mlx_mtp.mtp_checkpoint` (shared with
+on-device adapters are the library :mod:`mlx_mtp.confadapt_format` (shared with
 ``mlx-mtp train mtp`` and ``mlx-mtp convert mtp-checkpoint``); this file is the
 decoding method only.
 """
@@ -45,9 +45,7 @@ import numpy as np
 
 from .. import distributed
 from ..acceptance import chain_values
-from ..context import Context
-from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the split)
+from ..confadapt_format import (  # noqa: F401  (re-exported: the names before the split)
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
@@ -59,7 +57,6 @@ from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the
     MaskGate,
     MissingMaskTokenError,
     MTPMetadata,
-    adapter_dirs,
     apply_adapter,
     clone_modules,
     find_adapter,
@@ -70,6 +67,8 @@ from ..mtp_checkpoint import (  # noqa: F401  (re-exported: the names before the
     tokenizer_mask_id,
     write_metadata,
 )
+from ..context import Context
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..planner import Item, Offer, StepOutput
 from ..sampling import draw
 from ..verify import Sampler

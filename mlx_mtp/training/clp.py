@@ -10,7 +10,7 @@ Xie & Zhou, *CLP* (arXiv 2606.10935; DESIGN §2.2). Three phases:
 2. **Heads.** Cross-entropy of head j's logits (through the frozen LM head)
    against ``t_{n+1+j}``; AdamW; only the heads train.
 3. **Span predictor** (and the gate baseline): labels are the longest run of
-   correct head predictions (:func:`mlx_mtp.clp_heads.span_labels`), loss is
+   correct head predictions (:func:`mlx_mtp.clp_format.span_labels`), loss is
    cross-entropy over the k+1 classes, input ``h_n``.
 
 Checkpoints go to ``OUT/../.NAME.train/`` (the continuations with their hidden
@@ -35,7 +35,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from ..clp_heads import (
+from ..artifacts import atomic_write, atomic_write_text, check_writable
+from ..clp_format import (
     CLPHeads,
     base_config,
     count_params,
@@ -43,11 +44,11 @@ from ..clp_heads import (
     save_heads,
     span_labels,
 )
+from ..confadapt_format import tokenizer_eos_ids
 from ..data import eval_prompts, read_prompts, render_prompt
 from ..errors import InvalidArgumentError
 from ..families import model_parts
 from ..fingerprint import model_fingerprint
-from ..mtp_checkpoint import tokenizer_eos_ids
 from .continuations import Continuations, TrainSequence
 
 
@@ -128,10 +129,9 @@ def head_predictions(
 def _save_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer, state: dict) -> None:
     params = dict(tree_flatten(module.trainable_parameters()))
     opt_state = {f"opt.{k}": v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)}
-    tmp = ckdir / "heads_ckpt.tmp.safetensors"
-    mx.save_safetensors(str(tmp), {**params, **opt_state})
-    tmp.rename(ckdir / "heads_ckpt.safetensors")
-    (ckdir / "heads_state.json").write_text(json.dumps(state))
+    weights = {**params, **opt_state}
+    atomic_write(ckdir / "heads_ckpt.safetensors", lambda t: mx.save_safetensors(str(t), weights))
+    atomic_write_text(ckdir / "heads_state.json", json.dumps(state))
 
 
 def _load_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer) -> dict | None:
@@ -167,30 +167,33 @@ def train_clp(
         held-out split, parameter counts, example counts, wall time.
 
     Raises:
-        InvalidArgumentError: bad data or settings.
+        InvalidArgumentError: bad data or settings, or an ``out`` that cannot
+            be written (checked before anything is written or trained).
     """
     t_start = time.time()
     if cfg.k < 1 or cfg.k > 8:
         raise InvalidArgumentError(f"k must be in [1, 8], got {cfg.k}")
     out = Path(out)
-    ckdir = out.parent / f".{out.name}.train"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for f in ckdir.glob("*"):
-            f.unlink()
     model, tok = loaded.model, loaded.tokenizer
     model.eval()
     mx.random.seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     _, lm_head, embed = model_parts(model)
 
-    # ---- phase 1: self-distilled data
+    # ---- phase 1: self-distilled data (the prompts and the output folder are
+    # checked before anything is written)
     texts = []
     for path in cfg.data:  # shuffled per file; ``limit`` caps each file
         part = read_prompts(path, exclude=eval_prompts() if cfg.exclude_eval else ())
         rng.shuffle(part)
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)
+    check_writable(out.parent)
+    ckdir = out.parent / f".{out.name}.train"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for f in ckdir.glob("*"):
+            f.unlink()
     prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
     # by length: the held-out split below permutes this order
     prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)

@@ -31,6 +31,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 from tqdm import tqdm
 
+from ..artifacts import atomic_write, atomic_write_text
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import model_parts
 
@@ -96,7 +97,7 @@ def greedy_continuations(
 
     Args:
         max_tokens: new tokens per prompt (fewer after an EOS, which is kept).
-        eos: end-of-sequence ids (:func:`mlx_mtp.mtp_checkpoint.tokenizer_eos_ids`).
+        eos: end-of-sequence ids (:func:`mlx_mtp.confadapt_format.tokenizer_eos_ids`).
         hidden: also return each step's final-norm hidden state (float16).
         progress: show a tqdm bar, or a bar to update (one tick per prompt).
 
@@ -159,12 +160,9 @@ def save_continuations(path: str | Path, seqs: Sequence[TrainSequence], meta: di
     line each (hidden states, where present, in ``PATH.hidden-*.npz``).
     Replaces what was there."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     for f in _hidden_files(path):
         f.unlink()
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta}) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"meta": meta}) + "\n")
     append_continuations(path, dict(enumerate(seqs)))
 
 
@@ -179,9 +177,7 @@ def append_continuations(path: str | Path, items: dict[int, TrainSequence]) -> N
     with_hidden = {i: s.hidden for i, s in items.items() if s.hidden is not None}
     if with_hidden:
         dest = path.with_name(f"{path.name}.hidden-{min(with_hidden):09d}.npz")
-        tmp = dest.with_name(dest.name + ".tmp.npz")
-        np.savez(tmp, **{str(i): h for i, h in with_hidden.items()})
-        os.replace(tmp, dest)
+        atomic_write(dest, lambda t: np.savez(t, **{str(i): h for i, h in with_hidden.items()}))
     lines = "".join(
         json.dumps({"i": i, "prompt": s.prompt, "generated": s.generated}) + "\n"
         for i, s in items.items()

@@ -26,7 +26,7 @@ with the mask token added to the vocabulary (embedding and LM head resized,
 tied embeddings included). LoRA mode trains low-rank deltas plus the mask
 token's embedding row and writes a small adapter folder, keyed by the base
 model's fingerprint, that ``--method confadapt`` applies on load. By default
-the deltas are gated (:class:`~mlx_mtp.mtp_checkpoint.GatedLoRALinear`,
+the deltas are gated (:class:`~mlx_mtp.confadapt_format.GatedLoRALinear`,
 after Samragh et al., arXiv 2507.11851 §3.3): they act only at mask tokens, so
 real tokens, and with them every block's first token, stay exactly the base
 model's. ``gated=False`` uses mlx-lm's plain LoRA, which the next-token loss
@@ -36,8 +36,6 @@ term only holds near the base model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,12 +50,9 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import save_config, save_model
 from tqdm import tqdm
 
+from ..artifacts import atomic_folder
 from ..cache_view import FixedCache, install_positional_rope
-from ..data import render_prompt
-from ..dims import dense_weight
-from ..errors import InvalidArgumentError
-from ..fingerprint import model_fingerprint, model_signature
-from ..mtp_checkpoint import (
+from ..confadapt_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MASK_TOKEN,
@@ -72,6 +67,10 @@ from ..mtp_checkpoint import (
     tokenizer_mask_id,
     write_metadata,
 )
+from ..data import render_prompt
+from ..dims import dense_weight
+from ..errors import InvalidArgumentError
+from ..fingerprint import model_fingerprint, model_signature
 from .continuations import Continuations
 
 #: linears adapted in LoRA mode (llama-style names)
@@ -525,17 +524,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Trainable weights, optimizer state and the step, written atomically."""
-        d = self.ckpt_dir()
-        tmp = d.with_name(d.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable())
-        state = dict(tree_flatten(self.opt.state))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), state)
-        info = {"step": self.step, "config": asdict(self.cfg), "fingerprint": self.fingerprint}
-        (tmp / "state.json").write_text(json.dumps(info, indent=2))
-        shutil.rmtree(d, ignore_errors=True)
-        os.replace(tmp, d)
+        with atomic_folder(self.ckpt_dir()) as tmp:
+            mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable())
+            state = dict(tree_flatten(self.opt.state))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), state)
+            info = {"step": self.step, "config": asdict(self.cfg), "fingerprint": self.fingerprint}
+            (tmp / "state.json").write_text(json.dumps(info, indent=2))
 
     def resume(self) -> bool:
         """Load the checkpoint if there is one for the same model and settings.
@@ -604,17 +598,9 @@ class Trainer:
         return self.export()
 
     def export(self) -> Path:
-        """Write the result to ``out`` (temp sibling, then rename)."""
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if self.cfg.lora:
-            self._export_adapter(tmp)
-        else:
-            self._export_model(tmp)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(tmp, self.out)
+        """Write the result to ``out`` (:func:`~mlx_mtp.artifacts.atomic_folder`)."""
+        with atomic_folder(self.out) as tmp:
+            (self._export_adapter if self.cfg.lora else self._export_model)(tmp)
         return self.out
 
     def _export_adapter(self, d: Path) -> None:

@@ -13,44 +13,44 @@ output shard (:data:`MAX_SHARD_BYTES`), not the whole model (an 8B bf16
 checkpoint evaluated up front needed about 16 GB). The shards are written by
 :func:`save_sharded` (mlx-lm's ``save_model`` layout, plus a progress bar and a
 shard size that can be set). This module adds the checks, the MTP
-metadata file (:data:`~mlx_mtp.mtp_checkpoint.MTP_CONFIG`: mask token id
+metadata file (:data:`~mlx_mtp.confadapt_format.MTP_CONFIG`: mask token id
 looked up in the tokenizer, EOS ids, prompt format, default k) and the prompt
 format: ``plain`` (BOS + input + "\\n\\n", the Qwen checkpoint's format, which
 becomes the folder's chat template; the original one is kept in the metadata)
 or ``chat`` (the checkpoint's own chat template).
 
-Atomic: everything is written into a temporary sibling folder whose
-``config.json`` only gets its name at the very end, then the folder is renamed
-into place. An interrupted conversion leaves no folder that loads as a model.
-An existing destination is never replaced unless ``overwrite``.
+Atomic (:func:`mlx_mtp.artifacts.atomic_folder`): everything is written into
+a temporary sibling folder, ``config.json`` last, then the folder is moved
+into place. An interrupted or failed conversion (a full disk: ``OSError``)
+leaves no folder that loads as a model. An existing destination is never
+replaced unless ``overwrite``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlx_mtp.families import TREE_FAMILIES
-from mlx_mtp.errors import (
-    CheckpointMismatchError,
-    InvalidArgumentError,
-    UnsupportedModelError,
-)
-from mlx_mtp.loading import one_line
-from mlx_mtp.mtp_checkpoint import (
+from mlx_mtp.artifacts import atomic_folder, mlx_write_errors
+from mlx_mtp.confadapt_format import (
     MASK_TOKEN,
+    MTP_CONFIG,
     PROMPT_FORMATS,
     MissingMaskTokenError,
     MTPMetadata,
     no_mask_token_message,
     tokenizer_eos_ids,
     tokenizer_mask_id,
-    write_metadata,
 )
+from mlx_mtp.errors import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    UnsupportedModelError,
+)
+from mlx_mtp.families import TREE_FAMILIES
+from mlx_mtp.loading import one_line
 
 #: model types whose checkpoints confadapt can decode: the llama-style families
 #: of the tree forward pass (listed once, in :data:`mlx_mtp.families.TREE_FAMILIES`)
@@ -181,9 +181,7 @@ def convert_mtp_checkpoint(
     check_shards(path)
     fmt = prompt_format or default_prompt_format(mtype)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    try:
+    with atomic_folder(dst) as tmp:
         model, config = _load_weights(path, dtype)
         if quantize:
             model, config = quantize_model(model, config, group_size, quantize)
@@ -193,8 +191,6 @@ def convert_mtp_checkpoint(
             if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
                 raise  # the output folder: disk full, permissions
             raise _corrupt(path, e) from e
-        # config.json gets its real name last: a partial folder never loads
-        save_config(config, config_path=tmp / "config.json.partial")
         original_template = getattr(tokenizer, "chat_template", None)
         if fmt == "plain":
             tokenizer._tokenizer.chat_template = PLAIN_TEMPLATE
@@ -209,21 +205,12 @@ def convert_mtp_checkpoint(
             k=k,
             source=str(src),
         )
-        write_metadata(tmp, meta)
+        d = meta.to_json()
         if fmt == "plain" and original_template:
-            d = json.loads((tmp / "mtp_config.json").read_text())
             d["chat_template_original"] = original_template
-            (tmp / "mtp_config.json").write_text(json.dumps(d, indent=2) + "\n")
-        os.replace(tmp / "config.json.partial", tmp / "config.json")
-        if dst.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, backup / dst.name)
-            os.replace(tmp, dst)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MTP_CONFIG).write_text(json.dumps(d, indent=2) + "\n")
+        # config.json is written last: a partial folder never loads
+        save_config(config, config_path=tmp / "config.json")
     return dst
 
 
@@ -288,7 +275,7 @@ def save_sharded(
 
     Raises:
         Whatever evaluating a lazy parameter raises (a corrupt source shard),
-        OSError when the folder cannot be written.
+        OSError when the folder cannot be written (a full disk).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
@@ -316,7 +303,8 @@ def save_sharded(
         for i in range(len(shards)):
             shard, shards[i] = shards[i], None
             fname = pattern.format(i + 1, len(shards))
-            mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
+            with mlx_write_errors(folder / fname):  # a full disk: OSError
+                mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
             names.append(fname)
             weight_map.update(dict.fromkeys(shard, fname))
             bar.update(sum(v.nbytes for v in shard.values()))

@@ -38,11 +38,11 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
+from .artifacts import ASSETS, find_artifact, search_dirs
 from .data import PROMPT_FORMATS
 from .dims import model_dims, packed_width_factor
 from .errors import CheckpointMismatchError, UnsupportedModelError
 from .fingerprint import model_fingerprint, same_model
-from .loading import cache_home
 
 #: the mask token string of the released checkpoints (Qwen3-4B id 151669, Llama-3.1-8B 128259)
 MASK_TOKEN = "<|mtp_special_token_0|>"
@@ -52,7 +52,7 @@ MTP_CONFIG = "mtp_config.json"
 ADAPTER_CONFIG = "mtp_adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 #: adapters shipped with the package (one sub-folder each)
-SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "assets" / "confadapt"
+SHIPPED_ADAPTERS = ASSETS / "confadapt"
 
 
 class MissingMaskTokenError(UnsupportedModelError):
@@ -353,22 +353,6 @@ def apply_adapter(model: nn.Module, adapter: Path, meta: dict[str, Any]) -> nn.M
     return clone
 
 
-def adapter_dirs() -> list[Path]:
-    """Folders searched for on-device adapters: the cache's ``confadapt/``.
-
-    The example adapter shipped in ``assets/confadapt/`` is NOT searched: it is
-    gated (next-token prediction stays the base model's) but undertrained, so
-    on SmolLM2 it emits about one token per forward pass and is slower than
-    plain decoding (see the README); it is only used when asked for with
-    ``adapter=<its folder>``.
-    """
-    out = []
-    for root in (cache_home() / "confadapt",):
-        if root.is_dir():
-            out += sorted(p for p in root.iterdir() if (p / ADAPTER_CONFIG).is_file())
-    return out
-
-
 def read_adapter_config(folder: Path) -> dict[str, Any]:
     """The :data:`ADAPTER_CONFIG` dict of an adapter folder.
 
@@ -386,19 +370,20 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
 
 
 def find_adapter(model: nn.Module | str) -> Path | None:
-    """The first adapter folder (see :func:`adapter_dirs`) made for this base
-    model: ``model`` itself (fingerprint, else the signature of the same
+    """The first adapter folder in the cache's ``confadapt/`` made for this
+    base model: ``model`` itself (fingerprint, else the signature of the same
     weights at another precision, :func:`~mlx_mtp.fingerprint.same_model`) or
-    a fingerprint string (exact match only)."""
-    for d in adapter_dirs():
-        try:
-            cfg = read_adapter_config(d)
-        except CheckpointMismatchError:
-            continue
-        fp, sig = cfg.get("base_fingerprint"), cfg.get("base_signature")
-        if (fp == model) if isinstance(model, str) else same_model(model, fp, sig):
-            return d
-    return None
+    a fingerprint string (exact match only).
+
+    The example adapter shipped in ``assets/confadapt/`` is NOT searched: it is
+    gated (next-token prediction stays the base model's) but undertrained, so
+    on SmolLM2 it emits about one token per forward pass and is slower than
+    plain decoding (see the README); it is only used when asked for with
+    ``adapter=<its folder>``.
+    """
+    roots = search_dirs("confadapt", shipped=False)
+    keys = ("base_fingerprint", "base_signature")
+    return find_artifact(model, roots, f"*/{ADAPTER_CONFIG}", keys=keys)
 
 
 def no_mask_token_message(what: str) -> str:

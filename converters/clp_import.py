@@ -1,10 +1,11 @@
 """Import CLP heads: this package's own format, Medusa heads, MiMo native MTP.
 
 ``mlx-mtp convert clp-heads SRC DST --model M`` writes a heads folder (see
-:mod:`mlx_mtp.clp_heads`) stamped with the fingerprint of base model M. Every
+:mod:`mlx_mtp.clp_format`) stamped with the fingerprint of base model M. Every
 source is checked against M's hidden size and vocabulary; the write is atomic
-(temporary sibling folder, renamed into place last) and never replaces an
-existing DST unless ``overwrite``.
+(:func:`mlx_mtp.artifacts.atomic_folder`) and never replaces an existing DST
+unless ``overwrite``; a truncated or corrupt source file is one
+:class:`HeadConversionError`.
 
 What is mapped, exactly:
 
@@ -64,7 +65,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,7 +72,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.clp_heads import (
+from mlx_mtp.artifacts import atomic_folder
+from mlx_mtp.clp_format import (
     CONFIG_FILE,
     FORMAT,
     WEIGHTS_FILE,
@@ -84,6 +85,7 @@ from mlx_mtp.clp_heads import (
     save_heads,
 )
 from mlx_mtp.errors import CheckpointMismatchError, MTPError
+from mlx_mtp.loading import one_line
 from mlx_mtp.native_mtp import NEXTN_FAMILIES, find_mtp_tensors, find_nextn_tensors
 
 SOURCES = ("auto", "clp", "medusa", "mimo-mtp", "qwen3-mtp", "deepseek-nextn")
@@ -163,7 +165,9 @@ def convert(
     if kind == "clp":
         config, _ = read_heads(folder)
         check_compatible(config, loaded.model, str(folder))
-        _copy_atomic(folder, dst)
+        with atomic_folder(dst) as tmp:
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                shutil.copyfile(folder / name, tmp / name)
         return f"copied CLP heads ({config['architecture']}, k={config['k']}) to {dst}"
     if kind in ("qwen3-mtp", "deepseek-nextn"):
         return _from_native_mtp(folder, dst, loaded, kind)
@@ -173,21 +177,6 @@ def convert(
         heads, note = _from_mimo(folder, loaded)
     save_heads(heads, dst, dtype=mx.float16)
     return f"{note}; written to {dst}"
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    tmp.chmod(0o755)
-    try:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            shutil.copyfile(src / name, tmp / name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _keep_all_predictor(heads: CLPHeads) -> None:
@@ -214,7 +203,7 @@ def _check_sizes(what: str, d: int, v: int | None, model: Any) -> None:
 
 # -------------------------------------------------------------------- medusa
 def _from_medusa(folder: Path, loaded: Any) -> tuple[CLPHeads, str]:
-    w = mx.load(str(folder / MEDUSA_FILE))
+    w = _load(folder / MEDUSA_FILE)
     heads_idx: dict[int, dict[str, mx.array]] = {}
     for key, val in w.items():
         i, _, rest = key.partition(".")
@@ -284,18 +273,28 @@ def _tensor_names(folder: Path) -> list[str]:
     idx = folder / "model.safetensors.index.json"
     if idx.is_file():
         return list(json.loads(idx.read_text()).get("weight_map", {}))
-    names: list[str] = []
-    for f in sorted(folder.glob("*.safetensors")):
-        names.extend(_safetensors_header(f))
-    return names
+    return [n for f in sorted(folder.glob("*.safetensors")) for n in _load(f, names=True)]
 
 
-def _safetensors_header(path: Path) -> list[str]:
-    """Tensor names of a safetensors file, read from its JSON header only."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return [k for k in header if k != "__metadata__"]
+def _load(path: Path, names: bool = False) -> Any:
+    """``mx.load`` of a safetensors file or (``names``) its tensor names, read
+    from the JSON header alone (whatever the dtypes; MLX cannot load some).
+
+    Raises:
+        HeadConversionError: a truncated or corrupt file (MLX's RuntimeError
+            names no file).
+    """
+    try:
+        if not names:
+            return mx.load(str(path))
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+    except (RuntimeError, ValueError) as e:
+        raise HeadConversionError(
+            f"{path} cannot be read ({one_line(e)}): the file is truncated or corrupt; "
+            "download it again."
+        ) from e
 
 
 def _read_tensors(folder: Path, prefix: str) -> dict[str, mx.array]:
@@ -308,7 +307,7 @@ def _read_tensors(folder: Path, prefix: str) -> dict[str, mx.array]:
         files = [f for f in sorted(folder.glob("*.safetensors")) if f.name != MEDUSA_FILE]
     out = {}
     for f in files:
-        out.update({k: v for k, v in mx.load(str(f)).items() if k.startswith(prefix)})
+        out.update({k: v for k, v in _load(f).items() if k.startswith(prefix)})
     return out
 
 

@@ -31,7 +31,7 @@ Head architectures (``architecture`` in the config):
     ``x = input_proj([hidden_norm(h_n); token_norm(e_{n+1})])``, one dense
     decoder block whose self-attention sees only the current position (so it
     reduces to ``o_proj(v_proj(.))``), ``final_norm``, then the backbone's LM
-    head. k = 1. See :mod:`mlx_mtp.converters.clp_heads` for what is dropped.
+    head. k = 1. See :mod:`mlx_mtp.converters.clp_import` for what is dropped.
 
 Span predictor: exactly one ``nn.Linear(hidden_size, k + 1)`` on ``h_n``; class
 c means "keep the first c head tokens" (0..k). Gate baseline: an MLP
@@ -50,9 +50,6 @@ optionally ``gate.*``). Loading checks the fingerprint and sizes and raises
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,9 +60,10 @@ import numpy as np
 from huggingface_hub import snapshot_download
 from mlx.utils import tree_flatten
 
+from .artifacts import ASSETS as SHIPPED
+from .artifacts import atomic_folder, find_artifact, search_dirs
 from .errors import CheckpointMismatchError, ModelLoadError, ModelNotFoundError
 from .fingerprint import model_fingerprint, model_signature, same_model
-from .loading import cache_home
 from .native_mtp import text_args
 
 FORMAT = "mlx-mtp-clp-heads"
@@ -78,7 +76,7 @@ ARCHITECTURES = ("resblock", "medusa", "native-mtp", "native-mtp-layer")
 #: ``--method mtp`` only (it is not a position-local CLP head)
 NATIVE_LAYER = "native-mtp-layer"
 #: folder of the heads shipped with the package (one sub-folder per base model)
-ASSETS = Path(__file__).parent / "assets" / "clp"
+ASSETS = SHIPPED / "clp"
 
 
 # --------------------------------------------------------------------- heads
@@ -318,29 +316,17 @@ def base_config(model: nn.Module, name: str, k: int, architecture: str, **sizes:
 
 
 def save_heads(heads: CLPHeads, folder: str | Path, dtype: mx.Dtype = mx.float16) -> Path:
-    """Write heads atomically: a temporary sibling folder renamed into place.
+    """Write heads atomically (:func:`~mlx_mtp.artifacts.atomic_folder`): an
+    existing ``folder`` is replaced only after the new one is complete.
 
-    An existing ``folder`` is replaced only after the new one is complete.
+    Raises:
+        OSError: the folder cannot be written (a full disk; nothing changed).
     """
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; heads folders are ordinary folders
-    try:
+    with atomic_folder(Path(folder)) as tmp:
         weights = {k: v.astype(dtype) for k, v in tree_flatten(heads.parameters())}
         mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(heads.config, indent=2) + "\n")
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+    return Path(folder)
 
 
 def read_heads(folder: str | Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
@@ -462,25 +448,12 @@ def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | Non
     :func:`~mlx_mtp.fingerprint.same_model`): first the user's trained heads
     (``$MLX_MTP_HOME/clp/*``), then the shipped ones (``mlx_mtp/assets/clp/*``).
     None when there is none."""
-    roots = search if search is not None else [cache_home() / "clp", ASSETS]
-    for root in roots:
-        if not root.is_dir():
-            continue
-        for sub in sorted(root.iterdir()):
-            cfg = sub / CONFIG_FILE
-            if not cfg.is_file() or not (sub / WEIGHTS_FILE).is_file():
-                continue
-            try:
-                c = json.loads(cfg.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            if (
-                isinstance(c, dict)
-                and c.get("architecture") != NATIVE_LAYER
-                and same_model(model, c.get("fingerprint"), c.get("signature"))
-            ):
-                return sub
-    return None
+
+    def heads(cfg: Path, c: dict[str, Any]) -> bool:  # (a native MTP layer is no CLP head)
+        return c.get("architecture") != NATIVE_LAYER and (cfg.parent / WEIGHTS_FILE).is_file()
+
+    roots = search if search is not None else search_dirs("clp")
+    return find_artifact(model, roots, f"*/{CONFIG_FILE}", accept=heads)
 
 
 def resolve_heads(spec: str | Path) -> Path:
