@@ -1,11 +1,18 @@
-"""What a new Mac user meets first (issue 36), checked on this machine: the
-wired memory limit entered before the prefill, and the native MTP layer in the
-backbone's compute dtype.
+"""What a new Mac user meets first (issue 36), checked on this machine:
+``scripts/setup.sh`` refusing a Python older than 3.10 without leaving
+anything behind, the wired memory limit entered before the prefill, and the
+native MTP layer in the backbone's compute dtype.
+
+The set-up tests run a copy of ``scripts/setup.sh`` in a temporary folder
+with fake interpreters (shell scripts that answer the version question and
+imitate ``-m venv``), so the real ``.venv`` is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +27,112 @@ from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.testing import decode, make_tiny_model, write_tiny_hybrid
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------- setup.sh
+def _fake_python(path: Path, version: str, log: Path, venv_fails: bool = False) -> None:
+    """A stand-in interpreter at ``path`` that reports ``version`` to any
+    ``-c`` and, for ``-m venv DIR``, makes DIR/bin/python (a fake of the same
+    version), or with ``venv_fails`` makes DIR half-way and fails as a
+    Python without ensurepip does; every call is appended to ``log``."""
+    venv = (
+        'mkdir -p "$3/lib"; echo "Error: ensurepip is not available" >&2; exit 1'
+        if venv_fails
+        else 'mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; chmod +x "$3/bin/python"; exit 0'
+    )
+    path.write_text(
+        f"""#!/bin/sh
+echo "$0 $*" >> "{log}"
+if [ "$1" = "-c" ]; then echo "{version}"; exit 0; fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then {venv}; fi
+exit 0
+"""
+    )
+    path.chmod(0o755)
+
+
+def _setup_copy(tmp_path: Path, pythons: dict[str, str]) -> tuple[Path, Path, dict[str, str]]:
+    """A copy of scripts/setup.sh in ``tmp_path/repo``, a bin folder holding
+    fake interpreters (name -> version) and the tools the script calls, and an
+    environment whose PATH is that folder only (no apt-get, no real Python)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    log = tmp_path / "calls.log"
+    for tool in ("uname", "dirname", "id", "ls", "rm", "mkdir", "cp", "chmod", "sh"):
+        found = shutil.which(tool)
+        assert found, tool
+        (fake_bin / tool).symlink_to(found)
+    for name, version in pythons.items():
+        _fake_python(fake_bin / name, version, log)
+    return repo, log, {"PATH": str(fake_bin), "HOME": str(tmp_path)}
+
+
+def _run_setup(repo: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    bash = shutil.which("bash")
+    assert bash
+    return subprocess.run(
+        [bash, str(repo / "scripts" / "setup.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=repo,
+    )
+
+
+def test_setup_refuses_a_python_older_than_3_10_and_makes_nothing(tmp_path):
+    repo, log, env = _setup_copy(tmp_path, {"python3": "3.9.6"})
+    old = tmp_path / "bin" / "python3.9"
+    _fake_python(old, "3.9.6", log)
+    proc = _run_setup(repo, {**env, "PYTHON": str(old)})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "needs Python >= 3.10" in lines[0] and "3.9.6" in lines[0]
+    assert "python.org" in lines[0]  # how to get one
+    assert proc.stdout == ""
+    assert sorted(p.name for p in repo.iterdir()) == ["scripts"]  # no .venv, nothing else
+    assert "venv" not in log.read_text()
+
+
+def test_setup_searches_for_a_new_enough_python_before_python3(tmp_path):
+    """Without PYTHON: python3 (3.9, a stock Mac's) is passed over for
+    python3.12, which makes the venv; with none new enough: one line, nothing made."""
+    repo, log, env = _setup_copy(tmp_path, {"python3": "3.9.6", "python3.12": "3.12.4"})
+    proc = _run_setup(repo, env)
+    assert proc.returncode == 0, proc.stderr
+    assert "setup: done (.venv ready, 3.12.4)" in proc.stdout
+    calls = log.read_text().splitlines()
+    venv = [c for c in calls if " -m venv " in c]
+    assert len(venv) == 1 and venv[0].split()[0].endswith("/python3.12"), calls
+    assert any(c.startswith(".venv/bin/python -m pip install") for c in calls), calls
+
+    repo2, log2, env2 = _setup_copy(tmp_path / "none", {"python3": "3.9.6", "python3.10": "3.8.1"})
+    proc = _run_setup(repo2, env2)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "found none on the PATH" in lines[0]
+    assert "python3 is 3.9.6" in lines[0] and "python3.10 is 3.8.1" in lines[0]
+    assert sorted(p.name for p in repo2.iterdir()) == ["scripts"]
+    assert "venv" not in log2.read_text()
+
+
+def test_setup_refuses_a_venv_made_by_an_old_python_and_keeps_it(tmp_path):
+    """A .venv an earlier run made with Python 3.9 is reported, not deleted
+    and not built on."""
+    repo, log, env = _setup_copy(tmp_path, {"python3.12": "3.12.4"})
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    _fake_python(repo / ".venv" / "bin" / "python", "3.9.6", log)
+    proc = _run_setup(repo, env)
+    assert proc.returncode != 0
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert ".venv holds Python 3.9.6" in proc.stderr and "rm -rf .venv" in proc.stderr
+    assert (repo / ".venv" / "bin" / "python").exists()
+    assert "pip" not in log.read_text()
 
 
 # ------------------------------------------------------------- wired memory
@@ -106,3 +219,13 @@ def test_native_mtp_layer_computes_in_the_quantized_backbones_dtype(tmp_path):
     assert got.dtype == mx.bfloat16
     err = float(mx.max(mx.abs(got.astype(mx.float32) - ref))) / float(mx.max(mx.abs(ref)))
     assert err < 3e-2, err
+
+
+def test_setup_removes_a_venv_that_failed_half_way(tmp_path):
+    repo, log, env = _setup_copy(tmp_path, {"python3": "3.11.2"})
+    _fake_python(tmp_path / "bin" / "python3", "3.11.2", log, venv_fails=True)
+    proc = _run_setup(repo, env)
+    assert proc.returncode != 0
+    assert "ensurepip is not available" in proc.stderr
+    assert "-m venv .venv failed" in proc.stderr.strip().splitlines()[-1]
+    assert not (repo / ".venv").exists()
