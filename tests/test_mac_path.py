@@ -1,18 +1,31 @@
 """What a new Mac user meets first (issue 36), checked on this machine:
 ``scripts/setup.sh`` refusing a Python older than 3.10 without leaving
-anything behind, the wired memory limit entered before the prefill, and the
-native MTP layer in the backbone's compute dtype.
+anything behind, model downloads with mlx-lm's file patterns and a cached
+snapshot used without the network, the wired memory limit entered before the
+prefill, and the native MTP layer in the backbone's compute dtype.
 
 The set-up tests run a copy of ``scripts/setup.sh`` in a temporary folder
 with fake interpreters (shell scripts that answer the version question and
-imitate ``-m venv``), so the real ``.venv`` is never touched.
+imitate ``-m venv``), so the real ``.venv`` is never touched. The download
+tests use no network: each runs ``resolve_model`` in a subprocess (the hub
+library reads its settings when imported) with ``HF_HOME`` in a temporary
+folder laid out like the hub cache and ``HF_ENDPOINT`` at a local socket that
+counts the connections made to it, or at a closed port, or with
+``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import hashlib
+import json
+import os
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -133,6 +146,169 @@ def test_setup_refuses_a_venv_made_by_an_old_python_and_keeps_it(tmp_path):
     assert ".venv holds Python 3.9.6" in proc.stderr and "rm -rf .venv" in proc.stderr
     assert (repo / ".venv" / "bin" / "python").exists()
     assert "pip" not in log.read_text()
+
+
+# ------------------------------------------------------------- downloads
+REPO = "mlx-community/tiny-test-model"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+RESOLVE = """
+import sys
+from mlx_mtp.loading import resolve_model
+try:
+    print(resolve_model(sys.argv[1]))
+except Exception as e:
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def _hub_cache(hf_home: Path, files: dict[str, bytes]) -> Path:
+    """``files`` as the hub cache keeps a snapshot of :data:`REPO` at
+    :data:`COMMIT` (refs/main, blobs named by hash, snapshot links to them);
+    returns the snapshot folder."""
+    root = hf_home / "hub" / ("models--" + REPO.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(COMMIT)
+    (root / "blobs").mkdir()
+    snap = root / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)
+        (snap / name).symlink_to(os.path.relpath(blob, (snap / name).parent))
+    return snap
+
+
+@contextlib.contextmanager
+def _counting_hub():
+    """A local endpoint that answers every HTTP request with 503 (the hub is
+    down) and counts the connections: yields (url, counter list)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    hits: list[int] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            hits.append(1)
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                    conn.sendall(
+                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                        b"Connection: close\r\n\r\n"
+                    )
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}", hits
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+def _resolve(hf_home: Path, endpoint: str | None = None, offline: bool = False):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGINGFACE_")) and k not in ("http_proxy", "https_proxy")
+    }
+    env.update(HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="3")
+    env["HF_HUB_DOWNLOAD_TIMEOUT"] = "3"
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run(
+        [sys.executable, "-c", RESOLVE, REPO], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+#: an mlx-lm-made snapshot: sharded weights, a tiktoken tokenizer, a jsonl file
+WHOLE = {
+    "config.json": b'{"model_type": "llama"}',
+    "model.safetensors.index.json": json.dumps(
+        {
+            "weight_map": {
+                "a": "model-00001-of-00002.safetensors",
+                "b": "model-00002-of-00002.safetensors",
+            }
+        }
+    ).encode(),
+    "model-00001-of-00002.safetensors": b"shard one",
+    "model-00002-of-00002.safetensors": b"shard two",
+    "tiktoken.model": b"tokens",
+    "chat_template.jsonl": b"{}",
+}
+
+
+def test_download_patterns_are_mlx_lms():
+    """The files fetched are mlx-lm's: sharded ``model*.safetensors``, not a
+    repo's other safetensors (``consolidated.safetensors``: a second copy of
+    the weights), and the tiktoken / jsonl files mlx-lm needs."""
+    import mlx_lm.utils
+
+    from mlx_mtp.loading import DOWNLOAD_PATTERNS
+
+    if hasattr(mlx_lm.utils, "DEFAULT_ALLOW_PATTERNS"):
+        assert DOWNLOAD_PATTERNS == list(mlx_lm.utils.DEFAULT_ALLOW_PATTERNS)
+
+    def fetched(name):
+        return any(fnmatch.fnmatch(name, p) for p in DOWNLOAD_PATTERNS)
+
+    assert all(fetched(n) for n in WHOLE)
+    assert fetched("chat_template.jinja") and fetched("tokenizer.model")
+    assert not fetched("consolidated.safetensors") and not fetched("pytorch_model.bin")
+
+
+def test_a_whole_cached_snapshot_is_used_without_contacting_the_hub(tmp_path):
+    snap = _hub_cache(tmp_path / "hf", WHOLE)
+    with _counting_hub() as (url, hits):
+        proc = _resolve(tmp_path / "hf", endpoint=url)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == snap
+    assert hits == []  # no request at all
+
+
+def test_a_partial_cached_snapshot_goes_to_the_hub_and_fails_in_one_line(tmp_path):
+    """One shard missing (an interrupted download): the hub is asked (here it
+    answers 503), and the error says what is wrong instead of handing mlx-lm
+    a folder without its weights."""
+    files = {k: v for k, v in WHOLE.items() if k != "model-00002-of-00002.safetensors"}
+    _hub_cache(tmp_path / "hf", files)
+    with _counting_hub() as (url, hits):
+        proc = _resolve(tmp_path / "hf", endpoint=url)
+    assert proc.returncode == 2
+    assert len(hits) >= 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ModelNotFoundError: ")
+    assert REPO in lines[0] and "lacks config.json, weights or a tokenizer" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["offline", "closed-port"])
+def test_unreachable_hub_and_nothing_cached_is_one_clear_line(tmp_path, how):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    proc = _resolve(tmp_path / "hf", endpoint=closed, offline=how == "offline")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    why = "HF_HUB_OFFLINE is set" if how == "offline" else "no connection"
+    assert lines[0].startswith(f"ModelNotFoundError: Cannot reach the Hugging Face hub ({why})")
+    assert REPO in lines[0] and str(tmp_path / "hf" / "hub") in lines[0]
+    assert "smollm2-135m" in lines[0]
 
 
 # ------------------------------------------------------------- wired memory
