@@ -6,7 +6,8 @@ repeatedly ask the method for a step, cut the step's tokens at EOS and
 invariant: when it returns, the cache holds the prompt and every generated
 token but the last, so the next chat turn reuses it. Like mlx-lm's loop it
 runs inside ``mlx_lm.generate.wired_limit`` from before the prefill (Metal:
-wires the model's memory), clears MLX's buffer cache every 256 tokens, and prefills in steps of 2048
+the wired memory limit raised to the GPU's recommended working set), clears
+MLX's buffer cache every 256 tokens, and prefills in steps of 2048
 (:meth:`Engine.sync`).
 """
 
@@ -180,10 +181,10 @@ def generate_steps(
     )
     mx.reset_peak_memory()
     planner, n = None, 0
-    # mlx-lm's generation hygiene: wired memory for large models (Metal) from
-    # before the prefill, as in mlx-lm's generate_step (on exit it waits for the
-    # passes still queued on the stream before restoring the limit), buffer
-    # cache cleared every CLEAR_CACHE_EVERY tokens
+    # mlx-lm's generation hygiene: the wired memory limit (Metal) from before
+    # the prefill, as mlx-lm's stream_generate sets it around generate_step (on
+    # exit it waits for the passes still queued on the stream before restoring
+    # the limit), buffer cache cleared every CLEAR_CACHE_EVERY tokens
     wired = wired_limit(engine.model, streams=[mx.default_stream(mx.default_device())])
     wired.__enter__()
     try:
