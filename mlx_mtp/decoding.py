@@ -5,8 +5,9 @@ repeatedly ask the method for a step, cut the step's tokens at EOS and
 ``max_tokens``, yield them with running statistics. The loop owns the cache
 invariant: when it returns, the cache holds the prompt and every generated
 token but the last, so the next chat turn reuses it. Like mlx-lm's loop it
-runs inside ``mlx_lm.generate.wired_limit`` (Metal: wires the model's memory),
-clears MLX's buffer cache every 256 tokens, and prefills in steps of 2048
+runs inside ``mlx_lm.generate.wired_limit`` from before the prefill (Metal:
+the wired memory limit raised to the GPU's recommended working set), clears
+MLX's buffer cache every 256 tokens, and prefills in steps of 2048
 (:meth:`Engine.sync`).
 """
 
@@ -179,25 +180,27 @@ def generate_steps(
     )
     mx.reset_peak_memory()
     clock = engine.clock  # a simulated device's virtual clock too (mlx_mtp.timing)
-    t0 = clock.now()
-    stats.prefill_tokens = engine.sync(prompt[:-1])
-    stats.prefill_time = clock.now() - t0
-    planner = None
-    if isinstance(method, DraftMethod):
-        curves = ctx.curves
-        if method.auto and curves is None:
-            curves = device_curves(engine)
-        planner = Planner(ctx, method, sampler, curves)
-    method.begin(ctx, prompt, sampler)
-    root, n, finish = prompt[-1], 0, None
-    f0, s0 = engine.forward_seconds, engine.forward_slots
-    # mlx-lm's generation hygiene: wired memory for large models (Metal), buffer
-    # cache cleared every CLEAR_CACHE_EVERY tokens
-    wired = wired_limit(engine.model)
+    planner, n = None, 0
+    # mlx-lm's generation hygiene: the wired memory limit (Metal) from before
+    # the prefill, as mlx-lm's stream_generate sets it around generate_step (on
+    # exit it waits for the passes still queued on the stream before restoring
+    # the limit), buffer cache cleared every CLEAR_CACHE_EVERY tokens
+    wired = wired_limit(engine.model, streams=[mx.default_stream(mx.default_device())])
     wired.__enter__()
-    cleared = 0
-    t0 = clock.now()
     try:
+        t0 = clock.now()
+        stats.prefill_tokens = engine.sync(prompt[:-1])
+        stats.prefill_time = clock.now() - t0
+        if isinstance(method, DraftMethod):
+            curves = ctx.curves
+            if method.auto and curves is None:
+                curves = device_curves(engine)
+            planner = Planner(ctx, method, sampler, curves)
+        method.begin(ctx, prompt, sampler)
+        root, finish = prompt[-1], None
+        f0, s0 = engine.forward_seconds, engine.forward_slots
+        cleared = 0
+        t0 = clock.now()
         while finish is None:
             if n - cleared >= CLEAR_CACHE_EVERY:
                 mx.clear_cache()

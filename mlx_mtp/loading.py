@@ -2,7 +2,9 @@
 
 A model spec is one of: an alias from :data:`ALIASES`, a local MLX/Hugging Face
 folder, a ``.gguf`` file (imported once into the cache folder), or a Hugging Face
-repo id (downloaded with ``huggingface_hub``). Loading itself is ``mlx_lm.load``.
+repo id (downloaded with ``huggingface_hub`` and mlx-lm's file patterns; a
+snapshot already in the Hugging Face cache is used without contacting the hub).
+Loading itself is ``mlx_lm.load``.
 
 The cache folder is ``$MLX_MTP_HOME`` or ``~/.cache/mlx-mtp``.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm.utils as mlx_lm_utils
 from huggingface_hub import snapshot_download
 from mlx_lm import load as mlx_load
 from mlx_lm.utils import dequantize_model
@@ -51,6 +55,26 @@ ALIASES: dict[str, str] = {
 }
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+#: the files a hub download fetches: mlx-lm's own list (``mlx_lm.utils``), so
+#: that a snapshot mlx-lm downloaded is complete for mlx-mtp and the other way round
+DOWNLOAD_PATTERNS: list[str] = list(
+    getattr(
+        mlx_lm_utils,
+        "DEFAULT_ALLOW_PATTERNS",
+        [  # mlx-lm 0.32's list, for an mlx-lm that does not export it
+            "*.json",
+            "model*.safetensors",
+            "*.py",
+            "tokenizer.model",
+            "*.tiktoken",
+            "tiktoken.model",
+            "*.txt",
+            "*.jsonl",
+            "*.jinja",
+        ],
+    )
+)
 
 
 def imported_model_dir(name: str, home: Path | None = None) -> Path:
@@ -153,24 +177,117 @@ def resolve_model(spec: str) -> Path:
 
 
 def _download(repo: str) -> Path:
-    patterns = [
-        "*.json",
-        "*.safetensors",
-        "*.py",
-        "tokenizer.model",
-        "*.tiktoken",
-        "*.txt",
-        "*.jinja",
-    ]
+    """The local snapshot of hub repo ``repo`` (``org/name``): the cached one
+    when it holds a whole model (:func:`cached_snapshot`, no network), else
+    downloaded with :data:`DOWNLOAD_PATTERNS` into the Hugging Face cache.
+
+    Raises:
+        ModelNotFoundError: the hub cannot be reached (offline, no connection,
+            ``HF_HUB_OFFLINE=1``) and no whole snapshot is cached, or the hub
+            refuses (unknown, gated or private repo).
+    """
+    cached = cached_snapshot(repo)
+    if cached is not None:
+        return cached
     try:
-        return Path(snapshot_download(repo, allow_patterns=patterns))
+        folder = Path(snapshot_download(repo, allow_patterns=DOWNLOAD_PATTERNS))
     except Exception as e:  # hub raises many types: offline, 404, gated, ...
+        if _hub_unreachable(e):
+            raise _unreachable(repo) from e
         raise ModelNotFoundError(
             f"Could not get {repo!r} from the Hugging Face hub ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}). If you are offline, download "
             "it elsewhere and pass the local folder, or use the embedded model "
             f"'{EMBEDDED_MODEL}'."
         ) from e
+    if not snapshot_complete(folder):
+        # e.g. the hub answered with an error (down) and huggingface_hub fell back
+        # on a partial snapshot in the cache
+        raise ModelNotFoundError(
+            f"The snapshot of {repo!r} in {folder} lacks config.json, weights or a tokenizer "
+            "after the download (the hub may be down, or the repo is not an MLX/Hugging Face "
+            "model): run again later, or pass a local model folder."
+        )
+    return folder
+
+
+def _unreachable(repo: str) -> ModelNotFoundError:
+    """The one-line error for a repo that is not cached whole while the hub
+    cannot be reached."""
+    from huggingface_hub import constants
+
+    why = (
+        "HF_HUB_OFFLINE is set" if getattr(constants, "HF_HUB_OFFLINE", False) else "no connection"
+    )
+    return ModelNotFoundError(
+        f"Cannot reach the Hugging Face hub ({why}) and {repo!r} is not in its cache "
+        f"({constants.HF_HUB_CACHE}) as a whole model: connect and run again, pass a local "
+        f"model folder, or use the embedded model '{EMBEDDED_MODEL}'."
+    )
+
+
+def _hub_unreachable(e: BaseException) -> bool:
+    """Whether a ``snapshot_download`` error (or one it was raised from) means
+    the hub could not be reached: offline mode, a connection failure or
+    timeout, or nothing on disk to fall back on after one. The classes are
+    matched by name: their modules differ across huggingface_hub versions."""
+    names = {
+        "LocalEntryNotFoundError",  # what the hub raises when it fell back to the cache
+        "OfflineModeIsEnabled",
+        "ConnectError",
+        "ConnectTimeout",
+        "ConnectionError",
+        "TimeoutException",
+        "Timeout",
+    }
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if any(c.__name__ in names for c in type(err).__mro__):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def cached_snapshot(repo: str) -> Path | None:
+    """The Hugging Face cache's snapshot of ``repo`` (its ``main`` revision)
+    when it holds a whole model (:func:`snapshot_complete`), found without
+    any network request; None when there is none or it is partial.
+
+    A cached snapshot is used as it is: run ``hf download REPO`` (or delete
+    it) to take a newer revision of the repo.
+    """
+    try:
+        folder = snapshot_download(repo, allow_patterns=DOWNLOAD_PATTERNS, local_files_only=True)
+    except Exception:  # not cached, or partial by the cached file listing (huggingface_hub >= 1)
+        return None
+    return Path(folder) if snapshot_complete(Path(folder)) else None
+
+
+def snapshot_complete(folder: Path) -> bool:
+    """Whether a model folder holds what ``mlx_lm.load`` reads: ``config.json``,
+    the weights (every shard that ``model.safetensors.index.json`` names, or
+    at least one ``model*.safetensors``) and a tokenizer (``tokenizer.json``,
+    ``tokenizer.model``, ``tiktoken.model``, ``*.tiktoken`` or ``vocab.json``).
+    Files are checked through their links (the hub cache links every file to a
+    blob: a dangling link is a missing file)."""
+    if not (folder / "config.json").is_file():
+        return False
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        if not shards or not all((folder / s).is_file() for s in shards):
+            return False
+    elif not any(p.is_file() for p in folder.glob("model*.safetensors")):
+        return False
+    tokenizers = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+    return any((folder / t).is_file() for t in tokenizers) or any(
+        p.is_file() for p in folder.glob("*.tiktoken")
+    )
 
 
 @dataclass

@@ -376,6 +376,24 @@ class NativeMTPLayer(nn.Module):
         return self.norm(x)
 
 
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype a backbone computes in: its embedding's weight dtype,
+    or for a quantized embedding the dtype of its scales (what quantized
+    matmuls return), else that of the final norm's weight; float32 when none
+    of them is floating."""
+    inner = model.model
+    emb = inner.embed_tokens
+    norm = getattr(inner, "norm", None)
+    for w in (
+        getattr(emb, "weight", None),
+        getattr(emb, "scales", None),
+        getattr(norm, "weight", None),
+    ):
+        if w is not None and mx.issubdtype(w.dtype, mx.floating):
+            return w.dtype
+    return mx.float32
+
+
 def load_native_mtp(
     folder: str | Path, model: nn.Module, config: dict[str, Any] | None = None
 ) -> NativeMTPLayer:
@@ -388,9 +406,9 @@ def load_native_mtp(
             ``folder/config.json`` when None.
 
     Returns:
-        The layer in the backbone's compute dtype (float32 when the backbone's
-        embedding is quantized), quantized when the checkpoint's MTP tensors are
-        and the backbone is still quantized.
+        The layer in the backbone's compute dtype (:func:`compute_dtype`: on a
+        quantized backbone that of its scales, e.g. bfloat16), quantized when
+        the checkpoint's MTP tensors are and the backbone is still quantized.
 
     Raises:
         UnsupportedModelError: the model type has no native MTP layer here.
@@ -464,7 +482,7 @@ def load_native_mtp(
     # float tensors kept in float32 by the model class (DeepSeek's router bias)
     keep32 = getattr(model, "cast_predicate", lambda k: True)
     backbone_quantized = not mx.issubdtype(emb.dtype, mx.floating)
-    dtype = emb.dtype if not backbone_quantized else mx.float32
+    dtype = compute_dtype(model)
     layer.load_weights(
         [
             (k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and keep32(k) else v)

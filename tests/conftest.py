@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 import tempfile
 
-import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
+#: full float32 matmuls: M5-class Apple GPUs run float32 matrix products of
+#: several rows in TF32 by default (``MLX_ENABLE_TF32``, read when MLX starts),
+#: so a tree pass and one-token decoding would differ by ~1e-3 and the float32
+#: exactness tests would flip on near-ties. Set before anything imports mlx;
+#: subprocesses of the tests inherit it.
+os.environ["MLX_ENABLE_TF32"] = "0"
+
+import mlx_mtp  # noqa: E402, F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
 from mlx_mtp.context import Context
 
 #: The user's cache folder, recorded before the tests replace it: the Qwen model
