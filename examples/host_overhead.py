@@ -1,7 +1,8 @@
 """Host milliseconds per decoding step of lossless methods, for one or more
 source trees of mlx-mtp side by side (before / after a refactor).
 
-Each tree runs in its own subprocess (``PYTHONPATH=TREE``), in rounds that
+Each tree runs in its own subprocess (``PYTHONPATH=TREE``, and the tree's
+own ``.venv`` where it has one), in rounds that
 alternate the trees (A B A B ...), so that both see the same load on a shared
 machine. Every round decodes the same prompts (Spec-Bench, one per task under
 ``--max-prompt`` tokens, chat formatted) with each method and reports
@@ -99,8 +100,11 @@ def main() -> None:
     for r in range(args.rounds):
         for tree in args.trees:
             env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+            # the tree's own virtual environment where it has one (an editable
+            # install maps the package's subpackages to its own tree)
+            own = Path(tree).resolve() / ".venv" / "bin" / "python"
             p = subprocess.run(
-                [sys.executable, "-c", WORKER, json.dumps(job)],
+                [str(own) if own.exists() else sys.executable, "-c", WORKER, json.dumps(job)],
                 env=env,
                 cwd=str(Path(tree).resolve()),  # python -c puts the cwd first on sys.path
                 capture_output=True,

@@ -361,13 +361,13 @@ class Planner:
         in the cache): a plain step or a draft step."""
         engine = self.ctx.engine
         clock, start = engine.clock, engine.offset
-        t0, seconds, slots = clock.now(), clock.seconds, clock.slots
+        t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
         self._kind = ""
         out = self._step(root)
         if self.auto:  # a measurement of the cost curve at this step's slots
             device = clock.seconds - seconds
-            if out.forwards == 1 and clock.slots > slots:
-                self.curves.observe(clock.slots - slots, device, start)
+            if out.forwards == 1 and clock.slots > slots:  # the target's pass alone
+                self.curves.observe(clock.slots - slots, device - (clock.aside - aside), start)
             wall = clock.now() - t0
             if self._kind == "draft":
                 self.host += HOST_RATE * (wall - device - self.host)

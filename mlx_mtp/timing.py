@@ -35,7 +35,10 @@ class DeviceClock:
         passes: forward passes counted (prefill chunks excluded).
         slots: input slots (tokens and masks) over those passes.
         seconds: seconds inside those passes (graph build + evaluation) and
-            the device work on their outputs.
+            the device work on their outputs, and of device work beside them
+            (a draft model's or an MTP layer's passes).
+        aside: the part of ``seconds`` spent beside the target's passes (not
+            a measurement of its forward cost: :meth:`beside`).
         pending: a pass started without waiting: (start time, its outputs,
             when it is done).
     """
@@ -46,6 +49,7 @@ class DeviceClock:
         self.passes = 0
         self.slots = 0
         self.seconds = 0.0
+        self.aside = 0.0
         self.pending: tuple[float, list[mx.array], float] | None = None
 
     def now(self) -> float:
@@ -100,15 +104,32 @@ class DeviceClock:
         """Wait until the device has finished everything queued."""
         mx.synchronize()
 
+    def add_beside(self, seconds: float) -> None:
+        """Count ``seconds`` of device work beside the target's passes (a draft
+        model's passes, timed on its own engine)."""
+        self.seconds += seconds
+        self.aside += seconds
+
+    @contextmanager
+    def beside(self) -> Iterator[None]:
+        """Device time counted inside the block is work beside the target's
+        forward passes (an MTP layer's passes): device time all the same, but
+        not part of the target's cost curve."""
+        before = self.seconds
+        try:
+            yield
+        finally:
+            self.aside += self.seconds - before
+
     @contextmanager
     def untimed(self) -> Iterator[None]:
         """Passes run inside the block (a cost measurement) are not counted."""
-        saved = (self.passes, self.slots, self.seconds)
+        saved = (self.passes, self.slots, self.seconds, self.aside)
         try:
             yield
         finally:
             self.settle()
-            self.passes, self.slots, self.seconds = saved
+            self.passes, self.slots, self.seconds, self.aside = saved
 
 
 class SimulatedClock(DeviceClock):

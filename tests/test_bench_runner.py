@@ -335,3 +335,28 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
     monkeypatch.setattr(runner.distributed, "size", lambda: 2)
     with pytest.raises(InvalidArgumentError, match="--interleave runs on one process"):
         runner.run_bench(cfg, smollm, progress=False, plots=False)
+
+
+def test_mlx_lm_draft_row_and_draft_rows_take_the_draft_model(smollm, tmp_path):
+    """``mlx_lm_draft:k=2`` runs mlx-lm's draft-model speculation; ``draft``
+    rows get ``--draft-model`` too; both equal ntp's tokens in float32 (here the
+    model drafts for itself: every draft is right) and every method gets a
+    speedup against the fastest mlx_lm_draft row."""
+    methods = parse_methods("ntp,mlx_lm_draft:k=2,draft:shape=chain,num_draft_tokens=2,draft")
+    cfg = _cfg(tmp_path, methods=methods, draft_model="smollm2-135m")
+    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    by = {m["label"]: m for m in res["methods"]}
+    peer = by["mlx_lm_draft:k=2"]
+    assert "num_draft_tokens=2" in peer["describe"]
+    for label in ("mlx_lm_draft:k=2", "draft:shape=chain,num_draft_tokens=2", "draft"):
+        m = by[label]
+        assert m["exactness"]["exact"] == m["exactness"]["checked"] == 2, label
+        assert m["overall"]["tau"] > 1.5, label  # a perfect draft is accepted
+        assert "speedup_vs_mlx_lm_draft" in m["overall"]
+    assert "Overall vs mlx_lm_draft" in (tmp_path / "out" / "report.md").read_text()
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        runner.run_bench(
+            _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm_draft"), out=str(tmp_path / "o2")),
+            smollm,
+            progress=False,
+        )

@@ -73,8 +73,9 @@ class MLXLMPeer:
                     f"--methods: {name} needs a draft model: --draft-model MODEL."
                 )
         if options:
+            takes = "takes only k and draft_model" if self.k else "takes no settings"
             raise InvalidArgumentError(
-                f"--methods: {name} (mlx-lm's own stream_generate) does not take "
+                f"--methods: {name} (mlx-lm's own stream_generate) {takes}, got "
                 f"{', '.join(f'{k}={v}' for k, v in options.items())}."
             )
         self.block_complexity = 1 + self.k

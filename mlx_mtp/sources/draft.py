@@ -175,7 +175,7 @@ class DraftModel:
                 if bound.exhausted(path):  # a longer chain's nodes are worth at most this
                     break
         self._measure(ctx, len(chain), eng.clock.now() - t0)
-        ctx.engine.clock.seconds += eng.clock.seconds - s0  # draft passes are device work
+        ctx.engine.clock.add_beside(eng.clock.seconds - s0)  # draft passes: device work
         out = [("draft", chain, conds, raws)]
         for d, t, cond, raw in alts:
             out.append(

@@ -92,6 +92,12 @@ class NativeDrafter:
         self.pending: list[tuple[mx.array, list[int]]] = []
         self.draft_cost = draft_cost_of(self.layer, engine.model)
 
+    @staticmethod
+    def _eval(engine: Engine, *arrays: mx.array) -> None:
+        # the layer's passes are device work beside the backbone's forward passes
+        with engine.clock.beside():
+            engine.timed_eval(*arrays)
+
     def _records(self) -> list[mx.array]:
         return self.tap.inputs if self.hidden_state == "pre-norm" else self.tap.outputs
 
@@ -145,7 +151,7 @@ class NativeDrafter:
         if not self.pending or depth < 1:
             self.clear_tap()
             if sum(len(ts) for _, ts in self.pending) > MAX_PENDING:  # keep memory bounded
-                engine.timed_eval(self._feed(engine))
+                self._eval(engine, self._feed(engine))
             return []
         last = self._feed(engine)[-1:]
         d = mx.argmax(engine.lm_head(last), axis=-1)
@@ -154,7 +160,7 @@ class NativeDrafter:
             last = self.layer(last[None], engine.embed(d)[None], self.cache)[0]
             d = mx.argmax(engine.lm_head(last), axis=-1)
             drafts.append(d)
-        engine.timed_eval(*drafts)
+        self._eval(engine, *drafts)
         if depth > 1:  # the speculative entries of depths 2..k
             for c in self.cache:
                 c.trim(depth - 1)
