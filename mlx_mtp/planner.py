@@ -251,7 +251,7 @@ class PlainSteps:
             self.next = (following, engine.offset, queued)
         else:
             tok = clock.block(lambda: int(y.item()), done)
-        clock.seconds += clock.now() - t0
+        clock.add(clock.now() - t0)
         return [tok]
 
     @property

@@ -104,6 +104,10 @@ class DeviceClock:
         """Wait until the device has finished everything queued."""
         mx.synchronize()
 
+    def add(self, seconds: float) -> None:
+        """Count ``seconds`` of device time (a pipelined step, timed whole)."""
+        self.seconds += seconds
+
     def add_beside(self, seconds: float) -> None:
         """Count ``seconds`` of device work beside the target's passes (a draft
         model's passes, timed on its own engine)."""
