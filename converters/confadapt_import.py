@@ -1,7 +1,7 @@
 """Import a self-distilled MTP checkpoint into an MLX model folder for ``confadapt``.
 
 Kirchenbauer et al., *Multi-Token Prediction via Self-Distillation* (arXiv
-2602.06019; DESIGN §2.3) release plain ``Qwen3ForCausalLM`` /
+2602.06019; docs/methods.md, confadapt) release plain ``Qwen3ForCausalLM`` /
 ``LlamaForCausalLM`` checkpoints (``jwkirchenbauer/Qwen3-4B-Inst-2507-MTP``,
 ``jwkirchenbauer/L3-1-8B-Magpie-MTP``): sharded bf16 safetensors with an index,
 and a tokenizer with one added mask token ``<|mtp_special_token_0|>``.

@@ -1,5 +1,5 @@
 """Decode tokens/s of the embedded SmolLM2 (float32, ntp) with and without the
-OpenBLAS fix (DESIGN §4), alternating the two settings in fresh processes.
+OpenBLAS fix (docs/design.md §9), alternating the two settings in fresh processes.
 
     .venv/bin/python examples/blas_speed.py [--tokens 64] [--rounds 2]
 """

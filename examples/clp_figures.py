@@ -1,4 +1,4 @@
-"""Closing figures of the CLP issue (DESIGN §2.2, §4).
+"""Figures of the clp method (docs/methods.md, clp; measuring: docs/design.md §9).
 
 On the Spec-Bench evaluation prompts (``spec_bench_sample(per_task)``, 48 at
 the default 8 per task) x ``max_tokens``, greedy, float32, in one process with

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
+import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, docs/design.md §9)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
+import mlx_mtp  # noqa: F401  (first: preloads OpenBLAS before mlx on Linux, docs/design.md §9)
 
 
 def main() -> None:

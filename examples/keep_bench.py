@@ -1,6 +1,6 @@
 """Time ``Engine.keep``'s cache move at 512 / 8K / 32K tokens of context, the
 old one-graph way (``slice_update(a, take(a, idx))``) against the current one
-(gathered rows evaluated first, DESIGN §7), side by side in one process.
+(gathered rows evaluated first, docs/design.md §10), side by side in one process.
 
 Each step mimics a decoding step of a tree method: ``--slots`` new tree slots
 are appended to every layer's ``KVCache`` (as a tree forward does), then

@@ -7,7 +7,7 @@ t + 2 + j. Reported: top-1 and top-5 hit rates of slot 1 (t+2) and slot 2 (t+3)
 for
 
 * ``mean``: the paper's initialisation, the prompt's mean token embedding in
-  every slot (before the online update of DESIGN §2.1), and
+  every slot (before ESP's online update, docs/methods.md, probe), and
 * ``learned``: the learned mask embeddings for the model
   (``mlx-mtp train masks``; the shipped ones by default).
 

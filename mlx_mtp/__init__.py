@@ -9,7 +9,7 @@ import os as _os
 from ._blas import preload_openblas as _preload_openblas
 
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-_preload_openblas()  # before anything imports mlx (Linux CPU speed, DESIGN §4)
+_preload_openblas()  # before anything imports mlx (Linux CPU speed, docs/design.md §9)
 
 from .api import ChatSession, Chunk, MTPModel, Result, load  # noqa: E402
 from .decoding import GenerationStats  # noqa: E402

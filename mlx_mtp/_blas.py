@@ -1,4 +1,4 @@
-"""Make MLX's CPU backend use OpenBLAS on Linux (see DESIGN §4).
+"""Make MLX's CPU backend use OpenBLAS on Linux (docs/design.md §9).
 
 mlx-cpu ships a reference BLAS (a separate shared library next to ``libmlx``)
 that makes matmuls about ten times slower than OpenBLAS. Loading Debian's

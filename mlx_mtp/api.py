@@ -223,7 +223,7 @@ class MTPModel:
         tokens = self.encode(prompt, chat_template)
         sampler = None
         if args["temp"] > 0:
-            # rank 0's seed on every rank of a sharded model (DESIGN §6, class 14)
+            # rank 0's seed on every rank of a sharded model (docs/design.md, failure class 14)
             seed = distributed.agree(args["seed"] if args["seed"] is not None else random_seed())
             sampler = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, seed)
         max_tokens = args["max_tokens"]

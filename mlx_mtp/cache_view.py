@@ -1,4 +1,4 @@
-"""Tree attention over unmodified mlx-lm models (DESIGN §3).
+"""Tree attention over unmodified mlx-lm models (docs/design.md §4).
 
 mlx-lm's attention layers build their mask with ``cache.make_mask(...)`` and
 apply RoPE with ``offset=cache.offset``. :class:`TreeCacheView` wraps one

@@ -1,8 +1,8 @@
 """CLP heads, span predictor, gate baseline and their on-disk format.
 
 Xie & Zhou, *CLP: Collocation-Length Prediction for Zero-Loss Adaptive
-Multi-Token Inference* (arXiv 2606.10935), "backbone as architect" (DESIGN
-§2.2): the backbone's own LM head always writes token n+1; MTP head j
+Multi-Token Inference* (arXiv 2606.10935), "backbone as architect" (docs/methods.md,
+clp): the backbone's own LM head always writes token n+1; MTP head j
 (j = 1..k) only ever writes token n+1+j. The paper publishes no head code, so
 the head architecture and the file format below are this package's own.
 

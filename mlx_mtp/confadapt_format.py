@@ -1,7 +1,7 @@
 """Self-distilled MTP checkpoints and adapters: the library behind ``confadapt``.
 
 Kirchenbauer et al., *Multi-Token Prediction via Self-Distillation* (arXiv
-2602.06019; DESIGN §2.3). Used by the ``confadapt`` decoding method
+2602.06019; docs/methods.md, confadapt). Used by the ``confadapt`` decoding method
 (:mod:`mlx_mtp.methods.confadapt`), by on-device training
 (:mod:`mlx_mtp.training.mtp`, ``mlx-mtp train mtp``) and by the checkpoint
 converter (``mlx-mtp convert mtp-checkpoint``):
@@ -378,7 +378,7 @@ def find_adapter(model: nn.Module | str) -> Path | None:
     The example adapter shipped in ``assets/confadapt/`` is NOT searched: it is
     gated (next-token prediction stays the base model's) but undertrained, so
     on SmolLM2 it emits about one token per forward pass and is slower than
-    plain decoding (see the README); it is only used when asked for with
+    plain decoding (docs/methods.md, confadapt); it is only used when asked for with
     ``adapter=<its folder>``.
     """
     roots = search_dirs("confadapt", shipped=False)

@@ -20,7 +20,7 @@ from typing import Any
 from .errors import InvalidArgumentError
 
 DATA_DIR = Path(__file__).parent / "assets" / "spec_bench"
-#: named data sets that are not shipped (licence or size): name -> path under
+#: named data sets that are not shipped (size): name -> path under
 #: :func:`shared_data_dirs`
 DATA_SETS = {
     "gsm8k-train": "gsm8k/train.jsonl",
@@ -41,20 +41,17 @@ _MT_BENCH = {
 
 
 def shared_data_dirs() -> list[Path]:
-    """Folders searched for the named data sets, in order: ``$MLX_MTP_DATA``,
-    then ``shared/data`` next to the repository (``../shared/data`` from a
-    source checkout)."""
-    roots = [Path(os.environ["MLX_MTP_DATA"])] if os.environ.get("MLX_MTP_DATA") else []
-    return [*roots, Path(__file__).resolve().parents[2] / "shared" / "data"]
+    """Folders searched for the named data sets: ``$MLX_MTP_DATA`` when it is
+    set (the folder that holds ``gsm8k/train.jsonl`` and ``gsm8k/test.jsonl``),
+    else none: these sets are not shipped, a command names the file instead."""
+    return [Path(os.environ["MLX_MTP_DATA"])] if os.environ.get("MLX_MTP_DATA") else []
 
 
-def data_set_path(name: str) -> Path:
+def data_set_path(name: str) -> Path | None:
     """The file of a named data set (:data:`DATA_SETS`), the first found in
-    :func:`shared_data_dirs`; if none has it, where it is expected (the first
-    folder), so that a caller can name the missing path."""
+    :func:`shared_data_dirs`; None when none has it."""
     rel = DATA_SETS[name]
-    dirs = shared_data_dirs()
-    return next((d / rel for d in dirs if (d / rel).is_file()), dirs[0] / rel)
+    return next((d / rel for d in shared_data_dirs() if (d / rel).is_file()), None)
 
 
 def resolve_data(data: str) -> Path:
@@ -66,7 +63,7 @@ def resolve_data(data: str) -> Path:
     """
     if data in DATA_SETS:
         path = data_set_path(data)
-        if not path.is_file():
+        if path is None:
             raise InvalidArgumentError(
                 f"--data {data}: the file {DATA_SETS[data]} was not found; set MLX_MTP_DATA to "
                 "the folder that holds it, or pass a JSONL file."

@@ -2,7 +2,7 @@
 
 A quantized layer (``nn.QuantizedEmbedding``, ``nn.QuantizedLinear``) stores
 ``32 / bits`` values per uint32 column, so ``layer.weight.shape[-1]`` is the
-packed width, not the hidden size (DESIGN §7). Read dimensions here.
+packed width, not the hidden size (docs/design.md §10). Read dimensions here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def model_dims(model: nn.Module) -> tuple[int, int]:
     where an architecture's args lack them, from the input embedding with a
     quantized layer's packing undone. Never from ``embed_tokens.weight.shape``
     alone: a ``QuantizedEmbedding``'s weight has the packed width (SmolLM2 with
-    an 8-bit embedding: 144 stored columns for hidden size 576; DESIGN §7).
+    an 8-bit embedding: 144 stored columns for hidden size 576; docs/design.md §10).
 
     Raises:
         UnsupportedModelError: no args and no ``model.embed_tokens`` to read.

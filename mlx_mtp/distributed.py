@@ -16,8 +16,8 @@ agrees by itself. Anything else -- a timing measurement (``bc=auto``'s
 slot cost), a random seed, a line typed by the user, a request, a
 cancellation -- is decided on rank 0 and shared with :func:`agree` (one
 line at the call site). Ranks that disagree build different graphs, wait on
-each other's collectives and hang or lose the ring connection (DESIGN §6,
-class 14).
+each other's collectives and hang or lose the ring connection (docs/design.md,
+failure class 14).
 
 Without a group (one process) every function here is a no-op that returns
 its input, so callers need no ``if distributed`` of their own.

@@ -506,7 +506,7 @@ class Engine:
                 # plain KV caches after a tree pass: write the accepted slots' own
                 # keys/values (kept by the views) at start, start+1, ...; lazy, no
                 # sync, and the cache array is the update's only input, so the next
-                # pass's evaluation updates it in place (DESIGN §7)
+                # pass's evaluation updates it in place (docs/design.md §10)
                 idx, at = mx.array(slots), mx.array([start])
                 for c, v in zip(self.cache, rows[2]):
                     k, val = (mx.take(a, idx, axis=2) for a in v.new)
@@ -536,7 +536,7 @@ def _move_rows(idx: mx.array, at: mx.array, *arrays: mx.array) -> list[mx.array]
     ``take``'s input, so the update cannot reuse ``a``'s buffer and copies all
     of it (the whole KV cache of a layer, every step: 23-52 ms per layer at 8K
     tokens, hundreds at 32K on a CPU). With the rows already computed, the
-    update's only input is ``a``, whose buffer it takes over (DESIGN §7);
+    update's only input is ``a``, whose buffer it takes over (docs/design.md §10);
     ``examples/keep_bench.py`` measures both ways.
     """
     # mx.take + mx.slice_update build the graph ~4x faster on the host than

@@ -22,7 +22,7 @@ from .recurrent import is_recurrent
 if TYPE_CHECKING:
     from .engine import Engine
 
-#: Model families whose tree forward pass is tested (DESIGN §3): the one list of
+#: Model families whose tree forward pass is tested (docs/design.md §4): the one list of
 #: the families multi-token methods and MTP checkpoints support
 TREE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -84,7 +84,7 @@ def check_cache_support(engine: Engine, method: Any) -> None:
     """Refuse, at load, a method that drops tokens from the KV cache (rejected
     drafts, mask slots) on a model whose cache cannot: recurrent or hybrid
     layers (mamba, gated delta-net, short convolutions) keep state that no trim
-    can roll back (DESIGN §6, class 3).
+    can roll back (docs/design.md, failure class 3).
 
     Raises:
         UnsupportedModelError: naming the model type and its cache kinds.

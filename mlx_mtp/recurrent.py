@@ -1,5 +1,5 @@
 """Rejection on recurrent layers: roll a hybrid model's recurrent state back to
-the accepted prefix of a chain verify pass (DESIGN §6, class 3).
+the accepted prefix of a chain verify pass (docs/design.md, failure class 3).
 
 Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers with a short
 convolution next to full-attention layers) keep, per recurrent layer, a state
@@ -21,7 +21,7 @@ tokens, which no trim can give.
    of accepted positions do not depend on later (rejected) tokens (causal), so
    the replayed state equals that of a pass over the accepted tokens alone.
    Cost: the recurrent mixers over m tokens (no attention, no MLP, no LM head),
-   a fraction of one forward (measured in ``examples/recurrent_restore_bench.py``).
+   a fraction of one forward (measured in ``examples/native_mtp_bench.py``).
 
 The alternative, keeping a state per position, needs a delta-net kernel that
 emits every intermediate state (mlx-lm's returns the last one only): (n, H,

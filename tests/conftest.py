@@ -13,7 +13,7 @@ import tempfile
 #: subprocesses of the tests inherit it.
 os.environ["MLX_ENABLE_TF32"] = "0"
 
-import mlx_mtp  # noqa: E402, F401  (first: preloads OpenBLAS before mlx on Linux, DESIGN §4)
+import mlx_mtp  # noqa: E402, F401  (first: preloads OpenBLAS before mlx on Linux, docs/design.md §9)
 from mlx_mtp.context import Context
 
 #: The user's cache folder, recorded before the tests replace it: the Qwen model

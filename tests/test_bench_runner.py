@@ -196,6 +196,20 @@ def test_gsm8k_mode(smollm, tmp_path):
         )
 
 
+def test_gsm8k_default_is_found_under_mlx_mtp_data_or_asked_for(tmp_path, monkeypatch):
+    """GSM8K is not shipped: without --gsm8k the bench reads gsm8k/test.jsonl
+    under $MLX_MTP_DATA, and without that says to give --gsm8k."""
+    monkeypatch.delenv("MLX_MTP_DATA", raising=False)
+    cfg = _cfg(tmp_path, mode="gsm8k", categories=None)
+    with pytest.raises(InvalidArgumentError, match="pass --gsm8k PATH.*MLX_MTP_DATA"):
+        runner._gsm8k_prompts(cfg)
+    test = tmp_path / "gsm8k" / "test.jsonl"
+    test.parent.mkdir()
+    test.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "#### 5"}) + "\n")
+    monkeypatch.setenv("MLX_MTP_DATA", str(tmp_path))
+    assert [p.answer for p in runner._gsm8k_prompts(cfg)] == ["#### 5"]
+
+
 def test_report_only_needs_records(tmp_path):
     with pytest.raises(InvalidArgumentError, match="no finished generations"):
         runner.run_bench(_cfg(tmp_path), None, progress=False, generate=False)

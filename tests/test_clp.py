@@ -1,4 +1,4 @@
-"""CLP heads, span predictor, decoding modes (DESIGN §2.2)."""
+"""CLP heads, span predictor, decoding modes (docs/methods.md, clp)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``Engine.keep``'s cache move: the same cache contents as the old one-graph
 ``slice_update(a, take(a, idx))`` for every cache kind it accepts, and no copy
-of the whole cache buffer (DESIGN §7; timing in examples/keep_bench.py)."""
+of the whole cache buffer (docs/design.md §10; timing in examples/keep_bench.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The draft-tree engine and the lossless methods built on it (probe, pld):
 tree forward vs sequential forward, float32 exactness vs greedy on many
 Spec-Bench prompts, sampling distribution, cache handling and the failure
-classes of DESIGN §6."""
+classes of docs/design.md §11."""
 
 from __future__ import annotations
 

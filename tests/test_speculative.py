@@ -170,3 +170,6 @@ def test_named_data_sets(tmp_path, monkeypatch):
     assert resolve_data("gsm8k-train") == rel
     with pytest.raises(InvalidArgumentError, match="no such file"):
         resolve_data(str(tmp_path / "missing.jsonl"))
+    monkeypatch.delenv("MLX_MTP_DATA")  # not shipped: found nowhere else
+    with pytest.raises(InvalidArgumentError, match="set MLX_MTP_DATA"):
+        resolve_data("gsm8k-train")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..data import data_set_path
 from ..errors import InvalidArgumentError
 
-#: default GSM8K file (the named data set ``gsm8k-test``, see :mod:`mlx_mtp.data`)
-DEFAULT_GSM8K = data_set_path("gsm8k-test")
+#: the named data set ``--mode gsm8k`` reads without ``--gsm8k`` (found under
+#: ``$MLX_MTP_DATA``, see :mod:`mlx_mtp.data`; GSM8K is not shipped)
+DEFAULT_GSM8K = "gsm8k-test"
 
 
 @dataclass(frozen=True)

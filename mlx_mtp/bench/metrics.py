@@ -1,6 +1,6 @@
 """Benchmark metrics: pure functions of token lists, counters and timings.
 
-Definitions (the README's "results.json" section repeats them):
+Definitions (docs/benchmarks.md, "Metrics", repeats them):
 
 - **tau** (acceptance length, "mean accepted tokens" in Spec-Bench): generated
   tokens / target forward passes, bonus token included. Plain decoding = 1.00.

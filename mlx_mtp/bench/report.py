@@ -1,7 +1,7 @@
 """Aggregate per-generation records into ``results.json`` and ``report.md``.
 
-The schema of ``results.json`` is documented in the README (section "mlx-mtp
-bench"); :data:`SCHEMA` names its version.
+The schema of ``results.json`` is documented in docs/benchmarks.md
+(section "results.json"); :data:`SCHEMA` names its version.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def build_results(
     groups: list[str],
     environment: dict[str, Any],
 ) -> dict[str, Any]:
-    """The results dict (see the README for the schema).
+    """The results dict (schema: docs/benchmarks.md).
 
     Args:
         config: the run's settings.

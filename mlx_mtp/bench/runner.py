@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .. import _blas, distributed
 from ..api import Result
-from ..data import TASKS, load_questions, render_prompt
+from ..data import DATA_SETS, TASKS, data_set_path, load_questions, render_prompt
 from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
 from ..loading import DTYPES, load_model, resolve_model
@@ -110,7 +110,13 @@ def select_prompts(config: BenchConfig) -> tuple[list[BenchPrompt], list[str]]:
 
 
 def _gsm8k_prompts(config: BenchConfig) -> list[BenchPrompt]:
-    path = Path(config.gsm8k) if config.gsm8k else DEFAULT_GSM8K
+    path = Path(config.gsm8k) if config.gsm8k else data_set_path(DEFAULT_GSM8K)
+    if path is None:
+        raise InvalidArgumentError(
+            "--mode gsm8k: GSM8K is not shipped with mlx-mtp; pass --gsm8k PATH (a jsonl with "
+            "'question' and 'answer' fields), or set MLX_MTP_DATA to the folder that holds "
+            f"{DATA_SETS[DEFAULT_GSM8K]}."
+        )
     if not path.is_file():
         raise InvalidArgumentError(
             f"GSM8K file {path} not found; pass --gsm8k PATH to a jsonl with 'question' and "

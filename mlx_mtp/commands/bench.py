@@ -27,7 +27,9 @@ def register(app: typer.Typer) -> None:
             None, "--questions", help="Spec-Bench style jsonl (default: the packaged copy)."
         ),
         gsm8k: str | None = typer.Option(
-            None, "--gsm8k", help="GSM8K jsonl (default ../shared/data/gsm8k/test.jsonl)."
+            None,
+            "--gsm8k",
+            help="GSM8K jsonl (default: gsm8k/test.jsonl under $MLX_MTP_DATA; not shipped).",
         ),
         categories: str | None = typer.Option(
             None, "--categories", help="Comma-separated tasks or categories (default: all six)."

@@ -1,4 +1,4 @@
-"""``mlx-mtp train clp`` and ``mlx-mtp convert clp-heads`` (CLP heads, DESIGN §2.2)."""
+"""``mlx-mtp train clp`` and ``mlx-mtp convert clp-heads`` (CLP heads, docs/methods.md)."""
 
 from __future__ import annotations
 

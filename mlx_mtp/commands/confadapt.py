@@ -1,4 +1,4 @@
-"""``mlx-mtp convert mtp-checkpoint`` and ``mlx-mtp train mtp`` (confadapt, DESIGN §2.3)."""
+"""``mlx-mtp convert mtp-checkpoint`` and ``mlx-mtp train mtp`` (docs/methods.md, confadapt)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """On-device training of CLP heads and the span predictor (backbone frozen).
 
-Xie & Zhou, *CLP* (arXiv 2606.10935; DESIGN §2.2). Three phases:
+Xie & Zhou, *CLP* (arXiv 2606.10935; docs/methods.md, clp). Three phases:
 
 1. **Self-distillation data.** The frozen backbone continues every prompt
    greedily (batched, left-padded); each decode step also yields the backbone's

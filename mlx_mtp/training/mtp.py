@@ -1,7 +1,7 @@
 """On-device MTP adaptation by online self-distillation (``mlx-mtp train mtp``).
 
 Kirchenbauer et al., *Multi-Token Prediction via Self-Distillation* (arXiv
-2602.06019; DESIGN §2.3). A student and a frozen teacher start from the same
+2602.06019; docs/methods.md, confadapt). A student and a frozen teacher start from the same
 weights; the student's vocabulary gets one mask token. One training step:
 
 1. A prompt and the teacher's greedy continuation of it (generated on the fly).
