@@ -348,8 +348,8 @@ class Planner:
         # the whole step (docs/budget.md): the host work of this method's draft
         # steps and a plain step's (pipelined) time, in seconds, averaged online;
         # counted only where the curve knows the seconds of one forward
-        self._t1 = self.curves.t1 if self.auto else None
-        self.host_term = self._t1 is not None and os.environ.get("MLX_MTP_HOST_TERM") != "0"
+        known = self.auto and self.curves.t1 is not None
+        self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
         self._key = method.describe()
         self.host = self.curves.host.get(self._key, 0.0) if self.auto else 0.0
         self.plain_time: float | None = None
@@ -379,7 +379,7 @@ class Planner:
     @property
     def host_cost(self) -> float:
         """A draft step's host work in one-token forwards (0 without the host term)."""
-        return self.host / self._t1 if self.host_term else 0.0
+        return self.host / self.t1 if self.host_term else 0.0
 
     @property
     def plain_cost(self) -> float:
@@ -387,7 +387,7 @@ class Planner:
         or without the host term)."""
         if not self.host_term or self.plain_time is None:
             return 1.0
-        return max(self.plain_time / self._t1, 1e-3)
+        return max(self.plain_time / self.t1, 1e-3)
 
     def finish(self) -> None:
         """The generation ended: cache what the cost curve learned, keep the
@@ -411,8 +411,9 @@ class Planner:
 
     @property
     def t1(self) -> float | None:
-        """Seconds of a one-token forward of the target (None: not known)."""
-        return self._t1
+        """Seconds of a one-token forward of the target, as the curve knows it
+        now (None: not known, or fixed settings)."""
+        return self.curves.t1 if self.auto else None
 
     def prefix_bound(self, item_cost: float, max_slots: int) -> PrefixBound:
         """A :class:`~mlx_mtp.budget.PrefixBound` on this step's curve, for a
