@@ -55,7 +55,9 @@ BC = typer.Option(
     help="probe/hybrid: block complexity (tokens per forward), e.g. 10/30/60, or 'auto' "
     "(each step keeps the draft nodes worth their cost on this device).",
 )
-MASKS = typer.Option(None, "--masks", help="probe: mask slots per node (1 or 2).")
+MASKS = typer.Option(
+    None, "--masks", help="probe/hybrid: mask slots per node (probe 1-3, hybrid 0-3)."
+)
 TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e.g. '14'.")
 K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
 TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
@@ -218,12 +220,28 @@ def generate(
     last = None
     check_generation_args(**sampling)  # before the slow load
     m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
-    for chunk in m.stream_generate(prompt, **sampling, chat_template=not raw):
-        typer.echo(chunk.text, nl=False)
-        last = chunk
+    try:
+        for chunk in m.stream_generate(prompt, **sampling, chat_template=not raw):
+            typer.echo(chunk.text, nl=False)
+            last = chunk
+    except KeyboardInterrupt:
+        n = last.stats.generated_tokens if last is not None else 0
+        typer.echo("")
+        if last is not None:
+            typer.echo(last.stats.summary(), err=True)
+        typer.echo(f"interrupted after {n} new tokens: the answer above is cut short.", err=True)
+        raise
     typer.echo("")
     if last is not None:
         typer.echo(last.stats.summary(), err=True)
+
+
+#: chat's own commands and what they do (``/help`` lists them)
+CHAT_COMMANDS = {
+    "/help": "show these commands",
+    "/reset": "start a new conversation (forget the history)",
+    "/quit": "leave (also /exit or Ctrl-D)",
+}
 
 
 @app.command()
@@ -236,41 +254,89 @@ def chat(
     sampling: dict,
     options: dict,
 ):
-    """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
+    """Interactive multi-turn chat (KV cache reused across turns). /help lists the commands."""
     check_generation_args(**sampling)  # before the slow load
     m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
     session = m.chat()
-    typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
+    _line_editing()
+    typer.echo("Type a message (/help for commands, /quit or Ctrl-D to exit).", err=True)
     while True:
         # rank 0 reads the line; every rank of a sharded model gets it
         line = distributed.agree(_read_line() if distributed.is_main() else None)
         if line is None:
             typer.echo("")
             return
-        if line.strip() in ("/quit", "/exit"):
-            return
-        if line.strip() == "/reset":
-            session = m.chat()
+        text = line.strip()
+        if not text:
             continue
-        if not line.strip():
+        if text.startswith("/") and not text.startswith("//"):
+            word = text.split()[0]
+            if word in ("/quit", "/exit"):
+                return
+            if word == "/reset":
+                session = m.chat()
+                typer.echo("(new conversation)", err=True)
+            elif word == "/help":
+                for name, what in CHAT_COMMANDS.items():
+                    typer.echo(f"  {name:8s} {what}", err=True)
+                typer.echo("  a line starting with // is sent with one / removed", err=True)
+            else:
+                typer.echo(f"unknown command {word}; /help lists the commands.", err=True)
             continue
-        last = None
-        try:
-            for chunk in session.send(line, **sampling):
-                typer.echo(chunk.text, nl=False)
-                last = chunk
-        except KeyboardInterrupt:
-            typer.echo("\n(interrupted)", err=True)
+        if text.startswith("//"):
+            line = line.replace("//", "/", 1)
+        _chat_turn(session, line, sampling)
+
+
+def _chat_turn(session: Any, line: str, sampling: dict) -> None:
+    """One chat turn: the answer on stdout, the stats (or what went wrong) on
+    stderr on a line of its own; a failed turn leaves the session as it was."""
+    last, wrote = None, False
+    try:
+        for chunk in session.send(line, **sampling):
+            typer.echo(chunk.text, nl=False)
+            wrote = wrote or bool(chunk.text)
+            last = chunk
+    except KeyboardInterrupt:
         typer.echo("")
-        if last is not None:
-            typer.echo(last.stats.summary(), err=True)
+        typer.echo("(interrupted; the partial answer stays in the conversation)", err=True)
+        return
+    except Exception as e:  # the session outlives any one turn (MLX raises RuntimeError)
+        if wrote:
+            typer.echo("")
+        what = str(e) if isinstance(e, (MTPError, OSError)) else f"{type(e).__name__}: {e}"
+        typer.echo(f"error: {what}", err=True)
+        typer.echo("(this turn was dropped; the conversation goes on)", err=True)
+        return
+    typer.echo("")
+    if last is not None:
+        typer.echo(last.stats.summary(), err=True)
+
+
+def _line_editing() -> None:
+    """Arrow keys, line editing and history (this session's lines) for
+    ``input()``, where Python has ``readline`` and stdin is a terminal; and
+    bytes that are not UTF-8 read as lone surrogates (that turn is then
+    refused by name, the session goes on) instead of ending the session."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401  (importing it is what turns line editing on)
+    except ImportError:  # Windows without pyreadline: plain input
+        return
 
 
 def _read_line() -> str | None:
-    """One line from the user, None at end of input or Ctrl-C."""
+    """One line from the user, None at end of input.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C at the prompt (the CLI exits with 130).
+    """
     try:
         return input(">> ")
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:
         return None
 
 
@@ -324,11 +390,12 @@ def main() -> None:
     Exit status 2 with one line on stderr for bad input: usage errors (unknown
     flag, missing or unparsable value, out-of-range value: click prints the
     usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
-    Never a traceback for either."""
+    Never a traceback for either. Exit status 130 on Ctrl-C (SIGINT), whatever
+    the command was doing (loading, generating, converting, serving)."""
     if not distributed.is_main():
         _quiet_rank()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except (MTPError, OSError) as e:  # OSError: an --out/--data path that cannot be used
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -339,6 +406,10 @@ def main() -> None:
             sys.exit(130)
         e.show()  # type: ignore[attr-defined]
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
+    # typer turns Ctrl-C (KeyboardInterrupt) into the return value 130, and a
+    # typer.Exit(code) into its code
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        sys.exit(code)
 
 
 def _quiet_rank() -> None:
