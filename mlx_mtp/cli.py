@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from . import commands, distributed, load
-from .errors import MTPError
+from .errors import InvalidArgumentError, MTPError
 from .loading import ALIASES, cache_home, cached_models
 from .methods import DESCRIPTIONS, available_methods
 from .validation import LIMITS, check_generation_args, typer_range
@@ -183,6 +183,7 @@ def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callabl
 
 
 def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=False):
+    check_choices(method, options, dtype)
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
     m = load(
@@ -197,6 +198,22 @@ def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=F
     if where:
         typer.echo(f"sharded: {distributed.sharding(m.model)} parallel{where}", err=True)
     return m
+
+
+def check_choices(method: str, options: dict, dtype: str | None) -> None:
+    """Check the method, its options and the dtype before anything is loaded.
+
+    Raises:
+        UnknownMethodError, InvalidArgumentError: naming the bad choice.
+    """
+    from .loading import DTYPES
+    from .methods import make_method
+
+    make_method(method, **options)
+    if dtype is not None and dtype not in (*DTYPES, "auto"):
+        raise InvalidArgumentError(
+            f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto."
+        )
 
 
 @app.command()
