@@ -741,6 +741,16 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
         status, headers, err = raw(base, "POST", "/v1/chat/completions", dict(LONG, max_tokens=2))
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert err["error"]["type"] == "rate_limit_error"
+        # a request over a bound or with a bad setting is refused at once, not told to wait
+        for bad, code in (
+            (dict(M, max_tokens=10**7), "max_tokens_limit"),
+            (dict(M, temperature=-1), "invalid_argument_error"),
+            (mtp(method="probe", bc=7000), "bc_limit"),
+            (mtp(method="pld", colour=1), "invalid_argument_error"),
+            (mtp(method="clp", heads="/etc"), "artifact_not_allowed"),
+        ):
+            status, _, err = raw(base, "POST", "/v1/chat/completions", bad)
+            assert status == 400 and err["error"]["code"] == code, err
         leaver.close()
     finally:
         resp.close()

@@ -247,7 +247,12 @@ def create_app(
             raise _unknown_model(req.model, worker.model_id)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(req, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        prepared = worker.admit(req)  # a bad request is a 400 now, never a 429 first
+        job = Job(
+            req,
+            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            prepared=prepared,
+        )
         worker.submit(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:

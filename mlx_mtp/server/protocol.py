@@ -60,7 +60,7 @@ class OpenAIError(Exception):
     """An error answered in OpenAI's shape ``{"error": {message, type, param, code}}``.
 
     Args:
-        status: HTTP status (400, 401, 404, 429, 500, 503).
+        status: HTTP status (400, 401, 403, 404, 405, 413, 415, 429, 500, 503).
         message: what is wrong and what to do.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``,
             ``rate_limit_error``, ``server_error``).

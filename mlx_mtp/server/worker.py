@@ -63,6 +63,9 @@ class Job:
         enqueued / started / finished: ``time.perf_counter()`` seconds.
         status: ``queued``, ``running``, ``done``, ``cancelled`` or ``failed``.
         generated_tokens: tokens generated (also for a cancelled job).
+        prepared: what :meth:`Worker.admit` made of the request's method:
+            ``(cache key, method instance)``, or None (the default method, or
+            not admitted here: the worker checks it then).
     """
 
     request: GenRequest
@@ -73,6 +76,7 @@ class Job:
     finished: float | None = None
     status: str = "queued"
     generated_tokens: int = 0
+    prepared: tuple[tuple, Any] | None = None
 
     @property
     def queue_wait(self) -> float:
@@ -177,8 +181,7 @@ class Worker:
                 pass
         except KeyboardInterrupt:
             self._queue.put(None)  # served once the load ends
-            self._thread.join()
-            self._thread = None
+            self.stop(timeout=600)  # waits for the load (MLX aborts a process left by it)
             raise
         if self._load_error is not None:
             self._thread.join()
@@ -225,6 +228,37 @@ class Worker:
     def alive(self) -> bool:
         """Whether the worker thread is running and has its model."""
         return self._thread is not None and self._thread.is_alive() and self.loaded is not None
+
+    def admit(self, req: GenRequest) -> tuple[tuple, Any] | None:
+        """Check what a request asks before it is queued (pure Python, no
+        model: safe on the HTTP side), so that a request over a bound or with
+        a bad setting is refused at once, never told to wait (429) first:
+        ``max_tokens`` against its limit, the sampling settings, and the
+        method, its options (files among them) and its slots per forward
+        pass. The prompt (its encoding, vocabulary and length) is the
+        worker's, through the API.
+
+        Returns:
+            ``(cache key, method)`` for a request naming a method, else None
+            (give it to the :class:`Job` as ``prepared``).
+
+        Raises:
+            OpenAIError: 400 naming the field or bound.
+        """
+        from ..validation import check_generation_args
+
+        try:
+            self.limits.check_tokens(req.max_tokens)
+            given = {**self.sampling, **sampling_of(req)}
+            check_generation_args(max_tokens=req.max_tokens or self.max_tokens, **given)
+            if req.method is None:
+                return None
+            options = self.limits.request_options(req.method, req.options)
+            method = make_method(req.method, **options)
+            self.limits.check_method(method)
+        except MTPError as e:
+            raise openai_error(e, req) from None
+        return method_key(req.method, options), method
 
     def submit(self, job: Job) -> None:
         """Queue a job.
@@ -333,19 +367,17 @@ class Worker:
         except Exception:  # the HTTP side is gone (closed event loop): nothing to tell
             job.cancel.set()
 
-    def _model_for(self, req: GenRequest) -> Any:
-        """The bound model of a request's method (built on first use through
+    def _model_for(self, job: Job) -> Any:
+        """The bound model of a job's method (built on first use through
         ``LoadedModel.bind``, after the limits are checked)."""
+        req = job.request
         if req.method is None:
             self._models.move_to_end(self.default_key)
             return self._models[self.default_key]
-        options = self.limits.request_options(req.method, req.options)
-        key = method_key(req.method, options)
+        key, method = job.prepared or self.admit(req)  # (other ranks: not admitted yet)
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        method = make_method(req.method, **options)  # MTPError: a 400
-        self.limits.check_method(method)
         m = self.loaded.bind(method, max_kv_size=self.max_kv_size)
         m.prefill_step = self.limits.prefill_step
         self._models[key] = m
@@ -374,19 +406,9 @@ class Worker:
         except OpenAIError as e:
             job.status = "failed"
             self._emit(job, Failed(e))
-        except ContextLengthError as e:
-            job.status = "failed"
-            param = "messages" if job.request.kind == "chat" else "prompt"
-            self._emit(
-                job, Failed(OpenAIError(400, str(e), param=param, code="context_length_exceeded"))
-            )
         except MTPError as e:
             job.status = "failed"
-            name = type(e).__name__
-            param = "mtp.method" if name == "UnknownMethodError" else None
-            # the class name as the code: InvalidArgumentError -> invalid_argument_error
-            code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-            self._emit(job, Failed(OpenAIError(400, str(e), param=param, code=code)))
+            self._emit(job, Failed(openai_error(e, job.request)))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
             job.status = "failed"
             log.error("generation failed:\n%s", traceback.format_exc())
@@ -409,15 +431,8 @@ class Worker:
     def _generate(self, job: Job) -> None:
         req = job.request
         self.limits.check_tokens(req.max_tokens)
-        m = self._model_for(req)
-        given = {
-            "temp": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "min_p": req.min_p,
-            "seed": req.seed,
-        }
-        sampling = {k: self.sampling[k] if v is None else v for k, v in given.items()}
+        m = self._model_for(job)
+        sampling = {**self.sampling, **sampling_of(req)}
         gen = m.stream_generate(
             req.prompt,
             max_tokens=self.max_tokens if req.max_tokens is None else req.max_tokens,
@@ -464,6 +479,32 @@ class Worker:
                 mtp_stats(st, cached, job),
             ),
         )
+
+
+def sampling_of(req: GenRequest) -> dict[str, Any]:
+    """The sampling settings a request gives (the API's keywords); the ones
+    it leaves out are not in the dict."""
+    given = {
+        "temp": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
+    """The 400 of a package error raised for a request: the class name as the
+    code (``InvalidArgumentError`` -> ``invalid_argument_error``), except a
+    context too short (``context_length_exceeded``, as OpenAI's)."""
+    if isinstance(e, ContextLengthError):
+        param = "messages" if req.kind == "chat" else "prompt"
+        return OpenAIError(400, str(e), param=param, code="context_length_exceeded")
+    name = type(e).__name__
+    param = "mtp.method" if name == "UnknownMethodError" else None
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return OpenAIError(400, str(e), param=param, code=code)
 
 
 def _end_thread_streams() -> None:
