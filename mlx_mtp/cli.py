@@ -278,8 +278,10 @@ def chat(
     _line_editing()
     typer.echo("Type a message (/help for commands, /quit or Ctrl-D to exit).", err=True)
     while True:
-        # rank 0 reads the line; every rank of a sharded model gets it
+        # rank 0 reads the line; every rank of a sharded model gets it (Ctrl-C too)
         line = distributed.agree(_read_line() if distributed.is_main() else None)
+        if line == CTRL_C:
+            raise KeyboardInterrupt
         if line is None:
             typer.echo("")
             return
@@ -345,16 +347,18 @@ def _line_editing() -> None:
         return
 
 
-def _read_line() -> str | None:
-    """One line from the user, None at end of input.
+#: what :func:`_read_line` returns for Ctrl-C at the prompt (the CLI then exits 130)
+CTRL_C = ("ctrl-c",)
 
-    Raises:
-        KeyboardInterrupt: Ctrl-C at the prompt (the CLI exits with 130).
-    """
+
+def _read_line() -> str | tuple | None:
+    """One line from the user, None at end of input, :data:`CTRL_C` for Ctrl-C."""
     try:
         return input(">> ")
     except EOFError:
         return None
+    except KeyboardInterrupt:
+        return CTRL_C
 
 
 @app.command()

@@ -71,6 +71,12 @@ def test_generate_ctrl_c_exits_130_with_a_note():
     assert "[ntp]" in err  # the stats of what was generated
 
 
+def test_generate_ctrl_c_while_loading_exits_130():
+    argv = ["generate", "-p", "hi", "--method", "probe"]
+    code, _, err = interrupt_when(argv, lambda o, e: b"loading smollm2-135m" in e)
+    clean_exit(code, err)
+
+
 def test_bench_ctrl_c_exits_130_and_reports_what_finished(tmp_path):
     out_dir = tmp_path / "bench"
     records = out_dir / "records.jsonl"

@@ -373,3 +373,19 @@ def test_check_slots_bounds_every_forward(smollm):
         eng.check_slots(top + 1)
     # a long context shrinks what fits
     assert eng.max_slots(context=200_000) < top
+
+
+def test_the_masks_help_states_the_ranges_the_methods_take():
+    import re
+
+    from mlx_mtp.methods import make_method
+
+    m = re.search(r"probe (\d)-(\d), hybrid (\d)-(\d)", cli.MASKS.help)
+    assert m, cli.MASKS.help
+    for method, lo, hi in (("probe", *m.groups()[:2]), ("hybrid", *m.groups()[2:])):
+        lo, hi = int(lo), int(hi)
+        for ok in (lo, hi):
+            make_method(method, masks=ok)
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(InvalidArgumentError, match="masks"):
+                make_method(method, masks=bad)
