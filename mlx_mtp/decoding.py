@@ -63,9 +63,9 @@ class GenerationStats:
     reprobes: int = 0
     #: times ``auto`` entered plain mode because no draft paid for its slots
     plain_spells: int = 0
-    #: the cost curve's ``c(2)`` (a two-slot pass in one-slot passes) the
-    #: planner last planned with; 0 without ``auto``
-    cost_2: float = 0.0
+    #: the cost curve's ``c(8)`` (an 8-slot pass in one-slot passes: a small
+    #: draft tree) the planner last planned with; 0 without ``auto``
+    cost_8: float = 0.0
     #: the largest forward pass sent (slots per pass of one step)
     max_slots: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -116,8 +116,8 @@ class GenerationStats:
         if self.plain_spells:
             why = (
                 f"auto kept to them {self.plain_spells} time(s) because no draft's expected "
-                "tokens paid for its slots on this device (a 2-slot pass costs "
-                f"{self.cost_2:.2f} 1-slot passes here), re-probing {self.reprobes} time(s)"
+                "tokens paid for its slots on this device (an 8-slot pass costs "
+                f"{self.cost_8:.2f} 1-slot passes here), re-probing {self.reprobes} time(s)"
             )
         else:
             why = "the method had nothing to draft at those steps"
@@ -262,7 +262,7 @@ def generate_steps(
                 stats.plain_steps, stats.reprobes = planner.plain_steps, planner.reprobes
                 stats.plain_spells = planner.plain_spells
                 if planner.curve is not None:
-                    stats.cost_2 = planner.curve(2)
+                    stats.cost_8 = planner.curve(8)
             root = tokens[-1]
             yield Step(tokens, stats, finish)
     finally:

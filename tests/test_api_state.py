@@ -182,7 +182,7 @@ def test_stats_line_says_when_auto_kept_to_plain_steps(smollm):
     line = st.summary()
     assert f"largest pass {st.max_slots} of BC 64" in line
     assert f"{st.plain_steps} of {st.steps} steps were plain one-token steps" in line
-    assert "auto kept to them" in line and "a 2-slot pass costs 2.00 1-slot passes" in line
+    assert "auto kept to them" in line and "an 8-slot pass costs 8.00 1-slot passes" in line
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_stats_line_says_when_auto_kept_to_plain_steps(smollm):
         ({}, "largest pass 0 of BC 1", "plain one-token"),
         ({"plain_steps": 5, "steps": 9}, "the method had nothing to draft", "auto kept"),
         (
-            {"plain_steps": 5, "steps": 9, "plain_spells": 1, "reprobes": 2, "cost_2": 1.3},
+            {"plain_steps": 5, "steps": 9, "plain_spells": 1, "reprobes": 2, "cost_8": 1.3},
             "auto kept to them 1 time(s)",
             "nothing to draft",
         ),
