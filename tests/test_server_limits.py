@@ -176,3 +176,27 @@ def test_the_bound_on_this_device(smollm):
     lim = L.Limits(max_bc=64, max_forward_s=60.0, forward=b)
     assert lim.slots == 64 and lim.prefill_step == 512
     assert lim.slot_problem(64) is None and "64 slots (--max-bc)" in lim.slot_problem(65)
+
+
+def test_the_bound_reads_the_devices_cost_curve_where_it_knows_the_time(monkeypatch):
+    """With this device's cost curve and its one-slot time (what
+    ``device_curves`` keeps), passes up to 64 slots are not timed again."""
+    from mlx_mtp.budget import CostCurves
+    from mlx_mtp.costs import LiveCurves
+
+    timed: list[int] = []
+
+    def fake_measure(engine, sizes, repeats):
+        timed.extend(sizes)
+        return CostCurve([1, *[s for s in sizes if s > 1]], [1.0] * len(set(sizes)), seconds=0.01)
+
+    monkeypatch.setattr(L, "measure_cost_curve", fake_measure)
+    monkeypatch.setattr(L, "_prefill_bound", lambda engine, seconds, most: (most, 0.0))
+    curve = CostCurve([1, 8, 64], [1.0, 2.0, 9.0], seconds=0.1)  # 0.1 s, 0.2 s, 0.9 s
+    live = LiveCurves(CostCurves([curve]), learn=False)
+    b = L.measure_forward_bounds(FakeEngine(1000), seconds=0.5, most_slots=64, curves=live)
+    assert timed == [] and b.slots == 8 + int((0.5 - 0.2) / 0.7 * 56)
+    # a pinned curve has no time: then it is measured
+    pinned = LiveCurves(CostCurves([CostCurve([1, 64], [1.0, 1.0])]), learn=False)
+    L.measure_forward_bounds(FakeEngine(1000), seconds=0.5, most_slots=64, curves=pinned)
+    assert 64 in timed

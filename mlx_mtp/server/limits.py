@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import distributed
-from ..costs import CURVE_SIZES, measure_cost_curve
+from ..costs import CURVE_SIZES, LiveCurves, device_curves, measure_cost_curve
 from ..engine import PREFILL_STEP, Engine
 from ..errors import InvalidArgumentError
 from .protocol import OpenAIError
@@ -102,18 +102,28 @@ def _largest_within(times: dict[int, float], seconds: float) -> tuple[int, float
 
 
 def measure_forward_bounds(
-    engine: Engine, seconds: float, most_slots: int, most_prefill: int = PREFILL_STEP
+    engine: Engine,
+    seconds: float,
+    most_slots: int,
+    most_prefill: int = PREFILL_STEP,
+    curves: LiveCurves | None = None,
 ) -> ForwardBounds:
-    """Time this device's forward passes and find the largest that take at
-    most ``seconds``.
+    """Find the largest forward passes that take at most ``seconds`` on this
+    device, from its cost curve and its own timings.
 
-    Decoding passes: the cost curve's own timing (a chain of ``n`` slots with
-    logits for every slot, :func:`~mlx_mtp.costs.measure_cost_curve`) at its
-    sizes up to 64 slots, then at doubling sizes up to ``most_slots`` (and the
-    memory bound), stopping at the first size over ``seconds``: nothing is
+    Decoding passes up to 64 slots: this device's cost curve (``curves``, as
+    :func:`~mlx_mtp.costs.device_curves` keeps it: cached, measured once,
+    refined by every generation) times its one-slot time; where that time is
+    not known (a curve pinned by ``$MLX_MTP_COST_CURVE``, or no ``curves``),
+    the cost curve's own timing (a chain of ``n`` slots with logits for every
+    slot, :func:`~mlx_mtp.costs.measure_cost_curve`) at its sizes. Beyond 64
+    slots: timed at doubling sizes up to ``most_slots`` (and the memory
+    bound), stopping at the first size over ``seconds``: nothing is
     extrapolated, and the slowest pass timed takes about the growth of one
     doubling over the bound. Prefill passes: chunks of 256 tokens doubling up
-    to ``most_prefill`` (halving below 256 if that is already too slow).
+    to ``most_prefill`` (halving below 256 if that is already too slow; a
+    size that would take more than ``seconds`` at the last one's time per
+    token is not timed).
     Everything runs on the engine's cache, which is left as it was.
 
     On a model sharded over several ranks every decision follows rank 0's
@@ -127,9 +137,12 @@ def measure_forward_bounds(
     times: dict[int, float] = {}
     if engine.backbone is not None and cap > 1:
         first = [s for s in CURVE_SIZES if s <= cap]
-        curve = measure_cost_curve(engine, sizes=first, repeats=1)
-        t1 = distributed.agree(curve.seconds or 0.0)
-        times = {s: t1 * curve(s) for s in curve.sizes}
+        if curves is not None and curves.t1:  # (every rank holds rank 0's curves)
+            curve, t1 = curves.at(engine.offset), float(curves.t1)
+        else:
+            curve = measure_cost_curve(engine, sizes=first, repeats=1)
+            t1 = distributed.agree(curve.seconds or 0.0)
+        times = {s: t1 * curve(s) for s in curve.sizes if s <= cap}
         n = max(times)
         while n < cap and distributed.agree_flag(times[n] <= seconds):
             n = min(2 * n, cap)
@@ -180,7 +193,7 @@ def _prefill_bound(engine: Engine, seconds: float, most: int) -> tuple[int, floa
             engine.sync([*engine.cached, *([tok] * n)], chunk=n)
             return distributed.agree(time.perf_counter() - t0)
 
-    timed(min(64, most))  # warm-up
+    timed(min(MIN_PREFILL_STEP, most))  # warm-up
     n = min(256, most)
     t = timed(n)
     if t > seconds:  # halve until one fits
@@ -192,6 +205,8 @@ def _prefill_bound(engine: Engine, seconds: float, most: int) -> tuple[int, floa
         return n, t
     while n < most:
         nxt = min(2 * n, most)
+        if not distributed.agree_flag(t * nxt / n <= seconds):
+            break  # a prefill pass takes at least its share of tokens: not worth timing
         tn = timed(nxt)
         if not distributed.agree_flag(tn <= seconds):
             break
@@ -266,7 +281,10 @@ class Limits:
     def measure(self, engine: Engine) -> ForwardBounds:
         """Measure this device's :class:`ForwardBounds` on ``engine`` (see
         :func:`measure_forward_bounds`); needed once, at start-up."""
-        self.forward = measure_forward_bounds(engine, float(self.max_forward_s), self.slots)
+        curves = device_curves(engine)  # also what every auto method plans with
+        self.forward = measure_forward_bounds(
+            engine, float(self.max_forward_s), self.slots, curves=curves
+        )
         return self.forward
 
     def describe(self) -> dict[str, Any]:
