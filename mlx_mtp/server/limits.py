@@ -13,7 +13,7 @@ minutes) or make the server read any file or download any hub repo. So:
   bound, so the worker reaches a point where it can stop (a cancelled request,
   shutdown) at least every ``--max-forward-s`` seconds.
 - **New tokens**: ``max_tokens`` at most ``--max-tokens-limit``.
-- **Files and repos**: options naming a file, folder or hub repo
+- **Files and repos**: options naming a file, folder, hub repo or model
   (:data:`ARTIFACT_OPTIONS`) are refused unless the server was started with
   ``--allow-artifacts DIR``; then they must name a path inside one of those
   folders (symbolic links resolved), never a repo. The answer to a refused
@@ -40,14 +40,16 @@ from ..engine import PREFILL_STEP, Engine
 from ..errors import InvalidArgumentError
 from .protocol import OpenAIError
 
-#: method options that name a file, a folder or a hub repo
-ARTIFACT_OPTIONS = frozenset({"heads", "adapter"})
+#: method options that name a file, a folder or a hub repo (``draft_model``:
+#: also an alias, which may name a hub repo)
+ARTIFACT_OPTIONS = frozenset({"heads", "adapter", "draft_model"})
 #: method options that take a number, a boolean or one of a few words
 VALUE_OPTIONS = frozenset(
     {
         "bc", "masks", "tree", "lam", "mask_init", "max_bc", "shape", "window", "max_draft",
         "mode", "k", "predictor", "tau", "max_k", "level", "guess", "seed", "matches",
         "pool", "mtp", "mtp_depth", "depth", "hidden_state", "max_depth", "draft_cost",
+        "draft_width", "num_draft_tokens", "width",
     }
 )  # fmt: skip
 
