@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -24,8 +24,8 @@ from . import distributed
 from .context import Context
 from .data import render_prompt
 from .decoding import GenerationStats, generate_steps
-from .engine import Engine
-from .errors import InvalidArgumentError
+from .engine import PREFILL_STEP, Engine
+from .errors import ContextLengthError, InvalidArgumentError, ModelBusyError
 from .families import check_cache_support
 from .loading import EMBEDDED_MODEL, LoadedModel, load_model
 from .methods import Method, make_method
@@ -39,7 +39,7 @@ Prompt = Union[str, list[int], list[dict[str, str]]]  # noqa: UP007 (py3.10 alia
 class Chunk:
     """One streamed piece: ``text`` (new text), ``tokens`` (new token ids),
     ``stats`` (running :class:`GenerationStats`), ``finish_reason`` (None,
-    ``"stop"`` or ``"length"``)."""
+    ``"stop"``, ``"length"``, or ``"cancelled"`` when ``should_stop`` asked)."""
 
     text: str
     tokens: list[int]
@@ -62,6 +62,14 @@ class MTPModel:
 
     Made by :meth:`LoadedModel.bind <mlx_mtp.loading.LoadedModel.bind>` or
     :func:`load`. Not thread-safe: use one instance per conversation thread.
+    It runs one generation at a time: a stream that has started and not
+    finished (nor been closed) holds the KV cache, and starting another one
+    raises :class:`~mlx_mtp.errors.ModelBusyError` (bind a second model for
+    two at once; each has its own cache).
+
+    Attributes:
+        prefill_step: prompt tokens per prefill forward pass (mlx-lm's 2048);
+            a smaller one bounds the time of each pass (the server sets it).
 
     Raises:
         InvalidArgumentError: ``max_kv_size`` out of range or too small for the
@@ -96,6 +104,8 @@ class MTPModel:
         self.thinking = bool(thinking)
         self._warned_template = False
         self.engine = Engine(self.model, max_kv_size=max_kv_size)
+        self.prefill_step = PREFILL_STEP
+        self._active: object | None = None  # the generation holding the cache
         #: what the method receives: the engine and the checkpoint it came from
         self.ctx = Context(self.engine, loaded)
         check_cache_support(self.engine, method)
@@ -173,6 +183,44 @@ class MTPModel:
         return getattr(getattr(self.method, "meta", None), "prompt_format", None) or "chat"
 
     @property
+    def context_length(self) -> int | None:
+        """The model's context in tokens (``max_position_embeddings`` of its
+        config or text config), None where the config does not say."""
+        cfg = getattr(self.loaded, "config", None) or {}
+        n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get(
+            "max_position_embeddings"
+        )
+        return int(n) if isinstance(n, numbers.Integral) and n > 0 else None
+
+    def check_context(self, prompt_tokens: int, max_tokens: int, fit: bool = False) -> int:
+        """The new tokens a generation may make after ``prompt_tokens``.
+
+        Args:
+            prompt_tokens: length of the encoded prompt.
+            max_tokens: new tokens asked for.
+            fit: clip ``max_tokens`` to the context left instead of refusing.
+
+        Returns:
+            ``max_tokens``, clipped where ``fit``.
+
+        Raises:
+            ContextLengthError: the prompt fills the context, or (without
+                ``fit``) prompt and new tokens do not fit in it.
+        """
+        ctx = self.context_length
+        if ctx is None:
+            return max_tokens
+        if fit:
+            max_tokens = min(max_tokens, ctx - prompt_tokens)
+        if prompt_tokens >= ctx or prompt_tokens + max_tokens > ctx:
+            raise ContextLengthError(
+                f"This model's context is {ctx} tokens; the prompt has {prompt_tokens} tokens "
+                f"and asks for {max_tokens} new ones. Shorten the prompt or lower max_tokens "
+                "(--max-tokens)."
+            )
+        return max_tokens
+
+    @property
     def has_chat_template(self) -> bool:
         """Whether the tokenizer has a chat template."""
         return bool(getattr(self.tokenizer, "chat_template", None))
@@ -195,6 +243,8 @@ class MTPModel:
         min_p: float = 0.0,
         seed: int | None = None,
         chat_template: bool = True,
+        fit_context: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[Chunk]:
         """Generate and yield text as it is committed (one chunk per decoding step).
 
@@ -209,41 +259,64 @@ class MTPModel:
                 randomness depends only on (seed, its position), so a seed
                 fixes the output whatever draft trees the method builds (see
                 :mod:`mlx_mtp.sampling`). None draws one from ``mx.random``.
+            chat_template: wrap a text prompt as a user message (see :meth:`encode`).
+            fit_context: clip ``max_tokens`` to the context the prompt leaves
+                instead of refusing (:meth:`check_context`).
+            should_stop: asked between forward passes (prefill chunks and
+                decoding steps); True ends the stream with a chunk whose
+                ``finish_reason`` is ``"cancelled"``.
 
         The ranges are :data:`mlx_mtp.validation.LIMITS`, the same as the CLI's.
+        Everything is checked before the prompt is prefilled.
 
         Raises:
             InvalidArgumentError: empty or malformed prompt, or an argument out
                 of range (the message names it).
+            ContextLengthError: the prompt and ``max_tokens`` do not fit in the
+                model's context.
+            ModelBusyError: another stream on this model has not finished.
             CacheNotTrimmableError: the model's cache cannot drop rejected drafts.
         """
         args = check_generation_args(
             max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
         tokens = self.encode(prompt, chat_template)
+        max_tokens = self.check_context(len(tokens), args["max_tokens"], fit_context)
+        if self._active is not None:
+            raise ModelBusyError(
+                "This model is already generating: a stream on it (stream_generate or a chat "
+                "turn) has started and not finished. Finish or close it (gen.close()) first, "
+                "or bind a second model for two at once (LoadedModel.bind: its own KV cache)."
+            )
         sampler = None
         if args["temp"] > 0:
             # rank 0's seed on every rank of a sharded model (docs/design.md, failure class 14)
             seed = distributed.agree(args["seed"] if args["seed"] is not None else random_seed())
             sampler = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, seed)
-        max_tokens = args["max_tokens"]
         detok = self.tokenizer.detokenizer
         detok.reset()
         eos = self.eos_ids
-        for step in generate_steps(
-            self.ctx,
-            self.method,
-            tokens,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            eos_ids=eos,
-        ):
-            for t in step.tokens:
-                if t not in eos:
-                    detok.add_token(t)
-            if step.finish_reason is not None:
-                detok.finalize()
-            yield Chunk(detok.last_segment, step.tokens, step.stats, step.finish_reason)
+        self._active = mine = object()
+        try:
+            for step in generate_steps(
+                self.ctx,
+                self.method,
+                tokens,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                eos_ids=eos,
+                should_stop=should_stop,
+                prefill_step=self.prefill_step,
+            ):
+                for t in step.tokens:
+                    if t not in eos:
+                        detok.add_token(t)
+                if step.finish_reason is not None:
+                    detok.finalize()
+                yield Chunk(detok.last_segment, step.tokens, step.stats, step.finish_reason)
+        finally:
+            if self._active is mine:
+                self._active = None
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Result:
         """Generate to the end; same arguments as :meth:`stream_generate`.
@@ -275,7 +348,18 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
 
     def send(self, text: str, **kwargs: Any) -> Iterator[Chunk]:
-        """Stream the assistant's answer to one user message."""
+        """Stream the assistant's answer to one user message.
+
+        A turn that fails (an error raised while encoding or generating)
+        leaves the history as it was before it, so the session goes on; after
+        a failure during generation the KV cache is dropped too (the next
+        turn prefills the history again). A turn the caller stops early
+        (``close()``, Ctrl-C) keeps the partial answer.
+
+        Raises:
+            InvalidArgumentError, ContextLengthError, ModelBusyError, ...:
+                see :meth:`MTPModel.stream_generate`.
+        """
         if not isinstance(text, str):
             raise InvalidArgumentError(f"A chat message must be a string, got {text!r}.")
         if not text.strip():
@@ -284,14 +368,22 @@ class ChatSession:
         # check the arguments before the history changes
         limits = {k: v for k, v in kwargs.items() if k in GENERATION_ARGS}
         check_generation_args(**{"max_tokens": 256, "temp": 0.0, **limits})
+        before = len(self.messages)
         self.messages.append({"role": "user", "content": text})
-        answer = []
+        answer: list[str] = []
         try:
             for chunk in self.model.stream_generate(list(self.messages), **kwargs):
                 answer.append(chunk.text)
                 yield chunk
-        finally:
+        except Exception as e:
+            del self.messages[before:]
+            if answer or not isinstance(e, (InvalidArgumentError, ModelBusyError)):
+                self.model.engine.reset()  # a failure mid-generation: trust no cache
+            raise
+        except BaseException:  # stopped by the caller (GeneratorExit, Ctrl-C)
             self.messages.append({"role": "assistant", "content": "".join(answer)})
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(answer)})
 
 
 def load(
@@ -340,7 +432,7 @@ def load(
 
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
-STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template")
+STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")
 
 
 def check_keywords(kwargs: dict[str, Any]) -> None:

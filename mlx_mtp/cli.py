@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from . import commands, distributed, load
-from .errors import MTPError
+from .errors import InvalidArgumentError, MTPError
 from .loading import ALIASES, cache_home, cached_models
 from .methods import DESCRIPTIONS, available_methods
 from .validation import LIMITS, check_generation_args, typer_range
@@ -55,7 +55,9 @@ BC = typer.Option(
     help="probe/hybrid: block complexity (tokens per forward), e.g. 10/30/60, or 'auto' "
     "(each step keeps the draft nodes worth their cost on this device).",
 )
-MASKS = typer.Option(None, "--masks", help="probe: mask slots per node (1 or 2).")
+MASKS = typer.Option(
+    None, "--masks", help="probe/hybrid: mask slots per node (probe 1-3, hybrid 0-3)."
+)
 TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e.g. '14'.")
 K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
 TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
@@ -181,6 +183,7 @@ def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callabl
 
 
 def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=False):
+    check_choices(method, options, dtype)
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
     m = load(
@@ -195,6 +198,22 @@ def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=F
     if where:
         typer.echo(f"sharded: {distributed.sharding(m.model)} parallel{where}", err=True)
     return m
+
+
+def check_choices(method: str, options: dict, dtype: str | None) -> None:
+    """Check the method, its options and the dtype before anything is loaded.
+
+    Raises:
+        UnknownMethodError, InvalidArgumentError: naming the bad choice.
+    """
+    from .loading import DTYPES
+    from .methods import make_method
+
+    make_method(method, **options)
+    if dtype is not None and dtype not in (*DTYPES, "auto"):
+        raise InvalidArgumentError(
+            f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto."
+        )
 
 
 @app.command()
@@ -218,12 +237,28 @@ def generate(
     last = None
     check_generation_args(**sampling)  # before the slow load
     m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
-    for chunk in m.stream_generate(prompt, **sampling, chat_template=not raw):
-        typer.echo(chunk.text, nl=False)
-        last = chunk
+    try:
+        for chunk in m.stream_generate(prompt, **sampling, chat_template=not raw):
+            typer.echo(chunk.text, nl=False)
+            last = chunk
+    except KeyboardInterrupt:
+        n = last.stats.generated_tokens if last is not None else 0
+        typer.echo("")
+        if last is not None:
+            typer.echo(last.stats.summary(), err=True)
+        typer.echo(f"interrupted after {n} new tokens: the answer above is cut short.", err=True)
+        raise
     typer.echo("")
     if last is not None:
         typer.echo(last.stats.summary(), err=True)
+
+
+#: chat's own commands and what they do (``/help`` lists them)
+CHAT_COMMANDS = {
+    "/help": "show these commands",
+    "/reset": "start a new conversation (forget the history)",
+    "/quit": "leave (also /exit or Ctrl-D)",
+}
 
 
 @app.command()
@@ -236,42 +271,94 @@ def chat(
     sampling: dict,
     options: dict,
 ):
-    """Interactive multi-turn chat (KV cache reused across turns). /reset clears, /quit exits."""
+    """Interactive multi-turn chat (KV cache reused across turns). /help lists the commands."""
     check_generation_args(**sampling)  # before the slow load
     m = _load(**load, options=options, pipeline=pipeline, thinking=thinking)
     session = m.chat()
-    typer.echo("Type a message (/reset to start over, /quit or Ctrl-D to exit).", err=True)
+    _line_editing()
+    typer.echo("Type a message (/help for commands, /quit or Ctrl-D to exit).", err=True)
     while True:
-        # rank 0 reads the line; every rank of a sharded model gets it
+        # rank 0 reads the line; every rank of a sharded model gets it (Ctrl-C too)
         line = distributed.agree(_read_line() if distributed.is_main() else None)
+        if line == CTRL_C:
+            raise KeyboardInterrupt
         if line is None:
             typer.echo("")
             return
-        if line.strip() in ("/quit", "/exit"):
-            return
-        if line.strip() == "/reset":
-            session = m.chat()
+        text = line.strip()
+        if not text:
             continue
-        if not line.strip():
+        if text.startswith("/") and not text.startswith("//"):
+            word = text.split()[0]
+            if word in ("/quit", "/exit"):
+                return
+            if word == "/reset":
+                session = m.chat()
+                typer.echo("(new conversation)", err=True)
+            elif word == "/help":
+                for name, what in CHAT_COMMANDS.items():
+                    typer.echo(f"  {name:8s} {what}", err=True)
+                typer.echo("  a line starting with // is sent with one / removed", err=True)
+            else:
+                typer.echo(f"unknown command {word}; /help lists the commands.", err=True)
             continue
-        last = None
-        try:
-            for chunk in session.send(line, **sampling):
-                typer.echo(chunk.text, nl=False)
-                last = chunk
-        except KeyboardInterrupt:
-            typer.echo("\n(interrupted)", err=True)
+        if text.startswith("//"):
+            line = line.replace("//", "/", 1)
+        _chat_turn(session, line, sampling)
+
+
+def _chat_turn(session: Any, line: str, sampling: dict) -> None:
+    """One chat turn: the answer on stdout, the stats (or what went wrong) on
+    stderr on a line of its own; a failed turn leaves the session as it was."""
+    last, wrote = None, False
+    try:
+        for chunk in session.send(line, **sampling):
+            typer.echo(chunk.text, nl=False)
+            wrote = wrote or bool(chunk.text)
+            last = chunk
+    except KeyboardInterrupt:
         typer.echo("")
-        if last is not None:
-            typer.echo(last.stats.summary(), err=True)
+        typer.echo("(interrupted; the partial answer stays in the conversation)", err=True)
+        return
+    except Exception as e:  # the session outlives any one turn (MLX raises RuntimeError)
+        if wrote:
+            typer.echo("")
+        what = str(e) if isinstance(e, (MTPError, OSError)) else f"{type(e).__name__}: {e}"
+        typer.echo(f"error: {what}", err=True)
+        typer.echo("(this turn was dropped; the conversation goes on)", err=True)
+        return
+    typer.echo("")
+    if last is not None:
+        typer.echo(last.stats.summary(), err=True)
 
 
-def _read_line() -> str | None:
-    """One line from the user, None at end of input or Ctrl-C."""
+def _line_editing() -> None:
+    """Arrow keys, line editing and history (this session's lines) for
+    ``input()``, where Python has ``readline`` and stdin is a terminal; and
+    bytes that are not UTF-8 read as lone surrogates (that turn is then
+    refused by name, the session goes on) instead of ending the session."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401  (importing it is what turns line editing on)
+    except ImportError:  # Windows without pyreadline: plain input
+        return
+
+
+#: what :func:`_read_line` returns for Ctrl-C at the prompt (the CLI then exits 130)
+CTRL_C = ("ctrl-c",)
+
+
+def _read_line() -> str | tuple | None:
+    """One line from the user, None at end of input, :data:`CTRL_C` for Ctrl-C."""
     try:
         return input(">> ")
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:
         return None
+    except KeyboardInterrupt:
+        return CTRL_C
 
 
 @app.command()
@@ -324,11 +411,12 @@ def main() -> None:
     Exit status 2 with one line on stderr for bad input: usage errors (unknown
     flag, missing or unparsable value, out-of-range value: click prints the
     usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
-    Never a traceback for either."""
+    Never a traceback for either. Exit status 130 on Ctrl-C (SIGINT), whatever
+    the command was doing (loading, generating, converting, serving)."""
     if not distributed.is_main():
         _quiet_rank()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except (MTPError, OSError) as e:  # OSError: an --out/--data path that cannot be used
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -339,6 +427,10 @@ def main() -> None:
             sys.exit(130)
         e.show()  # type: ignore[attr-defined]
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
+    # typer turns Ctrl-C (KeyboardInterrupt) into the return value 130, and a
+    # typer.Exit(code) into its code
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        sys.exit(code)
 
 
 def _quiet_rank() -> None:

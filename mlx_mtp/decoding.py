@@ -13,7 +13,7 @@ MLX's buffer cache every 256 tokens, and prefills in steps of 2048
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,7 +21,7 @@ from mlx_lm.generate import wired_limit
 
 from .context import Context
 from .costs import device_curves
-from .engine import Engine
+from .engine import PREFILL_STEP, Engine
 from .errors import InvalidArgumentError
 from .methods.base import DraftMethod, Method
 from .planner import Planner
@@ -61,6 +61,13 @@ class GenerationStats:
     plain_steps: int = 0
     #: re-probes after plain mode
     reprobes: int = 0
+    #: times ``auto`` entered plain mode because no draft paid for its slots
+    plain_spells: int = 0
+    #: the cost curve's ``c(8)`` (an 8-slot pass in one-slot passes: a small
+    #: draft tree) the planner last planned with; 0 without ``auto``
+    cost_8: float = 0.0
+    #: the largest forward pass sent (slots per pass of one step)
+    max_slots: int = 0
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -92,16 +99,29 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
-        """One human-readable stats line."""
-        return (
+        """A human-readable stats line; where the planner ran one-token steps
+        instead of drafts, a second line says how many and why."""
+        line = (
             f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
-            f"tau {self.tau:.2f} (BC {self.block_complexity}, "
-            f"{self.slots_per_forward:.1f} slots/forward), "
+            f"tau {self.tau:.2f} ({self.slots_per_forward:.1f} slots/forward, largest pass "
+            f"{self.max_slots} of BC {self.block_complexity}), "
             f"drafted {self.drafted} / accepted {self.accepted}, "
             f"{self.forward_passes} forwards, host {self.host_ms_per_step:.2f} ms/step, "
             f"prefill {self.prefill_tokens} tok "
             f"@ {self.prefill_tps:.0f} tok/s, peak {self.peak_memory_gb:.2f} GB"
         )
+        if not self.plain_steps:
+            return line
+        plain = f"{self.plain_steps} of {self.steps} steps were plain one-token steps"
+        if self.plain_spells:
+            why = (
+                f"auto kept to them {self.plain_spells} time(s) because no draft's expected "
+                "tokens paid for its slots on this device (an 8-slot pass costs "
+                f"{self.cost_8:.2f} 1-slot passes here), re-probing {self.reprobes} time(s)"
+            )
+        else:
+            why = "the method had nothing to draft at those steps"
+        return f"{line}\n[{self.method}] {plain}: {why}"
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "accept_lengths"}
@@ -132,8 +152,9 @@ class Step:
     """One yield of :func:`generate_steps`: the tokens committed by one decoding
     step (after EOS / max_tokens cuts), and the stats so far.
 
-    ``finish_reason`` is None while generating, then ``"stop"`` (EOS) or
-    ``"length"`` (max_tokens)."""
+    ``finish_reason`` is None while generating, then ``"stop"`` (EOS),
+    ``"length"`` (max_tokens) or ``"cancelled"`` (``should_stop``; that last
+    step has no tokens)."""
 
     tokens: list[int]
     stats: GenerationStats
@@ -148,6 +169,8 @@ def generate_steps(
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     eos_ids: set[int] | frozenset[int] = frozenset(),
+    should_stop: Callable[[], bool] | None = None,
+    prefill_step: int = PREFILL_STEP,
 ) -> Iterator[Step]:
     """Decode with ``method`` after ``prompt`` and yield each step's tokens.
 
@@ -161,6 +184,11 @@ def generate_steps(
         sampler: None for greedy, else an mlx-lm sampler.
         eos_ids: tokens that end generation; an EOS is emitted and nothing
             after it.
+        should_stop: asked before each prefill chunk and each decoding step
+            (between forward passes); True ends the generation with a last
+            step of no tokens and ``finish_reason`` ``"cancelled"`` (a
+            prefill stopped early leaves its prefix in the cache).
+        prefill_step: prompt tokens per prefill forward pass.
 
     Raises:
         InvalidArgumentError: empty prompt or max_tokens <= 0.
@@ -189,8 +217,11 @@ def generate_steps(
     wired.__enter__()
     try:
         t0 = clock.now()
-        stats.prefill_tokens = engine.sync(prompt[:-1])
+        stats.prefill_tokens = engine.sync(prompt[:-1], prefill_step, should_stop)
         stats.prefill_time = clock.now() - t0
+        if engine.offset != len(prompt) - 1:  # should_stop during the prefill
+            yield Step([], stats, "cancelled")
+            return
         if isinstance(method, DraftMethod):
             curves = ctx.curves
             if method.auto and curves is None:
@@ -202,9 +233,13 @@ def generate_steps(
         cleared = 0
         t0 = clock.now()
         while finish is None:
+            if should_stop is not None and should_stop():
+                yield Step([], stats, "cancelled")
+                return
             if n - cleared >= CLEAR_CACHE_EVERY:
                 mx.clear_cache()
                 cleared = n
+            slots0 = engine.forward_slots
             out = planner.step(root) if planner is not None else method.step(ctx, root)
             tokens = out.tokens[: max_tokens - n]
             for i, t in enumerate(tokens):
@@ -224,8 +259,13 @@ def generate_steps(
             stats.forward_time = engine.forward_seconds - f0
             stats.slots = engine.forward_slots - s0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            passes = max(out.forwards, 1)
+            stats.max_slots = max(stats.max_slots, -(-(engine.forward_slots - slots0) // passes))
             if planner is not None:
                 stats.plain_steps, stats.reprobes = planner.plain_steps, planner.reprobes
+                stats.plain_spells = planner.plain_spells
+                if planner.curve is not None:
+                    stats.cost_8 = planner.curve(8)
             root = tokens[-1]
             yield Step(tokens, stats, finish)
     finally:

@@ -11,7 +11,7 @@ and :meth:`Engine.trim_to` themselves.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -217,15 +217,27 @@ class Engine:
             rb.rewind(self.cache, n - rb.start)
         del self.cached[n:]
 
-    def sync(self, tokens: list[int], chunk: int = PREFILL_STEP) -> int:
+    def sync(
+        self,
+        tokens: list[int],
+        chunk: int = PREFILL_STEP,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> int:
         """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
 
         The rest is processed ``chunk`` tokens per forward pass (mlx-lm's
         prefill step, 2048), each chunk evaluated and MLX's buffer cache
         cleared after it, as mlx-lm's ``generate_step`` does.
 
+        Args:
+            tokens: the token ids the cache must hold.
+            chunk: prompt tokens per forward pass (>= 1).
+            should_stop: asked before each chunk; True stops there, leaving
+                the cache holding a prefix of ``tokens`` (``offset`` tells
+                how much).
+
         Returns:
-            The number of tokens that had to be processed (prefill length).
+            The number of tokens processed (prefill length).
         """
         self.settle()
         self._tree_rows = None
@@ -244,7 +256,11 @@ class Engine:
         self.last_prefill = len(rest)
         if self.rollback is not None:
             self.rollback.disarm()  # raw prefill passes below are not verify passes
+        chunk = max(int(chunk), 1)
         for i in range(0, len(rest), chunk):
+            if should_stop is not None and should_stop():
+                self.last_prefill = i
+                return i
             piece = rest[i : i + chunk]
             (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])

@@ -34,3 +34,14 @@ class CheckpointMismatchError(MTPError):
 
 class InvalidArgumentError(MTPError, ValueError):
     """A bad argument: empty prompt, max_tokens <= 0, out-of-range option."""
+
+
+class ContextLengthError(InvalidArgumentError):
+    """A prompt (with the new tokens asked for) longer than the model's context
+    (``max_position_embeddings``); raised before the prompt is prefilled."""
+
+
+class ModelBusyError(MTPError):
+    """A second generation started on an :class:`~mlx_mtp.api.MTPModel` whose
+    previous stream has not finished (one KV cache serves one generation at a
+    time)."""

@@ -323,6 +323,8 @@ class Planner:
         plain_steps: one-token steps run instead of a draft so far (plain
             mode, and a step whose offer had nothing to send).
         reprobes: re-probes after plain mode so far.
+        plain_spells: times plain mode began because no prefix of an offer
+            paid for its slots.
     """
 
     def __init__(
@@ -342,7 +344,7 @@ class Planner:
         # what the method's begin() may read (lookahead's window)
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
         self.plain = PlainSteps(sampler)
-        self.plain_left = self.plain_steps = self.reprobes = 0
+        self.plain_left = self.plain_steps = self.reprobes = self.plain_spells = 0
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
         # the whole step (docs/budget.md): the host work of this method's draft
@@ -464,6 +466,7 @@ class Planner:
         elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
             return self._send(offer, items, n, forced=False)
         self.plain_left = plain_interval(self.curve, slots, host, plain)
+        self.plain_spells += 1
         return self._plain(root, queue_next=True, offer=offer)
 
     @staticmethod

@@ -1,21 +1,28 @@
 """``mlx-mtp serve``: the OpenAI-compatible server, checked with the real
 ``openai`` client against a server on a free loopback port in this process
 (SmolLM2-135M float32, a few tokens per request). Raw HTTP (malformed bodies,
-disconnects) goes through the standard library's ``http.client``."""
+abusive requests, browser-style requests, disconnects) goes through the
+standard library's ``http.client``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import http.client
 import json
+import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai  # the dev extra installs it, with starlette and uvicorn (a missing one fails)
 import pytest
 
-from mlx_mtp.server.protocol import OpenAIError, StopCutter, parse_request
+from mlx_mtp.server.protocol import OpenAIError, StopCutter, parse_json, parse_request
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
@@ -23,31 +30,48 @@ QUEUE = 2
 N = 12  # new tokens per request
 
 
-@pytest.fixture(scope="module")
-def server():
-    """(base_url, worker): a server with the embedded model, default method ntp,
-    an API key and a queue of QUEUE, on 127.0.0.1 at a free port."""
-    from mlx_mtp.server import Worker, make_server
+@contextlib.contextmanager
+def serving(worker, **kw) -> Iterator[tuple[str, object]]:
+    """Serve ``worker`` on 127.0.0.1 at a free port from a thread: yields
+    (base_url, the uvicorn server); ``kw`` goes to ``make_server``."""
+    from mlx_mtp.server import make_server
+    from mlx_mtp.server.app import bind_socket
 
-    worker = Worker(MODEL, "ntp", dtype="float32", max_tokens=N, queue_size=QUEUE)
-    worker.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", _free_port())
     port = sock.getsockname()[1]
-    srv = make_server(worker, "127.0.0.1", port, api_key=KEY, log_level="warning")
+    srv = make_server(worker, "127.0.0.1", port, log_level="warning", **kw)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
-    worker.http = srv  # for the tests that look at open connections
-    yield f"http://127.0.0.1:{port}", worker
-    srv.should_exit = True
-    thread.join(15)
+    try:
+        yield f"http://127.0.0.1:{port}", srv
+    finally:
+        srv.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(base_url, worker): a server with the embedded model, default method ntp,
+    an API key and a queue of QUEUE, on 127.0.0.1 at a free port."""
+    from mlx_mtp.server import Worker
+
+    worker = Worker(MODEL, "ntp", dtype="float32", max_tokens=N, queue_size=QUEUE)
+    worker.start()
+    with serving(worker, api_key=KEY) as (base, srv):
+        worker.http = srv  # for the tests that look at open connections
+        yield base, worker
     worker.stop()
-    sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +107,13 @@ def send(base, method, path, body=None, headers=None, key=KEY) -> http.client.HT
     if key:
         hdrs["Authorization"] = f"Bearer {key}"
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers=hdrs)
+    skip_host = "Host" in hdrs
+    conn.putrequest(method, path, skip_host=skip_host, skip_accept_encoding=True)
+    for k, v in hdrs.items():
+        if v is not None:  # None: leave the header out
+            conn.putheader(k, v)
+    conn.putheader("Content-Length", str(len(data or b"")))
+    conn.endheaders(data)
     return conn
 
 
@@ -93,7 +123,10 @@ def raw(base, method, path, body=None, headers=None, key=KEY):
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
-    return resp.status, resp.headers, json.loads(payload) if payload else None
+    try:
+        return resp.status, resp.headers, json.loads(payload) if payload else None
+    except ValueError:  # not JSON: h11's own answer to a malformed request
+        return resp.status, resp.headers, {"raw": payload}
 
 
 def wait_idle(worker, timeout=60.0) -> float:
@@ -170,9 +203,9 @@ def test_is_loopback_and_other_hosts_warn(monkeypatch, capsys):
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
-    # the warning comes before anything is loaded or bound (the model is missing here)
-    argv = ["mlx-mtp", "serve", "--host", "0.0.0.0", "--model", "/no/such/model"]
-    monkeypatch.setattr(sys, "argv", argv)
+    # the warning comes before anything is loaded (the model is missing here)
+    argv = ["mlx-mtp", "serve", "--host", "0.0.0.0", "--port", str(_free_port())]
+    monkeypatch.setattr(sys, "argv", [*argv, "--model", "/no/such/model"])
     with pytest.raises(SystemExit) as e:
         cli.main()
     err = capsys.readouterr().err
@@ -180,16 +213,68 @@ def test_is_loopback_and_other_hosts_warn(monkeypatch, capsys):
     assert "No such model" in err
 
 
+def test_unknown_fields_are_refused_and_top_k_min_p_honoured():
+    ok = {"model": MODEL, "messages": Q}
+    r = parse_request(dict(ok, top_k=5, min_p=0.1, user="u1", metadata={"a": "b"}), "chat")
+    assert (r.top_k, r.min_p) == (5, 0.1)
+    for field in ("colour", "repetition_penalty", "best_of", "echo"):  # chat has no best_of/echo
+        with pytest.raises(OpenAIError) as e:
+            parse_request(dict(ok, **{field: 1}), "chat")
+        assert e.value.code == "unknown_field" and e.value.param == field
+    comp = {"model": MODEL, "prompt": "hi"}
+    assert parse_request(dict(comp, best_of=1, echo=False), "completion").prompt == "hi"
+    with pytest.raises(OpenAIError, match="'messages'"):
+        parse_request(dict(comp, messages=Q), "completion")
+
+
+@pytest.mark.parametrize(
+    "raw_body",
+    [b"[" * 100_000, b'{"a":' * 100_000, b'{"model": NaN}', b'{"x": Infinity}', b"\xff\xfe"],
+    ids=["nested-lists", "nested-objects", "NaN", "Infinity", "not-utf8"],
+)
+def test_parse_json_refuses_what_is_not_json(raw_body):
+    with pytest.raises(OpenAIError) as e:
+        parse_json(raw_body)
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
 # ------------------------------------------------------------------ end to end
 def test_models_and_health(server, client):
+    base, worker = server
     assert [m.id for m in client.models.list().data] == [MODEL]
-    status, _, body = raw(server[0], "GET", "/health", key=None)
+    # with a key set, /health tells a client without it only whether it is alive
+    status, _, body = raw(base, "GET", "/health", key=None)
+    assert status == 200 and body == {"status": "ok"}
+    status, _, body = raw(base, "GET", "/health", key="wrong")
+    assert status == 200 and body == {"status": "ok"}
+    status, _, body = raw(base, "GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["model"] == MODEL
-    assert raw(server[0], "GET", f"/v1/models/{MODEL}")[2]["id"] == MODEL
-    status, _, body = raw(server[0], "GET", "/v1/models/gpt-4o")
+    assert body["limits"]["max_slots_per_forward"] == worker.limits.slots
+    assert raw(base, "GET", f"/v1/models/{MODEL}")[2]["id"] == MODEL
+    status, _, body = raw(base, "GET", "/v1/models/gpt-4o")
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    status, _, body = raw(server[0], "POST", "/v1/completions", b"x" * (9 << 20))
-    assert status == 413 and "error" in body
+
+
+def test_worker_events_are_typed(server):
+    from mlx_mtp.server.events import Delta, Done, Started, Taken
+    from mlx_mtp.server.worker import Job
+
+    _, worker = server
+    wait_idle(worker)
+    events: list = []
+    req = parse_request({"model": MODEL, "messages": Q, "max_tokens": 4}, "chat")
+    job = Job(req, emit=events.append)
+    worker.submit(job)
+    deadline = time.time() + 120
+    while job.finished is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    kinds = [type(e) for e in events]
+    assert kinds[:2] == [Taken, Started] and kinds[-1] is Done
+    assert set(kinds[2:-1]) == {Delta} and "".join(e.text for e in events[2:-1])
+    done = events[-1]
+    assert done.finish_reason == "length" and done.usage["completion_tokens"] == 4
+    assert done.mtp["max_slots"] == 1 and done.mtp["plain_steps"] == 0
 
 
 def test_chat_equals_generate(client, ref):
@@ -291,42 +376,305 @@ def test_api_key(server):
         bad.chat.completions.create(model=MODEL, messages=Q, max_tokens=2)
 
 
-def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server, client, ref):
-    base = server[0]
-    msg = {"model": MODEL, "messages": Q, "max_tokens": 2}
-    cases = [
-        (b"{not json", 400, "invalid_json"),
-        (b"[1, 2]", 400, "invalid_json"),
-        (dict(msg, model="gpt-4o"), 404, "model_not_found"),
-        (dict(msg, n=3), 400, None),
-        (dict(msg, temperature=-1), 400, None),
-        (dict(msg, max_tokens=0), 400, None),
-        (dict(msg, max_tokens=10**7), 400, "context_length_exceeded"),
-        (
-            dict(msg, messages=[{"role": "user", "content": "word " * 9000}]),
-            400,
-            "context_length_exceeded",
-        ),
-        (dict(msg, mtp={"method": "no-such-method"}), 400, None),
-        (dict(msg, mtp={"method": "pld", "window": 0}), 400, None),
-        (dict(msg, mtp={"method": "pld", "colour": "red"}), 400, None),
-        (dict(msg, stop=[""]), 400, None),
-    ]
-    for body, status, code in cases:
-        got, _, err = raw(base, "POST", "/v1/chat/completions", body)
-        assert got == status, (body if isinstance(body, bytes) else str(body)[:80], err)
-        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
-        if code:
-            assert err["error"]["code"] == code
-    got, _, err = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": ""})
-    assert got == 400 and err["error"]["param"] == "prompt"
-    got, _, err = raw(base, "GET", "/v1/nothing-here")
-    assert got == 404 and "error" in err
+M = {"model": MODEL, "messages": Q, "max_tokens": 2}
+WORDS = [{"role": "user", "content": "word " * 9000}]
+
+
+def mtp(**options):
+    return dict(M, mtp=options)
+
+
+AA, HA, OA = "artifact_not_allowed", "host_not_allowed", "origin_not_allowed"
+CHAT = "/v1/chat/completions"
+EVIL = {"Origin": "http://evil.example"}
+PREFLIGHT = "Access-Control-Request-Method"
+
+#: (label, method, path, body, extra headers, expected status, expected code or None):
+#: every one answered with an OpenAI-shaped JSON error, and the server healthy after it
+ABUSE: list[tuple] = [
+    # bodies that are not a request
+    ("not json", b"{not json", 400, "invalid_json"),
+    ("a json list", b"[1, 2]", 400, "invalid_json"),
+    ("100k nested [", b"[" * 100_000, 400, "invalid_json"),
+    ("100k nested {", b'{"a":' * 100_000, 400, "invalid_json"),
+    ("NaN", b'{"model": "smollm2-135m", "temperature": NaN}', 400, "invalid_json"),
+    ("not utf-8", b'{"model": "\xff\xfe"}', 400, "invalid_json"),
+    ("over 8 MB", b"x" * (9 << 20), 413, None),
+    ("text/plain", M, {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+    ("form", M, {"Content-Type": "application/x-www-form-urlencoded"}, 415, None),
+    ("no content type", M, {"Content-Type": None}, 415, "unsupported_media_type"),
+    # fields
+    ("unknown model", dict(M, model="gpt-4o"), 404, "model_not_found"),
+    ("unknown field", dict(M, colour="red"), 400, "unknown_field"),
+    ("repetition_penalty", dict(M, repetition_penalty=1.1), 400, "unknown_field"),
+    ("stream_options extra", dict(M, stream=True, stream_options={"x": 1}), 400, None),
+    ("n=3", dict(M, n=3), 400, None),
+    ("tools", dict(M, tools=[{"type": "function"}]), 400, None),
+    ("tool_choice", dict(M, tool_choice="auto"), 400, None),
+    ("logprobs", dict(M, logprobs=True), 400, None),
+    ("top_logprobs", dict(M, top_logprobs=3), 400, None),
+    ("empty messages", dict(M, messages=[]), 400, None),
+    ("message not an object", dict(M, messages=["hi"]), 400, None),
+    ("empty stop", dict(M, stop=[""]), 400, None),
+    ("17 stop strings", dict(M, stop=[f"s{i}" for i in range(17)]), 400, None),
+    ("temperature -1", dict(M, temperature=-1), 400, None),
+    ("top_p 2", dict(M, top_p=2), 400, None),
+    ("top_k -1", dict(M, top_k=-1), 400, None),
+    ("min_p 2", dict(M, min_p=2), 400, None),
+    ("seed -1", dict(M, seed=-1), 400, None),
+    ("seed 2**64", dict(M, seed=2**64), 400, None),
+    ("max_tokens 0", dict(M, max_tokens=0), 400, None),
+    ("max_tokens 1.5", dict(M, max_tokens=1.5), 400, None),
+    ("max_tokens true", dict(M, max_tokens=True), 400, None),
+    ("max_tokens 1e400", b'{"model": "smollm2-135m", "max_tokens": 1e400}', 400, None),
+    ("max_tokens 10**7", dict(M, max_tokens=10**7), 400, "max_tokens_limit"),
+    ("prompt over the context", dict(M, messages=WORDS), 400, "context_length_exceeded"),
+    (
+        "prompt + max_tokens over the context",
+        dict(M, max_tokens=4000, messages=[{"role": "user", "content": "word " * 5000}]),
+        400,
+        "context_length_exceeded",
+    ),
+    ("token ids outside the vocabulary", None, 400, None),  # /v1/completions, below
+    # methods and their options
+    ("unknown method", mtp(method="no-such-method"), 400, None),
+    ("probe bc 7000", mtp(method="probe", bc=7000), 400, "bc_limit"),
+    ("probe max_bc 7000", mtp(method="probe", bc="auto", max_bc=7000), 400, "bc_limit"),
+    ("hybrid bc 100", mtp(method="hybrid", bc=100), 400, "bc_limit"),
+    ("pld max_draft 500", mtp(method="pld", max_draft=500), 400, "bc_limit"),
+    ("lookahead 16/64/64", mtp(method="lookahead", level=16, window=64, guess=64), 400, "bc_limit"),
+    ("probe masks 9", mtp(method="probe", masks=9), 400, None),
+    ("probe bc abc", mtp(method="probe", bc="abc"), 400, None),
+    ("pld window 0", mtp(method="pld", window=0), 400, None),
+    ("option an object", mtp(method="pld", window={"a": 1}), 400, None),
+    ("option null", mtp(method="pld", window=None), 400, None),
+    ("options without a method", dict(M, mtp={"bc": 3}), 400, None),
+    # files and hub repos named by a request
+    ("clp heads /etc/shadow", mtp(method="clp", heads="/etc/shadow"), 400, AA),
+    ("clp heads a repo", mtp(method="clp", heads="org/name"), 400, AA),
+    ("confadapt adapter /etc", mtp(method="confadapt", adapter="/etc"), 400, AA),
+    ("hybrid heads /etc/shadow", mtp(method="hybrid", heads="/etc/shadow"), 400, AA),
+    ("mtp heads .", mtp(method="mtp", heads="."), 400, AA),
+    ("mtp heads missing", mtp(method="mtp", heads="/no/such/dir"), 400, AA),
+    # routes
+    ("GET on a POST route", "GET", "/v1/chat/completions", None, 405, None),
+    ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
+    ("POST on /health", "POST", "/health", b"{}", 405, None),
+]  # fmt: skip
+#: an option no method takes, for every method: refused by name (never ignored)
+ABUSE += [(f"{name} colour", mtp(method=name, colour="red"), 400, None) for name in
+          ("ntp", "pld", "probe", "clp", "confadapt", "lookahead", "hybrid", "mtp")]  # fmt: skip
+
+
+def _abuse_case(case: tuple) -> tuple[str, str, object, dict, int, str | None]:
+    """(method, path, body, headers, status, code) of an ABUSE row."""
+    label, *rest = case
+    if label == "token ids outside the vocabulary":
+        body = {"model": MODEL, "prompt": [1, 2, 10**9], "max_tokens": 2}
+        return "POST", "/v1/completions", body, {}, 400, None
+    if len(rest) == 5:
+        return rest[0], rest[1], rest[2], {}, rest[3], rest[4]
+    if len(rest) == 4:
+        body, headers, status, code = rest
+        return "POST", "/v1/chat/completions", body, headers, status, code
+    body, status, code = rest
+    return "POST", "/v1/chat/completions", body, {}, status, code
+
+
+def assert_healthy(base, worker) -> None:
+    wait_idle(worker)
+    status, _, body = raw(base, "GET", "/health")
+    assert status == 200 and body["status"] == "ok" and not body["busy"], body
+    assert worker.alive
+
+
+@pytest.mark.parametrize("case", ABUSE, ids=[c[0] for c in ABUSE])
+def test_abusive_requests_get_json_errors_and_the_server_stays_healthy(server, case):
+    base, worker = server
+    method, path, body, headers, status, code = _abuse_case(case)
+    t0 = time.perf_counter()
+    got, _, err = raw(base, method, path, body, headers)
+    took = time.perf_counter() - t0
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    if code:
+        assert err["error"]["code"] == code, err
+    assert took < 60, took  # refused up front, not after a long run
+    assert_healthy(base, worker)
+
+
+def test_after_the_abuse_the_server_answers_correctly(server, client, ref):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=Q, n=2)
-    # still serving, and correctly
     r = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=N, temperature=0)
     assert r.choices[0].message.content == ref(Q).text
+    r = client.chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=6, temperature=0.8, top_p=0.9, seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05},
+    )  # fmt: skip
+    want = ref(Q, n=6, sampling={"temp": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 3})
+    assert r.choices[0].message.content == want.text
+
+
+def test_refused_paths_say_the_same_whether_they_exist_or_not(server):
+    base, _ = server
+    messages = set()
+    for path in ("/etc/shadow", "/etc", "/no/such/path", "/root", "org/name"):
+        _, _, err = raw(base, "POST", "/v1/chat/completions", mtp(method="clp", heads=path))
+        messages.add(err["error"]["message"])
+    assert len(messages) == 1 and "/etc" not in messages.pop()
+
+
+# ------------------------------------------------------------- browser safety
+BROWSER: list[tuple[str, str, str, dict, int, str | None]] = [
+    ("DNS rebinding: another Host", "GET", "/v1/models", {"Host": "evil.example:8080"}, 400, HA),
+    ("another Host on a POST", "POST", CHAT, {"Host": "evil.example"}, 400, HA),
+    ("no Host (refused by the HTTP parser)", "GET", "/v1/models", {"Host": None}, 400, None),
+    ("cross-origin text/plain POST", "POST", CHAT, {**EVIL, "Content-Type": "text/plain"}, 403, OA),
+    ("cross-origin JSON POST", "POST", CHAT, EVIL, 403, OA),
+    ("cross-origin GET", "GET", "/v1/models", {"Origin": "https://evil.example"}, 403, OA),
+    ("cross-origin preflight", "OPTIONS", CHAT, {**EVIL, PREFLIGHT: "POST"}, 403, OA),
+    ("null origin (sandboxed page)", "POST", CHAT, {"Origin": "null"}, 403, OA),
+    ("a localhost page", "GET", "/v1/models", {"Origin": "http://localhost:3000"}, 403, OA),
+    ("Host localhost", "GET", "/v1/models", {"Host": "localhost:1"}, 200, None),
+    ("Host [::1]", "GET", "/v1/models", {"Host": "[::1]:1"}, 200, None),
+    ("Host 127.0.0.1.", "GET", "/v1/models", {"Host": "127.0.0.1."}, 200, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BROWSER, ids=[c[0] for c in BROWSER])
+def test_browser_style_requests_are_refused(server, case):
+    base, worker = server
+    _, method, path, headers, status, code = case
+    body = M if method == "POST" else None
+    got, hdrs, err = raw(base, method, path, body, headers)
+    assert got == status, err
+    if code:
+        assert err["error"]["code"] == code
+        assert "access-control-allow-origin" not in {k.lower() for k in hdrs}
+    assert_healthy(base, worker)
+
+
+def _asgi(app, method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """Call an ASGI app once (no body): (status, response headers)."""
+    scope = {
+        "type": "http", "method": method, "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+        "server": ("127.0.0.1", 8080), "client": ("127.0.0.1", 5000),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }  # fmt: skip
+    out: dict = {}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+
+    asyncio.run(app(scope, receive, send))
+    return out["status"], out["headers"]
+
+
+def test_allowed_origins_get_cors_and_others_do_not():
+    from starlette.responses import PlainTextResponse
+
+    from mlx_mtp.server.app import BrowserGuard
+
+    async def inner(scope, receive, send):
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    guard = BrowserGuard(inner, {"localhost", "127.0.0.1"}, ["http://localhost:3000"], False)
+    ok = {"Host": "127.0.0.1:8080", "Origin": "http://localhost:3000"}
+    status, h = _asgi(guard, "GET", "/v1/models", ok)
+    assert status == 200 and h["access-control-allow-origin"] == "http://localhost:3000"
+    status, h = _asgi(
+        guard, "OPTIONS", "/v1/chat/completions", {**ok, "Access-Control-Request-Method": "POST"}
+    )
+    assert status == 204 and "Authorization" in h["access-control-allow-headers"]
+    status, _ = _asgi(guard, "GET", "/v1/models", {**ok, "Origin": "http://localhost:4000"})
+    assert status == 403
+    status, _ = _asgi(guard, "GET", "/", {"Host": "10.0.0.5:8080"})
+    assert status == 400  # an IP literal only on a wildcard bind
+    wild = BrowserGuard(inner, {"localhost"}, ["*"], any_ip=True)
+    assert _asgi(wild, "GET", "/", {"Host": "10.0.0.5:8080", "Origin": "http://a.b"})[0] == 200
+    assert _asgi(wild, "GET", "/", {"Host": "rebind.example:8080"})[0] == 400
+
+
+# ------------------------------------------------------------------- limits
+def test_a_forward_pass_bound_below_the_bc_is_named(server, monkeypatch):
+    """A device on which a pass over 12 slots takes longer than --max-forward-s:
+    a request for more is refused naming that bound, fewer are served."""
+    base, worker = server
+    lim = worker.limits
+    monkeypatch.setattr(lim, "forward", dataclasses.replace(lim.forward, slots=12))
+    status, _, err = raw(base, "POST", "/v1/chat/completions", mtp(method="probe", bc=30))
+    assert status == 400 and err["error"]["code"] == "bc_limit"
+    assert "12 slots" in err["error"]["message"] and "--max-forward-s" in err["error"]["message"]
+    status, _, body = raw(base, "POST", "/v1/chat/completions", mtp(method="probe", bc=10))
+    assert status == 200 and body["mtp"]["max_slots"] <= 10
+
+
+def test_artifacts_inside_an_allowed_folder_pass(server, monkeypatch, tmp_path):
+    base, worker = server
+    root = tmp_path / "allowed"
+    (root / "heads").mkdir(parents=True)
+    (root / "escape").symlink_to("/etc")
+    monkeypatch.setattr(worker.limits, "allow_artifacts", (Path(os.path.realpath(root)),))
+    refused = [str(root / "escape"), "escape", "../../../etc", "/etc", "org/name", "missing"]
+    for value in refused:
+        _, _, err = raw(base, "POST", "/v1/chat/completions", mtp(method="mtp", heads=value))
+        assert err["error"]["code"] == "artifact_not_allowed", value
+    for value in (str(root / "heads"), "heads"):  # past the check: the method's own error
+        status, _, err = raw(base, "POST", "/v1/chat/completions", mtp(method="mtp", heads=value))
+        assert status == 400 and err["error"]["code"] != "artifact_not_allowed", err
+    assert_healthy(base, worker)
+
+
+def test_queue_timeout_answers_503_and_drops_the_job(server):
+    base, worker = server
+    with serving(worker, api_key=KEY, queue_timeout=1.0) as (quick, _):
+        conn, resp = _open_stream(base, LONG)  # keeps the worker busy
+        try:
+            before = worker.counts["cancelled"]
+            t0 = time.perf_counter()
+            status, headers, err = raw(quick, "POST", "/v1/chat/completions", M)
+            waited = time.perf_counter() - t0
+            assert status == 503 and err["error"]["code"] == "queue_timeout", err
+            assert 1.0 <= waited < 10 and int(headers["Retry-After"]) >= 1
+        finally:
+            resp.close()
+            conn.close()
+        deadline = time.time() + 60  # the stream and the expired job both end cancelled
+        while worker.counts["cancelled"] < before + 2:
+            assert time.time() < deadline, worker.counts
+            time.sleep(0.02)
+        assert worker.recent[-1].generated_tokens == 0  # the expired job never ran
+
+
+def test_a_cancel_during_a_long_prefill_frees_the_worker(server, ref):
+    """The client leaves while its long prompt is being prefilled: the worker
+    stops between prefill passes instead of prefilling all of it."""
+    base, worker = server
+    words = [{"role": "user", "content": "the cat sat on the mat. " * 700}]  # ~4900 tokens
+    m = worker._models[worker.default_key]
+    step = m.prefill_step
+    m.prefill_step = 64  # many passes, whatever the device's speed
+    try:
+        conn = send(base, "POST", "/v1/chat/completions", dict(M, messages=words, stream=True))
+        deadline = time.time() + 60
+        while worker.running is None:  # the worker has taken it: the prefill begins
+            assert time.time() < deadline
+            time.sleep(0.005)
+        conn.close()
+        wait_idle(worker, timeout=120)
+    finally:
+        m.prefill_step = step
+    job = worker.recent[-1]
+    assert job.status == "cancelled" and job.generated_tokens == 0
+    assert m.engine.offset < 4800  # stopped part way: the rest was never prefilled
+    assert_healthy(base, worker)
 
 
 def _open_stream(base, body):
@@ -393,6 +741,16 @@ def test_full_queue_gets_429_and_nothing_is_lost(server, ref):
         status, headers, err = raw(base, "POST", "/v1/chat/completions", dict(LONG, max_tokens=2))
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert err["error"]["type"] == "rate_limit_error"
+        # a request over a bound or with a bad setting is refused at once, not told to wait
+        for bad, code in (
+            (dict(M, max_tokens=10**7), "max_tokens_limit"),
+            (dict(M, temperature=-1), "invalid_argument_error"),
+            (mtp(method="probe", bc=7000), "bc_limit"),
+            (mtp(method="pld", colour=1), "invalid_argument_error"),
+            (mtp(method="clp", heads="/etc"), "artifact_not_allowed"),
+        ):
+            status, _, err = raw(base, "POST", "/v1/chat/completions", bad)
+            assert status == 400 and err["error"]["code"] == code, err
         leaver.close()
     finally:
         resp.close()
@@ -424,5 +782,5 @@ def test_method_models_are_bounded_and_keep_the_default(server, client, monkeypa
             temperature=0,
             extra_body={"mtp": {"method": "pld", "window": window}},
         )
-    loaded = raw(base, "GET", "/health", key=None)[2]["methods_loaded"]
+    loaded = raw(base, "GET", "/health")[2]["methods_loaded"]
     assert sorted(loaded) == ["ntp", "pld,window=3"], loaded

@@ -14,6 +14,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,31 @@ BENCH_CASES: list[tuple[list[str], str]] = [
 ]
 
 
+#: ``serve``: every choice checked, and nothing loaded, before the port is bound
+SERVE_CASES: list[tuple[list[str], str]] = [
+    (["--log-level", "loud"], "--log-level"),
+    (["--port", "0"], "--port"),
+    (["--port", "70000"], "--port"),
+    (["--host", "no-such-host.invalid"], "does not resolve"),
+    (["--queue-size", "0"], "--queue-size"),
+    (["--max-methods", "0"], "--max-methods"),
+    (["--queue-timeout", "0"], "--queue-timeout"),
+    (["--max-bc", "0"], "--max-bc"),
+    (["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    (["--max-forward-s", "0"], "--max-forward-s"),
+    (["--max-forward-s", "inf"], "--max-forward-s"),
+    (["--allow-artifacts", "/no/such/folder"], "--allow-artifacts"),
+    (["--max-bc", "50", "--method", "probe", "--bc", "60"], "--max-bc"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--min-p", "2"], "--min-p"),
+    (["--seed", "-1"], "--seed"),
+    (["--temp", "nan"], "--temp"),
+    (["--dtype", "float8"], "float8"),
+    (["--method", "nope"], "nope"),
+    (["--method", "pld", "--opt", "foo=1"], "foo"),
+    (["-n", "0"], "--max-tokens"),
+]
+
 #: training and conversion commands (full argv)
 OTHER_CASES: list[tuple[list[str], str]] = [
     (["train", "masks", "--data", "p.jsonl", "--slots", "0"], "--slots"),
@@ -172,6 +198,7 @@ def check_error(code: int, err: str, needle: str) -> None:
     + [("bench", [*a, "--out", "bench-bad"], n) for a, n in BENCH_CASES]
     + [("bench", ["--out", "", "--report-only"], "--out")]
     + [("bench", ["--out", "never-run", "--report-only"], "no finished generations")]
+    + [("serve", a, n) for a, n in SERVE_CASES]
     + [(a[0], a[1:], n) for a, n in OTHER_CASES],
     ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
 )
@@ -182,6 +209,23 @@ def test_cli_bad_input(command, argv, needle, capsys, tmp_path, monkeypatch):
     code, err = run_cli([command, *argv], capsys)
     check_error(code, err, needle)
     assert snapshot(tmp_path, home) == before  # nothing written to disk
+    if not any(s in err for s in ("No such model", "not a known alias")):
+        assert "loading" not in err  # refused before the model load
+
+
+def test_serve_refuses_a_taken_port_before_loading(capsys, tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        code, err = run_cli(["serve", "--port", str(port)], capsys)
+    check_error(code, err, f"--port {port}")
+    assert "already in use" in err and "loading" not in err
+    assert time.perf_counter() - t0 < 10  # no model was loaded
 
 
 def test_cli_lists_the_options_a_method_takes(capsys, tmp_path, monkeypatch):
@@ -334,3 +378,19 @@ def test_check_slots_bounds_every_forward(smollm):
         eng.check_slots(top + 1)
     # a long context shrinks what fits
     assert eng.max_slots(context=200_000) < top
+
+
+def test_the_masks_help_states_the_ranges_the_methods_take():
+    import re
+
+    from mlx_mtp.methods import make_method
+
+    m = re.search(r"probe (\d)-(\d), hybrid (\d)-(\d)", cli.MASKS.help)
+    assert m, cli.MASKS.help
+    for method, lo, hi in (("probe", *m.groups()[:2]), ("hybrid", *m.groups()[2:])):
+        lo, hi = int(lo), int(hi)
+        for ok in (lo, hi):
+            make_method(method, masks=ok)
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(InvalidArgumentError, match="masks"):
+                make_method(method, masks=bad)

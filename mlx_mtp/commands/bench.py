@@ -99,15 +99,37 @@ def register(app: typer.Typer) -> None:
             draft_model=draft_model,
             out=out,
         )
-        run_bench(
-            cfg,
-            overwrite=overwrite,
-            plots=not no_plots,
-            generate=not report_only,
-            pipeline=pipeline,
-        )
+        try:
+            run_bench(
+                cfg,
+                overwrite=overwrite,
+                plots=not no_plots,
+                generate=not report_only,
+                pipeline=pipeline,
+            )
+        except KeyboardInterrupt:
+            if distributed.is_main():
+                typer.echo(interrupted_report(Path(out)), err=True)
+            raise
         if not distributed.is_main():  # rank 0 wrote the outputs
             return
         report = Path(out) / "report.md"
         typer.echo(report.read_text())
         typer.echo(f"wrote {Path(out) / 'results.json'}, {report} and plots", err=True)
+
+
+def interrupted_report(out: Path) -> str:
+    """What an interrupted ``bench`` finished: the generations saved in
+    ``out/records.jsonl`` per method, and how to go on."""
+    from ..bench.runner import RECORDS, _read_records
+
+    records = _read_records(out / RECORDS)[0]
+    by_method: dict[str, int] = {}
+    for r in records:
+        by_method[r["method"]] = by_method.get(r["method"], 0) + 1
+    done = ", ".join(f"{k} {v}" for k, v in by_method.items()) or "none"
+    return (
+        f"interrupted: {len(records)} generation(s) finished and saved in {out / RECORDS} "
+        f"(per method: {done}). Run the same command again to resume where it stopped, or "
+        "add --report-only for a report of what finished."
+    )

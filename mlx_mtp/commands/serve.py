@@ -1,17 +1,23 @@
-"""``mlx-mtp serve``: the OpenAI-compatible local server (see :mod:`mlx_mtp.server`)."""
+"""``mlx-mtp serve``: the OpenAI-compatible local server (see :mod:`mlx_mtp.server`
+and docs/server.md)."""
 
 from __future__ import annotations
 
 import ipaddress
+import signal
+import sys
+from pathlib import Path
 
 import typer
 
 from .. import distributed
 from ..errors import InvalidArgumentError
-from ..validation import typer_range
+from ..validation import check_generation_args, typer_range
 
 #: hosts that only this machine can reach
 LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+#: uvicorn's log levels
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def is_loopback(host: str) -> bool:
@@ -24,10 +30,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, a service manager) stops the server as Ctrl-C does:
+    uvicorn shuts down, re-raises the signal, and this handler turns it into
+    exit status 143 after the worker has stopped."""
+
+    def handler(signum: int, frame: object) -> None:
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` command to the CLI."""
     # here, not at the top: mlx_mtp.cli imports this module while it loads
-    from ..cli import LOAD, METHOD_OPTIONS, PIPELINE, TEMP, TOP_P, with_options
+    from ..cli import (
+        LOAD,
+        METHOD_OPTIONS,
+        MIN_P,
+        PIPELINE,
+        SEED,
+        TEMP,
+        TOP_K,
+        TOP_P,
+        check_choices,
+        with_options,
+    )
 
     @app.command()
     @with_options(LOAD, METHOD_OPTIONS)
@@ -41,6 +69,9 @@ def register(app: typer.Typer) -> None:
         ),
         temp: float = TEMP,
         top_p: float = TOP_P,
+        top_k: int = TOP_K,
+        min_p: float = MIN_P,
+        seed: int | None = SEED,
         host: str = typer.Option(
             "127.0.0.1", "--host", help="Address to bind (default: this machine only)."
         ),
@@ -49,17 +80,61 @@ def register(app: typer.Typer) -> None:
             None,
             "--api-key",
             envvar="MLX_MTP_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on /v1 requests (or $MLX_MTP_API_KEY).",
+            help="Require 'Authorization: Bearer KEY' on /v1 requests (or $MLX_MTP_API_KEY); "
+            "/health then tells others only whether the server is alive.",
         ),
         queue_size: int = typer.Option(
             8, "--queue-size", help="Requests that may wait; more get 429 with Retry-After."
         ),
+        queue_timeout: float = typer.Option(
+            300.0,
+            "--queue-timeout",
+            help="Seconds a request may wait in the queue; then it is answered 503.",
+        ),
         max_methods: int = typer.Option(
             4,
             "--max-methods",
-            help="(method, options) pairs kept loaded at once, each with its KV cache.",
+            help="Distinct (method, options) settings kept at once, each with its KV cache "
+            "(the least recently used is dropped, never --method's).",
         ),
-        log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+        max_bc: int | None = typer.Option(
+            None,
+            "--max-bc",
+            help="Most slots per forward pass a request's method may send (its BC, or its "
+            "cap with auto). Default: 64, or --method's BC if larger.",
+        ),
+        max_tokens_limit: int | None = typer.Option(
+            None,
+            "--max-tokens-limit",
+            help="Most new tokens a request may ask for. Default: 4096, or --max-tokens if larger.",
+        ),
+        max_forward_s: float = typer.Option(
+            5.0,
+            "--max-forward-s",
+            help="Seconds one forward pass may take: measured at start, it bounds the slots "
+            "per pass and the prefill chunk (and so how soon a cancel or shutdown acts).",
+        ),
+        allow_artifacts: list[Path] | None = typer.Option(
+            None,
+            "--allow-artifacts",
+            help="A folder whose heads/adapters requests may name (mtp.heads, "
+            "mtp.adapter); repeatable. Without it requests may not name files or repos.",
+        ),
+        allow_host: list[str] | None = typer.Option(
+            None,
+            "--allow-host",
+            help="Another name clients may use in the Host header (besides the bound "
+            "address and localhost); repeatable.",
+        ),
+        allow_origin: list[str] | None = typer.Option(
+            None,
+            "--allow-origin",
+            help="A web origin (e.g. http://localhost:3000) whose pages may call the server "
+            "(CORS); repeatable, '*' for any. Default: none.",
+        ),
+        log_level: str = typer.Option(
+            "info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."
+        ),
         pipeline: bool = PIPELINE,
         *,
         load: dict,
@@ -67,14 +142,34 @@ def register(app: typer.Typer) -> None:
     ):
         """Serve the model over the OpenAI HTTP API (/v1/chat/completions,
         /v1/completions, /v1/models, /health). A request picks its method with
-        an extra field, e.g. {"mtp": {"method": "pld"}}; --method is the default."""
-        from ..server import Worker, make_server, require_server_extra
+        an extra field, e.g. {"mtp": {"method": "pld"}}; --method is the default.
+        Every choice is checked, and the port bound, before the model loads."""
+        from ..methods import make_method
+        from ..server import Limits, Worker, require_server_extra
 
         require_server_extra()  # before the slow model load
-        if not 0 < port < 65536:
-            raise InvalidArgumentError(f"--port must be in 1..65535, got {port}.")
+        if log_level not in LOG_LEVELS:
+            raise typer.BadParameter(
+                f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}", param_hint="'--log-level'"
+            )
         if queue_size < 1 or max_methods < 1:
             raise InvalidArgumentError("--queue-size and --max-methods must be >= 1.")
+        if not 0 < queue_timeout < float("inf"):
+            raise InvalidArgumentError(f"--queue-timeout must be > 0, got {queue_timeout}.")
+        dtype = load["dtype"]
+        check_choices(load["method"], options, dtype)
+        check_generation_args(
+            max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+        )
+        default = make_method(load["method"], **options)
+        limits = Limits(
+            max_bc=max_bc,
+            max_tokens=max_tokens_limit,
+            max_forward_s=max_forward_s,
+            allow_artifacts=tuple(allow_artifacts or ()),
+        )
+        limits.resolve(default.block_complexity, max_tokens)
+        limits.check_default(default)  # again once the forward bound is measured
         if not is_loopback(host):
             typer.echo(
                 f"WARNING: binding {host}: other machines on the network can reach this server"
@@ -82,32 +177,83 @@ def register(app: typer.Typer) -> None:
                 + ". Use the default --host 127.0.0.1 to keep it local.",
                 err=True,
             )
-        model, method = load["model"], load["method"]
-        typer.echo(f"loading {model} ({method}) ...", err=True)
-        worker = Worker(
-            model,
-            method,
-            options,
-            dtype=load["dtype"],
-            max_kv_size=load["max_kv_size"],
-            max_tokens=max_tokens,
-            temp=temp,
-            top_p=top_p,
-            queue_size=queue_size,
-            max_methods=max_methods,
-            pipeline=pipeline,
-        )
-        worker.start()
-        if not distributed.is_main():  # only rank 0 serves HTTP; the others follow it
-            worker.wait()
-            return
-        shown = f"[{host}]" if ":" in host else host
-        typer.echo(
-            f"serving {model} ({method}) at http://{shown}:{port}/v1 "
-            f"(model id {model!r}; Ctrl-C stops)",
-            err=True,
-        )
+        sock = None
+        if distributed.is_main():  # only rank 0 serves HTTP
+            from ..server.app import bind_socket
+
+            sock = bind_socket(host, port)  # a taken port fails here, before the load
         try:
-            make_server(worker, host, port, api_key, log_level).run()
+            model, method = load["model"], load["method"]
+            typer.echo(f"loading {model} ({method}) ...", err=True)
+            worker = Worker(
+                model,
+                method,
+                options,
+                dtype=dtype,
+                max_kv_size=load["max_kv_size"],
+                max_tokens=max_tokens,
+                temp=temp,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                seed=seed,
+                queue_size=queue_size,
+                max_methods=max_methods,
+                pipeline=pipeline,
+                limits=limits,
+            )
+            worker.start()
+            if not distributed.is_main():  # the other ranks follow rank 0's worker
+                worker.wait()
+                return
+            _serve(
+                worker,
+                sock,
+                host,
+                port,
+                api_key,
+                log_level,
+                allow_host,
+                allow_origin,
+                queue_timeout,
+            )
         finally:
-            worker.stop()
+            if sock is not None:
+                sock.close()
+
+
+def _serve(worker, sock, host, port, api_key, log_level, hosts, origins, queue_timeout) -> None:
+    """Serve on the bound socket until Ctrl-C or SIGTERM, then stop the worker."""
+    from ..server import make_server
+
+    lim = worker.limits.describe()
+    shown = f"[{host}]" if ":" in host else host
+    n_dirs = lim["artifact_folders"]
+    files = f"files from {n_dirs} folder(s)" if n_dirs else "no files"
+    typer.echo(
+        f"limits: {lim['max_slots_per_forward']} slots per forward pass (--max-bc "
+        f"{lim['max_bc']}, --max-forward-s {lim['max_forward_s']:g}), prefill "
+        f"{lim.get('prefill_step', '?')} tokens per pass, max_tokens <= {lim['max_tokens']}, "
+        f"{files} from requests",
+        err=True,
+    )
+    typer.echo(
+        f"serving {worker.model_id} ({worker.method}) at http://{shown}:{port}/v1 "
+        f"(model id {worker.model_id!r}; Ctrl-C stops)",
+        err=True,
+    )
+    server = make_server(
+        worker,
+        host,
+        port,
+        api_key,
+        log_level,
+        allow_hosts=hosts or (),
+        allow_origins=origins or (),
+        queue_timeout=queue_timeout,
+    )
+    _exit_on_sigterm()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()

@@ -2,14 +2,20 @@
 
 - :mod:`.protocol`: the OpenAI wire format (request checks, response objects,
   errors, stop strings); no web framework.
+- :mod:`.limits`: what a request may ask (slots per forward pass, new tokens,
+  files), and the forward-time bound measured at start-up.
+- :mod:`.events`: what the worker tells a request's handler (dataclasses).
 - :mod:`.worker`: the one thread that owns the model and runs generations from
   a bounded queue.
-- :mod:`.app`: the Starlette routes and the uvicorn server (the optional extra
-  ``mlx-mtp[server]``).
+- :mod:`.app`: the Starlette routes, the browser guard and the uvicorn server
+  (the optional extra ``mlx-mtp[server]``).
 
-    from mlx_mtp.server import Worker, make_server
-    worker = Worker("smollm2-135m", "pld"); worker.start()
+    from mlx_mtp.server import Limits, Worker, make_server
+    worker = Worker("smollm2-135m", "pld", limits=Limits(max_forward_s=2.0))
+    worker.start()
     make_server(worker, port=8080).run()
+
+The user's guide is docs/server.md.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import MTPError
+from .limits import Limits
 from .protocol import OpenAIError, StopCutter
 from .worker import Job, Worker
 
@@ -51,6 +58,7 @@ def make_server(*args: Any, **kwargs: Any) -> Any:
 
 __all__ = [
     "Job",
+    "Limits",
     "OpenAIError",
     "ServerDependencyError",
     "StopCutter",

@@ -4,17 +4,28 @@ Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions
 ``POST /v1/completions`` (JSON or server-sent events), ``GET /health``. Every
 error is answered in OpenAI's shape ``{"error": {message, type, param, code}}``.
 Handlers never touch the model: they queue a :class:`~.worker.Job` and relay
-its events; a client that disconnects sets the job's ``cancel`` flag, so the
-worker stops before its next decoding step.
+its :mod:`~.events`; a client that disconnects, or whose job waited longer
+than the queue timeout, sets the job's ``cancel`` flag, so the worker stops
+before its next forward pass.
+
+Browser safety (:class:`BrowserGuard`): a web page the user visits can send
+requests to ``127.0.0.1``, and with DNS rebinding read the answers. So the
+``Host`` header must name this server (the bound address, the localhost
+names, or ``--allow-host`` names), a request with an ``Origin`` header must
+come from an ``--allow-origin`` origin (none by default), and POST bodies
+must be ``application/json`` (a cross-origin ``text/plain`` POST needs no
+CORS preflight in a browser).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,6 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import InvalidArgumentError
+from .events import Cancelled, Delta, Done, Event, Failed, Taken
 from .protocol import (
     OpenAIError,
     chunk_object,
@@ -38,31 +51,140 @@ log = logging.getLogger("mlx_mtp.server")
 
 #: largest request body accepted (bytes)
 MAX_BODY = 8 * 1024 * 1024
+#: default seconds a request may wait in the queue before a 503
+QUEUE_TIMEOUT = 300.0
+#: host names that always mean this machine
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: addresses that bind every interface
+WILDCARD = frozenset({"0.0.0.0", "::", ""})
 
 
-def error_response(e: OpenAIError) -> JSONResponse:
+def error_response(e: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The JSON response of an :class:`OpenAIError`."""
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **(headers or {})})
 
 
-def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
-    """The ASGI app serving ``worker``'s model.
+def host_of(header: str) -> str:
+    """The host name of a ``Host`` header value, lower case, without the port,
+    brackets or a trailing dot (``[::1]:8080`` -> ``::1``)."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        h = h[1 : h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class BrowserGuard:
+    """ASGI middleware: refuse requests a web page could have sent (see the
+    module doc) before any route runs.
+
+    Args:
+        app: the ASGI app to guard.
+        hosts: accepted ``Host`` names (lower case); with ``any_ip`` also any
+            IP address literal (a wildcard bind: DNS rebinding needs a name).
+        origins: ``Origin`` values allowed to call (``*``: any); they get
+            CORS headers and preflight answers. Requests without ``Origin``
+            (curl, SDKs, editors) pass.
+    """
+
+    def __init__(self, app: Any, hosts: Iterable[str], origins: Iterable[str], any_ip: bool):
+        self.app = app
+        self.hosts = frozenset(h.lower() for h in hosts)
+        self.origins = frozenset(o.rstrip("/") for o in origins)
+        self.any_ip = any_ip
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = host_of(headers.get("host", ""))
+        if not host or not (host in self.hosts or (self.any_ip and _is_ip(host))):
+            err = OpenAIError(
+                400,
+                f"The Host header {headers.get('host', '')!r} does not name this server. A "
+                "client on this machine should use http://127.0.0.1:PORT; other names must be "
+                "allowed with `mlx-mtp serve --allow-host NAME`.",
+                code="host_not_allowed",
+            )
+            await error_response(err)(scope, receive, send)
+            return
+        origin = headers.get("origin")
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        if "*" not in self.origins and origin.rstrip("/") not in self.origins:
+            err = OpenAIError(
+                403,
+                f"Requests from the web origin {origin!r} are refused (a page in a browser "
+                "cannot drive this server). Allow it with `mlx-mtp serve --allow-origin "
+                "ORIGIN`.",
+                code="origin_not_allowed",
+            )
+            await error_response(err)(scope, receive, send)
+            return
+        cors = {
+            "Access-Control-Allow-Origin": origin,
+            "Vary": "Origin",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Max-Age": "600",
+        }
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            await Response(status_code=204, headers=cors)(scope, receive, send)
+            return
+
+        async def send_with_cors(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(k.lower().encode(), v.encode()) for k, v in cors.items()]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def create_app(
+    worker: Worker,
+    api_key: str | None = None,
+    *,
+    hosts: Iterable[str] = LOCAL_NAMES,
+    any_ip: bool = False,
+    origins: Iterable[str] = (),
+    queue_timeout: float = QUEUE_TIMEOUT,
+) -> Any:
+    """The ASGI app serving ``worker``'s model, behind a :class:`BrowserGuard`.
 
     Args:
         worker: a started :class:`~.worker.Worker`.
         api_key: if set, ``/v1/*`` requests need ``Authorization: Bearer <key>``
-            (401 otherwise); ``/health`` stays open.
+            (401 otherwise), and ``/health`` says only whether the server is
+            alive unless the request carries the key.
+        hosts / any_ip / origins: see :class:`BrowserGuard`.
+        queue_timeout: seconds a request may wait for the worker before it is
+            answered 503 ``queue_timeout`` (and dropped from the queue).
     """
     created = int(time.time())
 
-    def check_auth(request: Request) -> None:
+    def authorized(request: Request) -> bool:
         if api_key is None:
-            return
+            return True
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
+        return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode(), api_key.encode()
-        ):
+        )
+
+    def check_auth(request: Request) -> None:
+        if not authorized(request):
             raise OpenAIError(
                 401,
                 "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
@@ -81,7 +203,10 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
 
     async def health(request: Request) -> Response:
         h = worker.health()
-        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+        code = 200 if h["status"] == "ok" else 503
+        if not authorized(request):  # a key is set: say only whether it is alive
+            return JSONResponse({"status": h["status"]}, status_code=code)
+        return JSONResponse(h, status_code=code)
 
     async def list_models(request: Request) -> Response:
         check_auth(request)
@@ -101,25 +226,40 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
 
     async def _generate(request: Request, kind: str) -> Response:
         check_auth(request)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise OpenAIError(
+                415,
+                f"The request body must be JSON sent with 'Content-Type: application/json' "
+                f"(got {media or 'no Content-Type'!r}).",
+                code="unsupported_media_type",
+            )
         declared = request.headers.get("content-length", "0")
         if declared.isdigit() and int(declared) > MAX_BODY:
             raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
-        req = parse_request(parse_json(raw), kind)
+        raw = bytearray()
+        async for piece in request.stream():  # counted as it comes (chunked bodies too)
+            raw += piece
+            if len(raw) > MAX_BODY:
+                raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
+        req = parse_request(parse_json(bytes(raw)), kind)
         if req.model != worker.model_id:
             raise _unknown_model(req.model, worker.model_id)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(req, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        prepared = worker.admit(req)  # a bad request is a 400 now, never a 429 first
+        job = Job(
+            req,
+            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            prepared=prepared,
+        )
         worker.submit(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
-            first = await events.get()
-            if first[0] == "error":
-                raise first[1]
-            if first[0] == "cancelled":
+            first = await _first_event(job, events)
+            if isinstance(first, Failed):
+                raise first.error
+            if isinstance(first, Cancelled):
                 raise _client_gone()
             if req.stream:
                 return StreamingResponse(
@@ -137,24 +277,51 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
                 job.cancel.set()
                 watcher.cancel()
 
-    async def _collect(job: Job, events: asyncio.Queue, ev: tuple) -> dict[str, Any]:
+    async def _first_event(job: Job, events: asyncio.Queue[Event]) -> Event:
+        """The first event after the worker took the job (its queue wait
+        bounded by ``queue_timeout``)."""
+        deadline = time.monotonic() + queue_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ev = await asyncio.wait_for(events.get(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                job.cancel.set()  # the worker skips it when it comes to it
+                raise OpenAIError(
+                    503,
+                    f"The request waited {queue_timeout:g} s in the queue without being "
+                    "served (--queue-timeout); retry later.",
+                    type="server_error",
+                    code="queue_timeout",
+                    headers={"Retry-After": str(worker.retry_after())},
+                ) from None
+            if isinstance(ev, Taken):
+                return await events.get()
+            return ev  # Failed (shutting down) or Cancelled before the worker took it
+
+    async def _collect(job: Job, events: asyncio.Queue[Event], ev: Event) -> dict[str, Any]:
         req, text = job.request, []
         while True:
-            if ev[0] == "delta":
-                text.append(ev[1])
-            elif ev[0] == "error":
-                raise ev[1]
-            elif ev[0] == "cancelled":
+            if isinstance(ev, Delta):
+                text.append(ev.text)
+            elif isinstance(ev, Failed):
+                raise ev.error
+            elif isinstance(ev, Cancelled):
                 raise _client_gone()
-            elif ev[0] == "done":
-                _, finish, usage_, mtp = ev
+            elif isinstance(ev, Done):
                 return completion_object(
-                    req.kind, new_id(req.kind), req.model, "".join(text), finish, usage_, mtp
+                    req.kind,
+                    new_id(req.kind),
+                    req.model,
+                    "".join(text),
+                    ev.finish_reason,
+                    ev.usage,
+                    ev.mtp,
                 )
             ev = await events.get()
 
     async def _stream(
-        job: Job, events: asyncio.Queue, ev: tuple, watcher: asyncio.Task
+        job: Job, events: asyncio.Queue[Event], ev: Event, watcher: asyncio.Task
     ) -> AsyncIterator[bytes]:
         req = job.request
         rid, stamp = new_id(req.kind), int(time.time())
@@ -166,22 +333,23 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
             if req.kind == "chat":
                 yield chunk(text="", role=True)
             while True:
-                if ev[0] == "delta":
-                    yield chunk(text=ev[1])
-                elif ev[0] == "error":
-                    yield sse(ev[1].body())
+                if isinstance(ev, Delta):
+                    yield chunk(text=ev.text)
+                elif isinstance(ev, Failed):
+                    yield sse(ev.error.body())
                     return
-                elif ev[0] == "cancelled":
+                elif isinstance(ev, Cancelled):
                     return
-                elif ev[0] == "done":
-                    _, finish, usage_, mtp = ev
-                    if finish == "cancelled":
+                elif isinstance(ev, Done):
+                    if ev.finish_reason == "cancelled":
                         return
                     yield chunk(
-                        text=None if req.kind == "chat" else "", finish_reason=finish, mtp=mtp
+                        text=None if req.kind == "chat" else "",
+                        finish_reason=ev.finish_reason,
+                        mtp=ev.mtp,
                     )
                     if req.include_usage:
-                        yield chunk(usage_=usage_, mtp=mtp)
+                        yield chunk(usage_=ev.usage, mtp=ev.mtp)
                     yield sse("[DONE]")
                     return
                 ev = await events.get()
@@ -206,7 +374,7 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
@@ -220,6 +388,7 @@ def create_app(worker: Worker, api_key: str | None = None) -> Starlette:
             Exception: on_error,
         },
     )
+    return BrowserGuard(app, hosts, origins, any_ip)
 
 
 def _client_gone() -> OpenAIError:
@@ -251,18 +420,77 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
         return
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Resolve ``host`` and bind ``port`` on it (not yet listening), so that a
+    taken port or a host that does not resolve is a clear error before the
+    model is loaded (uvicorn then serves on this socket).
+
+    Raises:
+        InvalidArgumentError: naming --host or --port and what to do.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidArgumentError(f"--port must be in 1..65535, got {port!r}.")
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidArgumentError(
+            f"--host {host!r} does not resolve to an address of this machine ({e}); use an "
+            "address such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)."
+        ) from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
+            raise InvalidArgumentError(
+                f"--port {port}: the address {host}:{port} is already in use (another server "
+                "is running there?); choose another --port or stop that server."
+            ) from None
+        raise InvalidArgumentError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose "
+            "another address or a port above 1023."
+        ) from None
+    return sock
+
+
 def make_server(
     worker: Worker,
     host: str = "127.0.0.1",
     port: int = 8080,
     api_key: str | None = None,
     log_level: str = "info",
+    *,
+    allow_hosts: Iterable[str] = (),
+    allow_origins: Iterable[str] = (),
+    queue_timeout: float = QUEUE_TIMEOUT,
 ) -> Any:
-    """A ``uvicorn.Server`` for the app (call ``.run()``; ``.should_exit = True`` stops it)."""
+    """A ``uvicorn.Server`` for the app (call ``.run()``, or ``.run(sockets=[s])``
+    with a socket from :func:`bind_socket`; ``.should_exit = True`` stops it).
+
+    The accepted ``Host`` names are the localhost names, ``host`` itself and
+    ``allow_hosts``; bound to a wildcard address (``0.0.0.0``, ``::``) also
+    any IP address literal.
+    """
     import uvicorn
 
+    hosts = {*LOCAL_NAMES, host_of(host) if ":" not in host else host.lower(), *allow_hosts}
+    app = create_app(
+        worker,
+        api_key,
+        hosts=hosts,
+        any_ip=host in WILDCARD,
+        origins=allow_origins,
+        queue_timeout=queue_timeout,
+    )
     config = uvicorn.Config(
-        create_app(worker, api_key),
+        app,
         host=host,
         port=port,
         log_level=log_level,

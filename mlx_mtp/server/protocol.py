@@ -7,7 +7,9 @@ own settings and statistics travel in an extra ``mtp`` object, which standard
 clients ignore.
 
 Checked here: the *shape* of a request (JSON types, ``n``, ``stop``, the
-``mtp`` object, parameters this server cannot honour). Value ranges of the
+``mtp`` object, parameters this server cannot honour, fields it does not
+know: every field is honoured, accepted at a value that changes nothing, or
+refused; none is ignored). Value ranges of the
 generation settings (temperature, top_p, max_tokens, seed, method options) are
 checked by :mod:`mlx_mtp.api` / :mod:`mlx_mtp.methods`, whose
 :class:`~mlx_mtp.errors.MTPError` the server turns into a 400 (one validation
@@ -27,12 +29,38 @@ ROLES = {"system", "developer", "user", "assistant"}
 #: most stop strings per request (OpenAI allows 4; a few more cost nothing here)
 MAX_STOP = 16
 
+#: fields of both endpoints that this server honours or checks
+COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stream", "stream_options", "mtp", "n", "presence_penalty", "frequency_penalty",
+    "logprobs", "logit_bias", "user", "metadata",
+}  # fmt: skip
+#: the fields each endpoint takes (a request with any other field is refused)
+FIELDS = {
+    "chat": COMMON_FIELDS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+    },  # fmt: skip
+    "completion": COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"},
+}
+#: fields accepted with any value because they do not change the answer
+#: (OpenAI's end-user id and request tags)
+INERT_FIELDS = {"user", "metadata"}
+
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape ``{"error": {message, type, param, code}}``.
 
     Args:
-        status: HTTP status (400, 401, 404, 429, 500, 503).
+        status: HTTP status (400, 401, 403, 404, 405, 413, 415, 429, 500, 503).
         message: what is wrong and what to do.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``,
             ``rate_limit_error``, ``server_error``).
@@ -84,7 +112,8 @@ class GenRequest:
         prompt: chat messages (list of ``{"role", "content"}`` with string
             content), prompt text, or token ids.
         max_tokens: requested new tokens, or None for the server default.
-        temperature / top_p / seed: sampling settings, None for the server default.
+        temperature / top_p / top_k / min_p / seed: sampling settings, None
+            for the server default.
         stop: stop strings (the text is cut before the first one).
         stream: answer as server-sent events.
         include_usage: with ``stream``, send a usage chunk before ``[DONE]``.
@@ -98,6 +127,8 @@ class GenRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -110,19 +141,30 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """Decode a request body that must be a JSON object.
 
     Raises:
-        OpenAIError: 400 ``invalid_json`` for bytes that are not a JSON object.
+        OpenAIError: 400 ``invalid_json`` for bytes that are not a JSON object
+            (also ``NaN``/``Infinity``, which JSON does not have, and nesting
+            too deep for the parser).
     """
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise bad(
             f"The request body is not valid JSON ({e}). Send a JSON object with "
             "Content-Type: application/json.",
             code="invalid_json",
         ) from None
+    except RecursionError:
+        raise bad(
+            "The request body is nested too deeply to be a chat or completion request.",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -168,10 +210,15 @@ def _refuse_unsupported(body: dict) -> None:
             raise bad(f"'{name}' is not supported by mlx-mtp; leave it out or 0.", param=name)
     if body.get("logprobs") not in (None, False, 0):
         raise bad("logprobs are not supported by mlx-mtp; leave them out.", param="logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad("top_logprobs are not supported by mlx-mtp.", param="top_logprobs")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported by mlx-mtp.", param="logit_bias")
     if body.get("tools") or body.get("functions"):
         raise bad("Tool / function calling is not supported by mlx-mtp.", param="tools")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise bad(f"'{name}' is not supported by mlx-mtp (no tools).", param=name)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad(
@@ -288,6 +335,16 @@ def parse_request(body: dict[str, Any], kind: str) -> GenRequest:
     Raises:
         OpenAIError: 400 naming the field at fault.
     """
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad(
+            f"Unknown field(s) {', '.join(map(repr, unknown))}: this server does not know "
+            f"{'them' if len(unknown) > 1 else 'it'} and ignores nothing. It takes: "
+            f"{', '.join(sorted(FIELDS[kind] - INERT_FIELDS))}; mlx-mtp's own settings go "
+            "in 'mtp'.",
+            param=unknown[0],
+            code="unknown_field",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required (see GET /v1/models).", param="model")
@@ -308,6 +365,14 @@ def parse_request(body: dict[str, Any], kind: str) -> GenRequest:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise bad("'stream_options' must be an object.", param="stream_options")
+    if so and set(so) - {"include_usage"}:
+        extra = sorted(set(so) - {"include_usage"})
+        raise bad(
+            f"Unknown stream_options field(s) {', '.join(map(repr, extra))}; the one taken "
+            "is include_usage.",
+            param="stream_options",
+            code="unknown_field",
+        )
     include_usage = bool(so and _boolean(so, "include_usage"))
     method, options = _mtp(body)
     return GenRequest(
@@ -317,6 +382,8 @@ def parse_request(body: dict[str, Any], kind: str) -> GenRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"),
+        top_k=_integer(body, "top_k"),
+        min_p=_number(body, "min_p"),
         seed=seed,
         stop=_stop(body),
         stream=stream,

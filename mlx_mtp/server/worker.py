@@ -1,12 +1,19 @@
 """The generation worker: one thread that owns the model and runs requests in turn.
 
 MLX models and their KV caches are not thread-safe, so a single thread loads
-the model, builds one :class:`~mlx_mtp.api.MTPModel` per (method, options)
-asked for (all sharing the one loaded :class:`~mlx_mtp.loading.LoadedModel`;
-each has its own KV cache, reused across requests by longest common prefix),
-runs every generation and frees everything at the end (as ``mlx_lm.server``
-does with its generation thread). The HTTP side only puts :class:`Job` objects
-on a bounded queue and receives events through the job's ``emit`` callback.
+the model, binds one :class:`~mlx_mtp.api.MTPModel` per (method, options)
+asked for (:meth:`LoadedModel.bind <mlx_mtp.loading.LoadedModel.bind>`, all
+sharing the one loaded model; each has its own KV cache, reused across
+requests by longest common prefix), runs every generation and frees
+everything at the end (as ``mlx_lm.server`` does with its generation thread).
+Prompt encoding and the vocabulary and context-length checks are the API's
+(:meth:`MTPModel.stream_generate <mlx_mtp.api.MTPModel.stream_generate>`);
+the bounds on what a request may ask are :class:`~.limits.Limits`. The HTTP
+side only puts :class:`Job` objects on a bounded queue and receives
+:mod:`~.events` through the job's ``emit`` callback. A job is cancelled
+between forward passes (``should_stop``), and no pass takes longer than the
+measured bound, so a cancelled request or a shutdown frees the worker within
+``--max-forward-s``.
 """
 
 from __future__ import annotations
@@ -24,21 +31,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from .. import distributed
-from ..errors import InvalidArgumentError, MTPError
+from ..engine import Engine
+from ..errors import ContextLengthError, InvalidArgumentError, MTPError
 from ..loading import load_model
 from ..methods import make_method
+from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
+from .limits import Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
 
 log = logging.getLogger("mlx_mtp.server")
-
-#: events sent to ``Job.emit``:
-#:   ("started",)                            generation is running (first step done)
-#:   ("delta", text)                         new answer text, already cut at stop strings
-#:   ("done", finish_reason, usage, mtp)     the end: "stop" | "length" | "cancelled"
-#:   ("error", OpenAIError)                  the request failed (before or during generation)
-#:   ("cancelled",)                          the client left while the job was queued
-Event = tuple
 
 #: seconds rank 0 of a sharded model waits for a request before telling the
 #: other ranks it is idle (each tells costs two small ``all_sum``)
@@ -51,12 +55,17 @@ class Job:
 
     Attributes:
         request: the parsed request.
-        emit: called from the worker thread with each event (must not block).
-        cancel: set by the HTTP side when the client has gone; the worker
-            stops before the next decoding step (and skips a job still queued).
+        emit: called from the worker thread with each :mod:`~.events` event
+            (must not block).
+        cancel: set by the HTTP side when the client has gone (or waited too
+            long); the worker stops before the next forward pass (and skips a
+            job still queued).
         enqueued / started / finished: ``time.perf_counter()`` seconds.
         status: ``queued``, ``running``, ``done``, ``cancelled`` or ``failed``.
         generated_tokens: tokens generated (also for a cancelled job).
+        prepared: what :meth:`Worker.admit` made of the request's method:
+            ``(cache key, method instance)``, or None (the default method, or
+            not admitted here: the worker checks it then).
     """
 
     request: GenRequest
@@ -67,6 +76,7 @@ class Job:
     finished: float | None = None
     status: str = "queued"
     generated_tokens: int = 0
+    prepared: tuple[tuple, Any] | None = None
 
     @property
     def queue_wait(self) -> float:
@@ -85,14 +95,22 @@ class Worker:
     Args:
         model: model spec (alias, folder, ``.gguf``, HF repo id); also the id
             clients send as ``"model"``.
-        method / options: the default method and its options (as ``load``).
+        method / options: the default method and its options (as ``load``;
+            the operator's choice, so paths are not restricted here).
         dtype / max_kv_size: as :func:`mlx_mtp.load`.
         max_tokens: new tokens when a request does not say (clipped to the
             context left).
-        temp / top_p: sampling defaults when a request does not say.
+        temp / top_p / top_k / min_p / seed: sampling defaults when a request
+            does not say (seed None: a random one per request).
         queue_size: requests waiting beyond the running one; more get 429.
         max_methods: (method, options) models kept at once (each holds a KV
             cache); the least recently used is dropped, never the default.
+        limits: the bounds on requests (:class:`~.limits.Limits`; default
+            ones if None). Its forward-time bound is measured at start.
+
+    Raises:
+        InvalidArgumentError: queue_size or max_methods below 1, or a bad
+            sampling default.
     """
 
     def __init__(
@@ -106,10 +124,16 @@ class Worker:
         max_tokens: int = 512,
         temp: float = 0.0,
         top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
         queue_size: int = 8,
         max_methods: int = 4,
         pipeline: bool = False,
+        limits: Limits | None = None,
     ):
+        from ..validation import check_generation_args
+
         if queue_size < 1 or max_methods < 1:
             raise InvalidArgumentError("queue_size and max_methods must be >= 1.")
         self.model_id = model
@@ -117,12 +141,14 @@ class Worker:
         self.options = dict(options or {})
         self.dtype = dtype
         self.max_kv_size = max_kv_size
-        self.max_tokens = max_tokens
-        self.temp = temp
-        self.top_p = top_p
+        self.sampling = check_generation_args(
+            max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+        )
+        self.max_tokens = self.sampling.pop("max_tokens")
         self.queue_size = queue_size
         self.max_methods = max_methods
         self.pipeline = pipeline
+        self.limits = limits if limits is not None else Limits()
         self.default_key = method_key(method, self.options)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._models: OrderedDict[tuple, Any] = OrderedDict()
@@ -131,7 +157,6 @@ class Worker:
         self._load_error: BaseException | None = None
         self._durations: deque[float] = deque(maxlen=20)
         self.loaded: Any = None
-        self.context_length: int | None = None
         self.running: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
         self.counts = {"done": 0, "cancelled": 0, "failed": 0, "rejected": 0}
@@ -140,21 +165,32 @@ class Worker:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the thread and wait until the model is loaded.
+        """Start the thread and wait until the model is loaded and the
+        forward-time bound measured.
 
         Raises:
-            MTPError: the model or the default method could not be loaded
-                (ModelNotFoundError, UnknownMethodError, InvalidArgumentError, ...).
+            MTPError: the model or the default method could not be loaded, or
+                the default method is over the limits (ModelNotFoundError,
+                UnknownMethodError, InvalidArgumentError, ...).
+            KeyboardInterrupt: Ctrl-C while loading (the thread is stopped).
         """
         self._thread = threading.Thread(target=self._run, name="mlx-mtp-worker", daemon=True)
         self._thread.start()
-        self._ready.wait()
+        try:
+            while not self._ready.wait(0.2):  # a timed wait lets Ctrl-C through
+                pass
+        except KeyboardInterrupt:
+            self._queue.put(None)  # served once the load ends
+            self.stop(timeout=600)  # waits for the load (MLX aborts a process left by it)
+            raise
         if self._load_error is not None:
             self._thread.join()
+            self._thread = None
             raise self._load_error
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running job, drop queued ones, stop the thread."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """Cancel the running job, drop queued ones, stop the thread (within
+        about one forward pass: the bound ``--max-forward-s``)."""
         if self._thread is None:
             return
         if self.running is not None:
@@ -166,10 +202,21 @@ class Worker:
                 break
             if job is not None:
                 job.cancel.set()
-                self._emit(job, ("error", OpenAIError(503, "The server is shutting down.")))
+                self._emit(job, Failed(OpenAIError(503, "The server is shutting down.")))
         self._queue.put(None)
-        self._thread.join(timeout)
+        # the thread must end before the interpreter does (MLX aborts the process
+        # otherwise), so a Ctrl-C arriving now waits for it too, then goes on
+        interrupted, deadline = False, time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._thread.join(0.2)
+            except KeyboardInterrupt:
+                interrupted = True
+        if self._thread.is_alive():
+            log.warning("the worker did not stop within %.0f s", timeout)
         self._thread = None
+        if interrupted:
+            raise KeyboardInterrupt
 
     def wait(self) -> None:
         """Block until the worker thread ends (the other ranks of a sharded
@@ -181,6 +228,37 @@ class Worker:
     def alive(self) -> bool:
         """Whether the worker thread is running and has its model."""
         return self._thread is not None and self._thread.is_alive() and self.loaded is not None
+
+    def admit(self, req: GenRequest) -> tuple[tuple, Any] | None:
+        """Check what a request asks before it is queued (pure Python, no
+        model: safe on the HTTP side), so that a request over a bound or with
+        a bad setting is refused at once, never told to wait (429) first:
+        ``max_tokens`` against its limit, the sampling settings, and the
+        method, its options (files among them) and its slots per forward
+        pass. The prompt (its encoding, vocabulary and length) is the
+        worker's, through the API.
+
+        Returns:
+            ``(cache key, method)`` for a request naming a method, else None
+            (give it to the :class:`Job` as ``prepared``).
+
+        Raises:
+            OpenAIError: 400 naming the field or bound.
+        """
+        from ..validation import check_generation_args
+
+        try:
+            self.limits.check_tokens(req.max_tokens)
+            given = {**self.sampling, **sampling_of(req)}
+            check_generation_args(max_tokens=req.max_tokens or self.max_tokens, **given)
+            if req.method is None:
+                return None
+            options = self.limits.request_options(req.method, req.options)
+            method = make_method(req.method, **options)
+            self.limits.check_method(method)
+        except MTPError as e:
+            raise openai_error(e, req) from None
+        return method_key(req.method, options), method
 
     def submit(self, job: Job) -> None:
         """Queue a job.
@@ -211,7 +289,7 @@ class Worker:
         return max(1, math.ceil(mean * (self._queue.qsize() + 1)))
 
     def health(self) -> dict[str, Any]:
-        """State for ``GET /health``."""
+        """State for ``GET /health`` (the full form, for a client with the key)."""
         return {
             "status": "ok" if self.alive else "unavailable",
             "model": self.model_id,
@@ -220,22 +298,29 @@ class Worker:
             "queue": {"waiting": self._queue.qsize(), "capacity": self.queue_size},
             "jobs": dict(self.counts),
             "methods_loaded": list(self._loaded_names),
+            "limits": self.limits.describe(),
         }
 
     # --------------------------------------------------------------- thread
     def _run(self) -> None:
         try:
-            self._build(self.method, self.options, loaded=None)  # validate options first
+            default = make_method(self.method, **self.options)  # checked before the load
+            self.limits.resolve(default.block_complexity, self.max_tokens)
+            self.limits.check_default(default)
             self.loaded = load_model(self.model_id, self.dtype, pipeline=self.pipeline)
-            self._models[self.default_key] = self._build(self.method, self.options, self.loaded)
+            # timed on a cache of its own (no sliding window, nothing to restore)
+            self.limits.measure(Engine(self.loaded.model))
+            self.limits.check_default(default)
+            m = self.loaded.bind(default, max_kv_size=self.max_kv_size)
+            m.prefill_step = self.limits.prefill_step
+            self._models[self.default_key] = m
             self._snapshot()
-            cfg = self.loaded.config
-            self.context_length = cfg.get("max_position_embeddings") or cfg.get(
-                "text_config", {}
-            ).get("max_position_embeddings")
         except BaseException as e:  # reported by start()
             self._load_error = e
+            self._models.clear()
             self.loaded = None
+            gc.collect()
+            _end_thread_streams()
             self._ready.set()
             return
         self._ready.set()
@@ -250,6 +335,7 @@ class Worker:
             self._models.clear()
             self.loaded = None
             gc.collect()
+            _end_thread_streams()
 
     def _next_job(self) -> Job | None:
         """The next job, None to stop. On a sharded model (several ranks),
@@ -281,27 +367,19 @@ class Worker:
         except Exception:  # the HTTP side is gone (closed event loop): nothing to tell
             job.cancel.set()
 
-    def _build(self, method: str, options: dict[str, Any], loaded: Any) -> Any:
-        """A method instance (``loaded`` None: options check only) or an MTPModel."""
-        try:
-            m = make_method(method, **options)
-        except TypeError as e:  # an option the method's __init__ does not take
-            raise OpenAIError(
-                400,
-                f"method {method!r} does not take option(s) {', '.join(sorted(options))} ({e}).",
-                param="mtp",
-                code="invalid_method_option",
-            ) from None
-        if loaded is None:
-            return m
-        return loaded.bind(m, max_kv_size=self.max_kv_size)
-
-    def _model_for(self, req: GenRequest) -> Any:
-        key = self.default_key if req.method is None else method_key(req.method, req.options)
+    def _model_for(self, job: Job) -> Any:
+        """The bound model of a job's method (built on first use through
+        ``LoadedModel.bind``, after the limits are checked)."""
+        req = job.request
+        if req.method is None:
+            self._models.move_to_end(self.default_key)
+            return self._models[self.default_key]
+        key, method = job.prepared or self.admit(req)  # (other ranks: not admitted yet)
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        m = self._build(req.method, req.options, self.loaded)
+        m = self.loaded.bind(method, max_kv_size=self.max_kv_size)
+        m.prefill_step = self.limits.prefill_step
         self._models[key] = m
         while len(self._models) > self.max_methods:
             old = next(k for k in self._models if k != self.default_key)
@@ -316,9 +394,10 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         job.started = time.perf_counter()
+        self._emit(job, Taken())
         if distributed.agree_flag(job.cancel.is_set()):  # the client left while queued
             job.status = "cancelled"
-            self._emit(job, ("cancelled",))  # ends the request's handler
+            self._emit(job, Cancelled())  # ends the request's handler
             self._finish(job)
             return
         self.running = job
@@ -326,22 +405,17 @@ class Worker:
             self._generate(job)
         except OpenAIError as e:
             job.status = "failed"
-            self._emit(job, ("error", e))
+            self._emit(job, Failed(e))
         except MTPError as e:
             job.status = "failed"
-            name = type(e).__name__
-            param = "mtp.method" if name == "UnknownMethodError" else None
-            # the class name as the code: InvalidArgumentError -> invalid_argument_error
-            code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-            self._emit(job, ("error", OpenAIError(400, str(e), param=param, code=code)))
+            self._emit(job, Failed(openai_error(e, job.request)))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
             job.status = "failed"
             log.error("generation failed:\n%s", traceback.format_exc())
             for m in self._models.values():  # do not trust any cache after that
                 m.engine.reset()
             self._emit(
-                job,
-                ("error", OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error")),
+                job, Failed(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"))
             )
         finally:
             self.running = None
@@ -356,69 +430,93 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         req = job.request
-        m = self._model_for(req)
-        tokens = m.encode(req.prompt, chat_template=req.kind == "chat")
-        vocab = self.loaded.config.get("vocab_size")
-        if vocab and any(not 0 <= t < vocab for t in tokens):
-            raise OpenAIError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
-        ctx, n_prompt = self.context_length, len(tokens)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens if ctx is None else min(self.max_tokens, ctx - n_prompt)
-        if ctx is not None and (n_prompt >= ctx or n_prompt + max_tokens > ctx):
-            raise OpenAIError(
-                400,
-                f"This model's context is {ctx} tokens; the request has {n_prompt} prompt "
-                f"tokens and asks for {max_tokens} new ones. Shorten the prompt or lower "
-                "max_tokens.",
-                param="messages" if req.kind == "chat" else "prompt",
-                code="context_length_exceeded",
-            )
+        self.limits.check_tokens(req.max_tokens)
+        m = self._model_for(job)
+        sampling = {**self.sampling, **sampling_of(req)}
         gen = m.stream_generate(
-            tokens,
-            max_tokens=max_tokens,
-            temp=self.temp if req.temperature is None else req.temperature,
-            top_p=self.top_p if req.top_p is None else req.top_p,
-            seed=req.seed,
-            chat_template=False,
+            req.prompt,
+            max_tokens=self.max_tokens if req.max_tokens is None else req.max_tokens,
+            fit_context=req.max_tokens is None,
+            chat_template=req.kind == "chat",
+            # rank 0's client decides for every rank of a sharded model
+            should_stop=lambda: distributed.agree_flag(job.cancel.is_set()),
+            **sampling,
         )
         cutter = StopCutter(req.stop)
         finish, last = None, None
         try:
             for chunk in gen:
-                if last is None:
-                    job.status = "running"
-                    self._emit(job, ("started",))
                 last = chunk
                 job.generated_tokens = chunk.stats.generated_tokens
+                if chunk.finish_reason == "cancelled":
+                    finish = "cancelled"
+                    break
+                if job.status != "running":
+                    job.status = "running"
+                    self._emit(job, Started())
                 text = cutter.feed(chunk.text)
                 if chunk.finish_reason is not None and not cutter.stopped:
                     text += cutter.flush()
                 if text:
-                    self._emit(job, ("delta", text))
+                    self._emit(job, Delta(text))
                 if cutter.stopped:
                     finish = "stop"
                 elif chunk.finish_reason is not None:
                     finish = chunk.finish_reason
-                elif distributed.agree_flag(job.cancel.is_set()):  # rank 0's client
-                    finish = "cancelled"
                 if finish is not None:
                     break
         finally:
             gen.close()  # runs the decoding loop's cleanup: the cache stays consistent
-        assert last is not None
+        assert last is not None and finish is not None
         job.status = "cancelled" if finish == "cancelled" else "done"
         st = last.stats
         cached = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
         self._emit(
             job,
-            (
-                "done",
+            Done(
                 finish,
                 usage(st.prompt_tokens, st.generated_tokens, cached),
                 mtp_stats(st, cached, job),
             ),
         )
+
+
+def sampling_of(req: GenRequest) -> dict[str, Any]:
+    """The sampling settings a request gives (the API's keywords); the ones
+    it leaves out are not in the dict."""
+    given = {
+        "temp": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
+    """The 400 of a package error raised for a request: the class name as the
+    code (``InvalidArgumentError`` -> ``invalid_argument_error``), except a
+    context too short (``context_length_exceeded``, as OpenAI's)."""
+    if isinstance(e, ContextLengthError):
+        param = "messages" if req.kind == "chat" else "prompt"
+        return OpenAIError(400, str(e), param=param, code="context_length_exceeded")
+    name = type(e).__name__
+    param = "mtp.method" if name == "UnknownMethodError" else None
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return OpenAIError(400, str(e), param=param, code=code)
+
+
+def _end_thread_streams() -> None:
+    """Finish and destroy the MLX streams of the calling thread. MLX keeps
+    streams per thread; left to the thread's own teardown, which goes on after
+    ``Thread.join`` has returned, they can still be running when the
+    interpreter exits, and the process aborts ("terminate called without an
+    active exception", exit 134). Ending them here, before the thread
+    returns, makes ``join`` mean that the worker is gone."""
+    mx.synchronize()
+    if hasattr(mx, "clear_streams"):  # MLX >= 0.31
+        mx.clear_streams()
 
 
 def mtp_stats(st: Any, cached: int, job: Job) -> dict[str, Any]:
@@ -427,11 +525,15 @@ def mtp_stats(st: Any, cached: int, job: Job) -> dict[str, Any]:
     return {
         "method": st.method,
         "block_complexity": st.block_complexity,
+        "max_slots": st.max_slots,
+        "slots_per_forward": round(st.slots_per_forward, 3),
         "tau": round(st.tau, 4),
         "drafted": st.drafted,
         "accepted": st.accepted,
         "acceptance_rate": round(st.acceptance_rate, 4),
         "forward_passes": st.forward_passes,
+        "plain_steps": st.plain_steps,
+        "reprobes": st.reprobes,
         "generated_tokens": st.generated_tokens,
         "prompt_tokens": st.prompt_tokens,
         "cached_tokens": cached,
