@@ -275,8 +275,25 @@ def _read_line() -> str | None:
 
 
 @app.command()
-def models():
+def models(
+    families: bool = typer.Option(
+        False,
+        "--families",
+        help="List every model type of the installed mlx-lm and what runs on it "
+        "(tree / chain / plain), with the reason.",
+    ),
+    markdown: bool = typer.Option(False, "--markdown", help="With --families: as Markdown."),
+):
     """List model aliases, methods, and converted models in the cache."""
+    if families:
+        from .families import families_markdown, family_table
+
+        if markdown:
+            typer.echo(families_markdown(), nl=False)
+            return
+        for mtype, kind, why in family_table():
+            typer.echo(f"{mtype:24s} {kind:6s} {why}")
+        return
     typer.echo("aliases:")
     for k, v in ALIASES.items():
         typer.echo(f"  {k:18s} {v}")
