@@ -1,9 +1,8 @@
-"""Import a GGUF file (llama, qwen2, qwen3) into an MLX model folder.
+"""Import a GGUF file (llama, qwen2, qwen3, gemma3) into an MLX model folder.
 
 The output folder is what ``mlx_lm.load`` opens: ``model.safetensors``,
-``config.json``, ``tokenizer.json`` (byte-level BPE built from the GGUF vocab and
-merges), ``tokenizer_config.json`` (with the chat template) and
-``generation_config.json``.
+``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (with the chat
+template, if the file has one) and ``generation_config.json``.
 
 Architectures (``general.architecture``):
 
@@ -16,6 +15,13 @@ Architectures (``general.architecture``):
 - ``qwen2`` (Qwen2/2.5: biases on q/k/v) and ``qwen3`` (``attn_q_norm`` /
   ``attn_k_norm``). llama.cpp does not permute these (it runs them with NEOX
   RoPE), so ``rope_traditional: false``.
+- ``gemma3`` (Gemma 3 text models: mlx-lm's ``gemma3_text``): QK norms, four
+  norms per block, five sliding-window layers (``{arch}.attention.sliding_window``,
+  local RoPE base 10000) per global one, as llama.cpp runs them. llama.cpp's
+  converter stores Gemma's zero-centred norm weights as ``w + 1``; the importer
+  subtracts the 1 again (mlx-lm's Gemma norms scale by ``1 + w``). The query
+  scale is ``head_dim ** -0.5`` except for the 62-layer 27B model, whose
+  ``query_pre_attn_scalar`` is ``hidden / heads`` (llama.cpp's rule).
 
 Tied (no ``output.weight``) and untied output heads are both imported.
 
@@ -26,9 +32,15 @@ Q5_0/Q5_1, IQ types, BF16, ...) makes the importer read every tensor with the
 ``gguf`` package and dequantize it with ``gguf.quants.dequantize`` (llama.cpp's
 reference dequantizer ported to numpy); the weights are then stored as
 ``dtype`` (float16 by default) or, with ``quantize=4|8``, re-quantized with
-``mx.quantize`` (affine, group size 64). Tokenizer model ``gpt2`` (byte-level
-BPE) only, and it must carry ``tokenizer.ggml.merges``. Anything else is refused
-with :class:`GGUFImportError` before a single byte is written.
+``mx.quantize`` (affine, group size 64).
+
+Tokenizers: ``tokenizer.ggml.model = gpt2`` (byte-level BPE, which must carry
+``tokenizer.ggml.merges``) is written here from the vocabulary and merges;
+``llama`` (SentencePiece: Llama-2, Mistral, Gemma) is built by transformers'
+GGUF tokenizer builders from the same metadata (vocabulary, scores, token
+types; merges recovered from the vocabulary, Gemma's respelled spaces) and
+saved as a fast tokenizer, with the file's BOS/EOS settings. Anything else is
+refused with :class:`GGUFImportError` before a single byte is written.
 
 The conversion is atomic (:func:`mlx_mtp.artifacts.atomic_folder`): it writes
 into a temporary sibling folder and moves it into place only once every file
@@ -40,6 +52,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +68,7 @@ NATIVE_TENSOR_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 # Every other type is dequantized with ``gguf.quants.dequantize``; the exact
 # set is whatever that version of the ``gguf`` package implements
 # (:func:`_dequantizable`).
-SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma3"}
 #: Bits accepted by ``quantize`` (re-quantization with ``mx.quantize``).
 QUANTIZE_BITS = (4, 8)
 QUANTIZE_GROUP_SIZE = 64
@@ -76,17 +89,33 @@ _LAYER_MAP = {
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
-#: Per-layer tensors each architecture may hold (others are refused).
+#: Gemma 3 blocks: a norm before and after attention and the MLP each
+_GEMMA3_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+#: Per-layer tensor names (GGUF -> mlx-lm) each architecture may hold (others
+#: are refused).
 _ARCH_PARTS = {
-    "llama": {k for k in _LAYER_MAP if not k.endswith(("q_norm", "k_norm"))},
-    "qwen2": {k for k in _LAYER_MAP if not k.endswith(("q_norm", "k_norm"))},
-    "qwen3": set(_LAYER_MAP),
+    "llama": {k: v for k, v in _LAYER_MAP.items() if not k.endswith(("q_norm", "k_norm"))},
+    "qwen2": {k: v for k, v in _LAYER_MAP.items() if not k.endswith(("q_norm", "k_norm"))},
+    "qwen3": dict(_LAYER_MAP),
+    "gemma3": _GEMMA3_LAYER_MAP,
 }
 _MODEL_TYPES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+#: Architectures whose norm weights llama.cpp's converter stores as ``w + 1``
+_NORM_PLUS_ONE = {"gemma3"}
+#: Gemma 3 as llama.cpp runs it: RoPE base of the sliding-window layers and
+#: the layer pattern (every 6th layer global), neither of which the file stores
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_SLIDING_PATTERN = 6
 _TOP_MAP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -299,7 +328,7 @@ def _config(
 
     n_heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_tokens = _array_len(reader, "tokenizer.ggml.tokens")
     model_type, hf_arch = _MODEL_TYPES[arch]
     head_dim = int(meta("attention.key_length", meta("rope.dimension_count", hidden // n_heads)))
     config: dict[str, Any] = {
@@ -312,7 +341,7 @@ def _config(
         "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(meta("vocab_size", len(tokens) if tokens else 0)),
+        "vocab_size": int(meta("vocab_size", n_tokens)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
         # llama.cpp permutes Q/K of llama-style models only (see module doc)
         "rope_traditional": arch == "llama",
@@ -324,24 +353,156 @@ def _config(
             f"qwen2 GGUF with head_dim {head_dim} != hidden/heads {hidden // n_heads}; "
             "mlx-lm's qwen2 model cannot hold it."
         )
+    if arch == "gemma3":
+        del config["rope_traditional"]  # NEOX RoPE, mlx-lm's gemma3_text default
+        layers = config["num_hidden_layers"]
+        config.update(
+            {
+                "sliding_window": int(meta("attention.sliding_window")),
+                "sliding_window_pattern": int(
+                    _field(reader, f"{arch}.attention.sliding_window_pattern")
+                    or GEMMA3_SLIDING_PATTERN
+                ),
+                "rope_local_base_freq": float(
+                    _field(reader, f"{arch}.rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_BASE
+                ),
+                # llama.cpp: 1/sqrt(hidden/heads) for the 62-layer 27B, else 1/sqrt(head_dim)
+                "query_pre_attn_scalar": hidden // n_heads if layers == 62 else head_dim,
+            }
+        )
     return config
 
 
-def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
+def _array(reader: Any, key: str) -> list[Any] | None:
+    """An array field's values as a list (strings decoded), read straight from
+    the field's parts: ``contents()`` takes seconds on a 262K-token vocabulary."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if field.types[-1] == GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    if not field.data:
+        return []
+    return np.concatenate([field.parts[i] for i in field.data]).tolist()
+
+
+def _array_len(reader: Any, key: str) -> int:
+    field = reader.fields.get(key)
+    return 0 if field is None else len(field.data)
+
+
+def _tokenizer_files(reader: Any, name: str, arch: str) -> dict[str, Any]:
+    """``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
+    of the file's tokenizer (contents as JSON values).
+
+    Raises:
+        GGUFImportError: a tokenizer model other than ``gpt2`` / ``llama``, an
+            unknown pre-tokenizer, byte-level BPE without merges, or a
+            SentencePiece vocabulary transformers cannot build.
+    """
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    if model == "llama":
+        files = _sentencepiece_files(reader, name, arch)
+    elif model == "gpt2":
+        files = _bpe_files(reader, name)
+    else:
         raise GGUFImportError(
-            f"{name}: tokenizer model {model!r} is not supported (only byte-level BPE, "
-            "'gpt2'). Load the model's Hugging Face repo instead."
+            f"{name}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and "
+            "SentencePiece 'llama' are). Load the model's Hugging Face repo instead."
         )
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        files["tokenizer_config.json"]["chat_template"] = template
+    gen_config = {}
+    for key in ("eos", "bos"):
+        idx = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if idx is not None:
+            gen_config[f"{key}_token_id"] = int(idx)
+    files["generation_config.json"] = gen_config
+    return files
+
+
+def _sentencepiece_files(reader: Any, name: str, arch: str) -> dict[str, Any]:
+    """A SentencePiece vocabulary (Llama-2, Mistral, Gemma) turned into a fast
+    tokenizer by transformers' GGUF tokenizer builders, saved and read back."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            add_gguf_special_tokens,
+            select_tokenizer_builder,
+            set_split_regex,
+        )
+    except ImportError as e:
+        raise GGUFImportError(
+            f"{name}: a SentencePiece tokenizer needs transformers' GGUF tokenizer builders "
+            f"({e}); install transformers >= 5 (mlx-lm's dependency)."
+        ) from e
+    tokens = _array(reader, "tokenizer.ggml.tokens") or []
+    td: dict[str, Any] = {"tokenizer_type": "llama", "tokens": tokens}
+    for key, to in (
+        ("pre", "pre_tokenizer_type"),
+        ("add_space_prefix", "add_prefix_space"),
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("unknown_token_id", "unk_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            td[to] = value
+    for key, to in (("scores", "scores"), ("token_type", "token_type"), ("merges", "merges")):
+        value = _array(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            td[to] = value
+    if "scores" not in td and "merges" not in td:
+        raise GGUFImportError(
+            f"{name}: SentencePiece vocabulary without scores or merges; its merges cannot "
+            "be recovered. Load the model's Hugging Face repo instead."
+        )
+    try:
+        tok = select_tokenizer_builder(arch, "llama")(td)
+        tok = add_gguf_special_tokens(tok, td)
+        tok = set_split_regex(tok, td)
+    except Exception as e:  # the builders raise ValueError/KeyError on odd vocabularies
+        raise GGUFImportError(
+            f"{name}: transformers could not build its SentencePiece tokenizer "
+            f"({type(e).__name__}: {e}). Load the model's Hugging Face repo instead."
+        ) from e
+    for attr, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        idx = _field(reader, f"tokenizer.ggml.{key}")
+        if idx is not None and 0 <= int(idx) < len(tokens):
+            setattr(tok, attr, tokens[int(idx)])
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    tok.add_bos_token = bool(_field(reader, "tokenizer.ggml.add_bos_token", True))
+    tok.add_eos_token = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        files = {
+            f: json.loads((Path(tmp) / f).read_text(encoding="utf-8"))
+            for f in ("tokenizer.json", "tokenizer_config.json")
+        }
+    files["tokenizer_config.json"].update(
+        {"add_bos_token": tok.add_bos_token, "add_eos_token": tok.add_eos_token}
+    )
+    return files
+
+
+def _bpe_files(reader: Any, name: str) -> dict[str, Any]:
+    """A byte-level BPE vocabulary (``gpt2``) as a ``tokenizer.json`` written here."""
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise GGUFImportError(
             f"{name}: pre-tokenizer {pre!r} is unknown to the importer "
             f"(known: {', '.join(sorted(_PRE_TOKENIZERS))})."
         )
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges: list[str] = list(_field(reader, "tokenizer.ggml.merges", []))
+    tokens: list[str] = _array(reader, "tokenizer.ggml.tokens") or []
+    merges: list[str] = _array(reader, "tokenizer.ggml.merges") or []
     if not merges:
         # llama.cpp's loader refuses this too: without merges byte-level BPE
         # splits every word into single bytes
@@ -350,8 +511,8 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
             "would be split into single bytes. Re-create the GGUF with its merges (llama.cpp's "
             "convert_hf_to_gguf.py writes them) or load the Hugging Face repo instead."
         )
-    types = _field(reader, "tokenizer.ggml.token_type")
-    types = list(types) if types is not None else [1] * len(tokens)
+    types = _array(reader, "tokenizer.ggml.token_type")
+    types = types if types is not None else [1] * len(tokens)
 
     split, digits = _PRE_TOKENIZERS[pre]
     pattern = {"gpt2": _GPT2_PATTERN, "llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN}[split]
@@ -420,8 +581,6 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
         idx = _field(reader, key)
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -432,19 +591,7 @@ def _tokenizer_files(reader: Any, name: str) -> dict[str, Any]:
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
     }
-    template = _field(reader, "tokenizer.chat_template")
-    if template:
-        tok_config["chat_template"] = template
-    gen_config = {}
-    if eos_id is not None:
-        gen_config["eos_token_id"] = int(eos_id)
-    if bos_id is not None:
-        gen_config["bos_token_id"] = int(bos_id)
-    return {
-        "tokenizer.json": tokenizer_json,
-        "tokenizer_config.json": tok_config,
-        "generation_config.json": gen_config,
-    }
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tok_config}
 
 
 def _map_name(name: str, arch: str = "llama") -> str | None:
@@ -453,7 +600,7 @@ def _map_name(name: str, arch: str = "llama") -> str | None:
         layer, part, kind = m.groups()
         if part not in _ARCH_PARTS[arch]:
             return None
-        return f"model.layers.{layer}.{_LAYER_MAP[part]}.{kind}"
+        return f"model.layers.{layer}.{_ARCH_PARTS[arch][part]}.{kind}"
     m = re.fullmatch(r"([a-z_]+)\.(weight|scales|biases|bias)", name)
     if m and m.group(1) in _TOP_MAP:
         return f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"
@@ -502,7 +649,10 @@ def _read_weights(
             if name == "rope_freqs.weight":
                 rope_freqs = np.array(value.astype(mx.float32))
                 continue
-            weights[mapped_name(name)] = value
+            mapped = mapped_name(name)
+            if arch in _NORM_PLUS_ONE and mapped.endswith("norm.weight"):
+                value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
+            weights[mapped] = value
         quantized = any(k.endswith(".scales") for k in weights)
         # Per-layer bits are inferred by mlx-lm from the shapes.
         return weights, rope_freqs, ({"group_size": 32, "bits": 4} if quantized else None)
@@ -515,6 +665,8 @@ def _read_weights(
             rope_freqs = values.astype(np.float32)
             continue
         name = mapped_name(t.name)
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            values = values.astype(np.float32) - 1.0  # llama.cpp stored w + 1
         w = mx.array(values.astype(np.float32, copy=False))
         if quantize is not None and _is_quantizable(name, shape):
             stem = name[: -len(".weight")]
@@ -539,7 +691,7 @@ def convert_gguf(
     dtype: str = "float16",
     quantize: int | None = None,
 ) -> Path:
-    """Convert a llama/qwen2/qwen3 GGUF file into an MLX model folder.
+    """Convert a llama/qwen2/qwen3/gemma3 GGUF file into an MLX model folder.
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -573,7 +725,7 @@ def convert_gguf(
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it.")
     # everything that can be refused is checked before the weights are read
-    tok_files = _tokenizer_files(reader, gguf_path.name)
+    tok_files = _tokenizer_files(reader, gguf_path.name, arch)
     weights, rope_freqs, quantization = _read_weights(info, gguf_path, dtype, quantize)
     config = _config(reader, arch, "lm_head.weight" in weights)
     scaling = _rope_scaling(

@@ -72,9 +72,9 @@ class MTPModel:
             a smaller one bounds the time of each pass (the server sets it).
 
     Raises:
-        InvalidArgumentError: ``max_kv_size`` out of range or too small for the
-            method's block complexity; a block complexity whose forward pass
-            would not fit in memory (see :meth:`Engine.check_slots`).
+        InvalidArgumentError: ``max_kv_size`` out of range; a block complexity
+            whose forward pass would not fit in memory (see
+            :meth:`Engine.check_slots`).
         UnsupportedModelError: a method that must drop rejected draft tokens on
             a model whose cache cannot (recurrent or hybrid layers), or a model
             architecture the method cannot run.
@@ -89,13 +89,6 @@ class MTPModel:
     ):
         if max_kv_size is not None:
             max_kv_size = check_value("max_kv_size", max_kv_size)
-            if method.needs_trimmable_cache and max_kv_size <= method.block_complexity + 4:
-                raise InvalidArgumentError(
-                    f"max_kv_size (--max-kv-size) {max_kv_size} is too small for "
-                    f"{method.describe()}: one forward pass adds up to "
-                    f"{method.block_complexity} tokens to a window that also keeps 4; use at "
-                    f"least {method.block_complexity + 5}, or a smaller block complexity."
-                )
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -103,7 +96,8 @@ class MTPModel:
         #: ``enable_thinking`` of hybrid-thinking chat templates (Qwen3); off by default
         self.thinking = bool(thinking)
         self._warned_template = False
-        self.engine = Engine(self.model, max_kv_size=max_kv_size)
+        # sliding windows keep room for the method's largest forward pass
+        self.engine = Engine(self.model, max_kv_size=max_kv_size, slots=method.block_complexity)
         self.prefill_step = PREFILL_STEP
         self._active: object | None = None  # the generation holding the cache
         #: what the method receives: the engine and the checkpoint it came from

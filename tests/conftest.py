@@ -16,8 +16,8 @@ os.environ["MLX_ENABLE_TF32"] = "0"
 import mlx_mtp  # noqa: E402, F401  (first: preloads OpenBLAS before mlx on Linux, docs/design.md §9)
 from mlx_mtp.context import Context
 
-#: The user's cache folder, recorded before the tests replace it: the Qwen model
-#: imported by scripts/get_test_model.sh lives there (``qwen`` fixture).
+#: The user's cache folder, recorded before the tests replace it: the models
+#: imported by scripts/get_test_model.sh live there (``qwen``, ``gemma`` fixtures).
 REAL_MLX_MTP_HOME = os.environ.get("MLX_MTP_HOME") or os.path.expanduser("~/.cache/mlx-mtp")
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
 #: every method's ``auto`` budget sees a memory-bound device (flat up to 32 slots,
@@ -37,25 +37,44 @@ def smollm():
     return load_model("smollm2-135m", dtype="float32")
 
 
+def _imported(name: str, what: str):
+    """An imported test model (scripts/get_test_model.sh) loaded in float32;
+    fails (does not skip) when it was not imported."""
+    from pathlib import Path
+
+    from mlx_mtp.converters.gguf import COMPLETE_MARKER
+
+    from mlx_mtp.loading import imported_model_dir, load_model
+
+    path = imported_model_dir(name, Path(REAL_MLX_MTP_HOME))
+    if not (path / COMPLETE_MARKER).exists():
+        pytest.fail(
+            f"The {what} test model is not imported ({path} is missing). Run "
+            "`bash scripts/get_test_model.sh` first (the README's test command does).",
+            pytrace=False,
+        )
+    return load_model(str(path), dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def qwen():
     """The second real model, Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF imported
     as float16 by scripts/get_test_model.sh), loaded in float32: a
     ``LoadedModel``. Fails (does not skip) when the model was not imported."""
-    from pathlib import Path
+    from mlx_mtp.loading import QWEN_CODER_MODEL
 
-    from mlx_mtp.converters.gguf import COMPLETE_MARKER
+    return _imported(QWEN_CODER_MODEL, "Qwen")
 
-    from mlx_mtp.loading import QWEN_CODER_MODEL, imported_model_dir, load_model
 
-    path = imported_model_dir(QWEN_CODER_MODEL, Path(REAL_MLX_MTP_HOME))
-    if not (path / COMPLETE_MARKER).exists():
-        pytest.fail(
-            f"The Qwen test model is not imported ({path} is missing). Run "
-            "`bash scripts/get_test_model.sh` first (the README's test command does).",
-            pytrace=False,
-        )
-    return load_model(str(path), dtype="float32")
+@pytest.fixture(scope="session")
+def gemma():
+    """The third real model, Gemma 3 270M base (Q4_K_M GGUF imported as float16
+    by scripts/get_test_model.sh; gemma3 architecture with a 512-token sliding
+    window, SentencePiece tokenizer), loaded in float32: a ``LoadedModel``.
+    Fails (does not skip) when the model was not imported."""
+    from mlx_mtp.loading import GEMMA_MODEL
+
+    return _imported(GEMMA_MODEL, "Gemma 3")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""GGUF importer round trips for llama (incl. Llama-3 RoPE scaling), qwen2 and
-qwen3 with ggml types MLX cannot load (Q4_K, Q6_K, Q5_0) next to F16/Q8_0.
+"""GGUF importer round trips for llama (incl. Llama-3 RoPE scaling), qwen2,
+qwen3 and gemma3 with ggml types MLX cannot load (Q4_K, Q6_K, Q5_0) next to
+F16/Q8_0, and SentencePiece vocabularies (Gemma, Llama-2 / Mistral style).
 
 Each small GGUF is written with the ``gguf`` package the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes it: from weights in Hugging Face layout, with
@@ -96,9 +97,12 @@ def write_gguf(
     yarn: bool = False,
     llama3: dict | None = None,
     rope_base: float = 10000.0,
+    sentencepiece: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer GGUF of ``arch``; return the Hugging Face layout float32
-    weights (mlx-lm names) that the file holds after (de)quantization."""
+    weights (mlx-lm names) that the file holds after (de)quantization.
+    ``sentencepiece``: a Llama-2 / Mistral style SentencePiece vocabulary
+    (``tokenizer.ggml.model = llama``) instead of byte-level BPE."""
     rng = np.random.default_rng(seed)
     tokens, merge_list, types = _vocab()
     w = GGUFWriter(str(path), arch)
@@ -121,17 +125,27 @@ def write_gguf(
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(4.0)
     w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
-    w.add_token_list(tokens)
-    if merges:
-        w.add_token_merges(merge_list)
-    w.add_token_types(types)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-    )
+    if sentencepiece:
+        tokens, scores, types = _sentencepiece_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
+        w.add_token_list(tokens)
+        if merges:
+            w.add_token_merges(merge_list)
+        w.add_token_types(types)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        )
 
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {
         "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, HIDDEN)),
@@ -419,3 +433,168 @@ def test_llama3_scaling_fit_for_any_number_of_blended_frequencies(dims, base):
     bad = r[::-1].copy()  # short wavelengths scaled, long ones not: not Llama-3's formula
     with pytest.raises(GGUFImportError, match="Llama-3 RoPE scaling formula"):
         _llama3_rope_scaling(bad.astype(np.float32), base, dims, 8192)
+
+
+# ------------------------------------------------- gemma3 and SentencePiece
+G_LAYERS, G_WINDOW = 6, 8  # Gemma 3's pattern: five sliding-window layers, then a global one
+
+
+def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary of VOCAB pieces as llama.cpp writes it:
+    special pieces, word pieces with scores (earlier is better), two byte
+    pieces (all 256 would not fit), unused pieces."""
+    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    pieces = ["▁", *"helowrd", "▁h", "▁w", "he", "ll", "or", "▁he", "llo", "▁hello", "▁wor"]
+    pieces += ["▁world", "ld", "hello", "<0x0A>", "<0x20>"]
+    tokens = special + pieces + [f"<unused{i}>" for i in range(VOCAB - len(special) - len(pieces))]
+    scores = [0.0] * len(special) + [-float(i) for i in range(len(tokens) - len(special))]
+    types = [3, 3, 3, 2] + [1] * len(pieces) + [4] * (len(tokens) - len(special) - len(pieces))
+    types[tokens.index("<0x0A>")] = types[tokens.index("<0x20>")] = 6  # BYTE
+    return tokens, scores, types
+
+
+def write_gemma3_gguf(path: Path, qtypes: dict[str, Q], seed: int = 0) -> dict[str, np.ndarray]:
+    """A 6-layer gemma3 GGUF as llama.cpp's converter writes one (norm weights
+    stored as ``w + 1``, no output head, SentencePiece vocabulary); returns the
+    Hugging Face layout float32 weights it holds."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_block_count(G_LAYERS)
+    w.add_context_length(4096)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(G_WINDOW)
+    tokens, scores, types = _sentencepiece_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    shapes = {
+        "token_embd.weight": ("model.embed_tokens.weight", (VOCAB, HIDDEN)),
+        "output_norm.weight": ("model.norm.weight", (HIDDEN,)),
+    }
+    q, kv = HEAD_DIM * HEADS, HEAD_DIM * KV_HEADS
+    for i in range(G_LAYERS):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        shapes.update(
+            {
+                g + "attn_q.weight": (p + "self_attn.q_proj.weight", (q, HIDDEN)),
+                g + "attn_k.weight": (p + "self_attn.k_proj.weight", (kv, HIDDEN)),
+                g + "attn_v.weight": (p + "self_attn.v_proj.weight", (kv, HIDDEN)),
+                g + "attn_output.weight": (p + "self_attn.o_proj.weight", (HIDDEN, q)),
+                g + "ffn_gate.weight": (p + "mlp.gate_proj.weight", (FF, HIDDEN)),
+                g + "ffn_up.weight": (p + "mlp.up_proj.weight", (FF, HIDDEN)),
+                g + "ffn_down.weight": (p + "mlp.down_proj.weight", (HIDDEN, FF)),
+                g + "attn_q_norm.weight": (p + "self_attn.q_norm.weight", (HEAD_DIM,)),
+                g + "attn_k_norm.weight": (p + "self_attn.k_norm.weight", (HEAD_DIM,)),
+                g + "attn_norm.weight": (p + "input_layernorm.weight", (HIDDEN,)),
+                g + "post_attention_norm.weight": (
+                    p + "post_attention_layernorm.weight",
+                    (HIDDEN,),
+                ),
+                g + "ffn_norm.weight": (p + "pre_feedforward_layernorm.weight", (HIDDEN,)),
+                g + "post_ffw_norm.weight": (p + "post_feedforward_layernorm.weight", (HIDDEN,)),
+            }
+        )
+    hf: dict[str, np.ndarray] = {}
+    for gname, (name, shape) in shapes.items():
+        if gname.endswith("norm.weight"):  # Gemma's zero-centred norm, stored as w + 1
+            arr = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+            w.add_tensor(gname, arr + 1.0)
+            hf[name] = (arr + 1.0) - 1.0
+            continue
+        arr = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        qt = qtypes.get(gname.split(".")[-2], Q.F32)
+        if qt == Q.F32:
+            w.add_tensor(gname, arr)
+            back = arr
+        elif qt in (Q.Q4_K, Q.Q6_K):
+            raw = _kquant_blocks(qt, shape[0], shape[1], rng)
+            w.add_tensor(gname, raw, raw_dtype=qt)
+            back = dequantize(raw, qt).reshape(shape)
+        else:
+            raw = quantize(arr, qt)
+            w.add_tensor(gname, raw, raw_dtype=qt)
+            back = dequantize(raw, qt).reshape(shape)
+        hf[name] = back.astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def test_gemma3_round_trip_matches_mlx_lm_model_of_same_weights(tmp_path):
+    """gemma3: config (window, pattern, query scale, local RoPE base), the four
+    norms per block with llama.cpp's +1 removed, QK norms, tied head; logits
+    over 48 tokens (past the 8-token window) equal mlx-lm's gemma3_text built
+    from the Hugging Face layout of the same weights."""
+    from mlx_lm.models import gemma3_text
+
+    gguf_path = tmp_path / "g.gguf"
+    hf = write_gemma3_gguf(gguf_path, {**MIXED, **MIXED2})
+    out = convert_gguf(gguf_path, tmp_path / "model", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"] is True
+    assert config["sliding_window"] == G_WINDOW and config["sliding_window_pattern"] == 6
+    assert config["query_pre_attn_scalar"] == HEAD_DIM
+    assert config["rope_local_base_freq"] == 10000.0 and config["rope_theta"] == 1e6
+    args = gemma3_text.ModelArgs.from_dict({**config, "model_type": "gemma3_text"})
+    ref_model = gemma3_text.Model(args)
+    ref_model.load_weights(
+        [(k, mx.array(v)) for k, v in ref_model.sanitize(dict(hf)).items()], strict=True
+    )
+    ref = ref_model(mx.array(TOKENS)[None])[0]
+    got = _imported_logits(out)
+    assert _rel_err(got, ref) < 1e-4, _rel_err(got, ref)
+    # keeping llama.cpp's +1 on the norms would give other logits
+    shifted = {k: (v + 1.0 if k.endswith("norm.weight") else v) for k, v in hf.items()}
+    ref_model.load_weights([(k, mx.array(v)) for k, v in shifted.items()], strict=True)
+    assert _rel_err(ref_model(mx.array(TOKENS)[None])[0], got) > 1e-2
+
+
+def test_sentencepiece_tokenizer_is_built_from_the_vocabulary(tmp_path):
+    """A SentencePiece (``tokenizer.ggml.model = llama``) vocabulary becomes a
+    fast tokenizer through transformers' GGUF builders: merges recovered from
+    the vocabulary, BOS added as the file says, byte pieces, round trips."""
+    gguf_path = tmp_path / "g.gguf"
+    write_gemma3_gguf(gguf_path, {})
+    out = convert_gguf(gguf_path, tmp_path / "model")
+    tok = load_model(str(out), dtype="float32").tokenizer
+    assert tok.eos_token_ids == {1}
+    ids = tok.encode("hello world")
+    assert ids[0] == 2  # BOS: tokenizer.ggml.add_bos_token
+    pieces = tok._tokenizer.convert_ids_to_tokens(ids[1:])
+    assert pieces == ["hello", "▁world"], pieces
+    assert tok.decode(ids[1:]) == "hello world"
+    text = "hello\nworld"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["add_bos_token"] is True and "chat_template" not in cfg
+
+
+def test_llama2_style_sentencepiece_tokenizer(tmp_path):
+    """A llama GGUF with a Llama-2 / Mistral style SentencePiece vocabulary (no
+    add_space_prefix key: the first word gets its ``▁``, BOS by default)."""
+    gguf_path = tmp_path / "l.gguf"
+    write_gguf(gguf_path, "llama", {"attn_q": Q.Q8_0}, sentencepiece=True)
+    out = convert_gguf(gguf_path, tmp_path / "model")
+    tok = load_model(str(out), dtype="float32").tokenizer
+    ids = tok.encode("hello world")
+    assert ids[0] == 2
+    assert tok._tokenizer.convert_ids_to_tokens(ids[1:]) == ["▁hello", "▁world"]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    assert tok.eos_token_ids == {1}

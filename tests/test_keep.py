@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlx_mtp.cache_view import install_positional_rope
+from mlx_mtp.cache_view import SlidingKVCache, install_positional_rope
 from mlx_mtp.engine import _move_cache_rows
 
 
@@ -32,7 +32,9 @@ def _filled(kind: str, layers: int, context: int, slots: int, dtype=mx.bfloat16)
     for _ in range(layers):
         c = {
             "kv": KVCache,
-            "rotating": lambda: RotatingKVCache(max_size=4096, keep=4),
+            # a sliding window that has not wrapped: rows are positions, as in
+            # a KVCache (wrapped rings: tests/test_sliding.py)
+            "sliding": lambda: SlidingKVCache(4092, keep=4, room=64),
             "quantized": lambda: QuantizedKVCache(group_size=32, bits=8),
         }[kind]()
         for n in (context, slots):  # the context (prefill), then a tree's slots
@@ -54,7 +56,7 @@ def _flat(cache):
     return out
 
 
-@pytest.mark.parametrize("kind", ["kv", "rotating", "quantized"])
+@pytest.mark.parametrize("kind", ["kv", "sliding", "quantized"])
 @pytest.mark.parametrize("keep", [[2, 5, 6], [1], [4, 7, 8, 9]])
 def test_keep_move_gives_the_old_contents(kind, keep):
     context, slots = 300, 10

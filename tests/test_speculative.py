@@ -10,13 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import run_method
-from mlx_lm.models.cache import RotatingKVCache
 
 from mlx_mtp.budget import CostCurve
+from mlx_mtp.cache_view import SlidingKVCache
 from mlx_mtp.context import Context
 from mlx_mtp.data import DATA_SETS, resolve_data
 from mlx_mtp.engine import Engine
-from mlx_mtp.errors import CacheNotTrimmableError, InvalidArgumentError
+from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.methods.ntp import NTP
@@ -140,14 +140,20 @@ def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():
     assert v.path == [1] and v.tokens[0] == ref[1]
 
 
-def test_a_full_sliding_window_refuses_before_the_pass():
+def test_a_full_sliding_window_drops_rejected_drafts():
+    """--max-kv-size 16 (4 first tokens + a window of 12) past its end: a
+    rejected draft chain is dropped again (the ring has room for the pass) and
+    the committed token is plain decoding's with the same window."""
     model = make_tiny_model("llama", seed=0)
-    engine = Engine(model, max_kv_size=8)
-    engine.sync(PROMPT[:-1])  # 6 of 8 slots used
-    before = list(engine.cached)
-    with pytest.raises(CacheNotTrimmableError, match="max-kv-size"):
-        speculative_step(engine, Draft.chain(PROMPT[-1], [1, 2, 3]), None)
-    assert engine.cached == before and engine.forward_passes == 0
+    prompt = PROMPT * 4  # 28 tokens: the window has wrapped
+    ref = run_method(Engine(model, max_kv_size=16), NTP(), prompt, 2)
+    engine = Engine(model, max_kv_size=16)
+    engine.sync(prompt[:-1])
+    wrong = [(ref[0] + 1) % 256, 5, 6]
+    v = speculative_step(engine, Draft.chain(prompt[-1], wrong), None)
+    assert v.path == [] and v.tokens == [ref[0]] and engine.cached == prompt
+    v = speculative_step(engine, Draft.chain(ref[0], [ref[1]]), None)
+    assert v.path == [1] and v.tokens[0] == ref[1]
 
 
 def test_use_model_builds_the_engines_own_cache():
@@ -158,7 +164,9 @@ def test_use_model_builds_the_engines_own_cache():
     engine.sync(PROMPT)
     engine.use_model(b)
     assert engine.model is b and engine.cached == []
-    assert all(isinstance(c, RotatingKVCache) and c.max_size == 64 for c in engine.cache)
+    assert all(
+        isinstance(c, SlidingKVCache) and (c.keep, c.window) == (4, 60) for c in engine.cache
+    )
     assert mx.array_equal(engine.embed_tokens([1]), b.model.embed_tokens(mx.array([1]))).item()
 
 

@@ -328,13 +328,20 @@ def test_numpy_integers_are_numbers(ntp_model):
     assert len(out.tokens) == 2
 
 
-def test_max_kv_size_must_fit_the_block(smollm):
+def test_a_window_smaller_than_the_block_is_fine(smollm):
+    """--max-kv-size 20 with BC 30: the window keeps room for the block (it is
+    built with window + 30 rows), so nothing is refused; the method's
+    engine knows its slots."""
     from mlx_mtp.api import MTPModel
+    from mlx_mtp.cache_view import SlidingKVCache
     from mlx_mtp.methods import make_method
 
-    with pytest.raises(InvalidArgumentError, match="max_kv_size .*too small.*probe"):
-        MTPModel(smollm, make_method("probe", bc=30), max_kv_size=20)
-    MTPModel(smollm, make_method("ntp"), max_kv_size=20)  # plain decoding: fine
+    m = MTPModel(smollm, make_method("probe", bc=30), max_kv_size=20)
+    c = m.engine.cache[0]
+    assert isinstance(c, SlidingKVCache) and (c.keep, c.window, c.room) == (4, 16, 30)
+    ids = m.encode("Count from one to twenty: one, two, three,")
+    ref = MTPModel(smollm, make_method("ntp"), max_kv_size=20).generate(ids, max_tokens=12)
+    assert m.generate(ids, max_tokens=12).tokens == ref.tokens
 
 
 # ------------------------------------------------------- memory-bounded options
