@@ -62,6 +62,17 @@ TREE = typer.Option(None, "--tree", help="probe: 'dynamic' or nodes per depth, e
 K = typer.Option(None, "--k", help="clp/confadapt: horizon / block size k.")
 TAU = typer.Option(None, "--tau", help="confadapt: confidence threshold tau.")
 OPT = typer.Option(None, "--opt", help="Extra method option key=value (repeatable).")
+DRAFT_MODEL = typer.Option(
+    None,
+    "--draft-model",
+    help="draft/hybrid: a smaller model of the same tokenizer that drafts for --model "
+    "(alias, folder, GGUF file or hub id).",
+)
+NUM_DRAFT = typer.Option(
+    None,
+    "--num-draft-tokens",
+    help="draft: draft tokens per step, or 'auto' (default: as many as pay on this device).",
+)
 MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in tokens (>= 16).")
 THINKING = typer.Option(
     False, "--thinking/--no-thinking", help="Hybrid-thinking chat templates (Qwen3): think first."
@@ -74,14 +85,18 @@ PIPELINE = typer.Option(
 )
 
 
-def _options(bc, masks, tree, opt, k=None, tau=None) -> dict:
+def _options(
+    bc, masks, tree, opt, k=None, tau=None, draft_model=None, num_draft_tokens=None
+) -> dict:
     """The method options of the flags and ``--opt key=value`` items.
 
     Raises:
         typer.BadParameter: an ``--opt`` that is not key=value, or a key given twice.
     """
     out = {}
-    for key, val in (("bc", bc), ("masks", masks), ("tree", tree), ("k", k), ("tau", tau)):
+    flags = {"bc": bc, "masks": masks, "tree": tree, "k": k, "tau": tau}
+    flags.update(draft_model=draft_model, num_draft_tokens=num_draft_tokens)
+    for key, val in flags.items():
         if val is not None:
             out[key] = val
     for item in opt or []:
@@ -144,6 +159,8 @@ METHOD_OPTIONS = OptionGroup(
         "tree": (str | None, TREE),
         "k": (int | None, K),
         "tau": (float | None, TAU),
+        "draft_model": (str | None, DRAFT_MODEL),
+        "num_draft_tokens": (str | None, NUM_DRAFT),
         "opt": (list[str] | None, OPT),
     },
     _options,
@@ -362,8 +379,25 @@ def _read_line() -> str | tuple | None:
 
 
 @app.command()
-def models():
+def models(
+    families: bool = typer.Option(
+        False,
+        "--families",
+        help="List every model type of the installed mlx-lm and what runs on it "
+        "(tree / chain / plain), with the reason.",
+    ),
+    markdown: bool = typer.Option(False, "--markdown", help="With --families: as Markdown."),
+):
     """List model aliases, methods, and converted models in the cache."""
+    if families:
+        from .families import families_markdown, family_table
+
+        if markdown:
+            typer.echo(families_markdown(), nl=False)
+            return
+        for mtype, kind, why in family_table():
+            typer.echo(f"{mtype:24s} {kind:6s} {why}")
+        return
     typer.echo("aliases:")
     for k, v in ALIASES.items():
         typer.echo(f"  {k:18s} {v}")

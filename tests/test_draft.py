@@ -240,3 +240,24 @@ def test_real_pair_tokenizers_agree_and_others_are_refused(qwen_large, qwen, smo
     check_tokenizers(qwen_large.tokenizer, qwen.tokenizer, "1.5b", "0.5b")
     with pytest.raises(UnsupportedModelError, match="tokenizer"):
         qwen_large.bind("draft", draft_model=smollm)
+
+
+def test_cli_draft_model_flags():
+    """``generate --method draft --draft-model M --num-draft-tokens N`` prints the
+    greedy answer (SmolLM2 drafting for itself: every draft token accepted);
+    the flags are refused by a method that takes no draft model."""
+    from typer.testing import CliRunner
+
+    from mlx_mtp.cli import app
+
+    runner = CliRunner()
+    base = ["generate", "-p", "List three colours.", "-n", "16", "--dtype", "float32"]
+    ntp = runner.invoke(app, [*base, "--method", "ntp"])
+    assert ntp.exit_code == 0, ntp.output
+    args = ["--method", "draft", "--draft-model", "smollm2-135m", "--num-draft-tokens", "3"]
+    res = runner.invoke(app, [*base, *args])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == ntp.stdout
+    bad = runner.invoke(app, [*base, "--method", "pld", "--draft-model", "smollm2-135m"])
+    assert isinstance(bad.exception, InvalidArgumentError)
+    assert "draft_model" in str(bad.exception)
