@@ -79,9 +79,8 @@ class Hybrid(DraftMethod):
             or ``"auto"`` (default): up to ``max_bc`` slots, cut per step
             under the device's cost curve, plain steps while nothing pays
             (:mod:`mlx_mtp.planner`). 10 and 30 are fixed edge settings.
-        masks: mask slots per mask set, k = 0..3 (0 disables probing);
-            default 1, or 0 in chain shape on a model that takes no input
-            embeddings (mask slots are vectors).
+        masks: mask slots per mask set, k = 0..3 (0: no probing); default 1,
+            or 0 in chain shape on a model that takes no input embeddings.
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
         max_draft: longest chain per source (default: bc - 1).
@@ -93,16 +92,13 @@ class Hybrid(DraftMethod):
             (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
         shape: ``"auto"`` (default: a chain on hybrid recurrent models, a
             tree elsewhere), ``"tree"`` or ``"chain"`` (see module doc).
-        mtp: ``"auto"`` (default: draft from the checkpoint's native MTP
-            layer when it has one), 1 (required: an error when it has none)
-            or 0 (off).
+        mtp: ``"auto"`` (default: the checkpoint's native MTP layer if it has
+            one), 1 (required: an error without one) or 0 (off).
         mtp_depth: the longest MTP chain per step (default 3; with ``auto``
             the depth that pays, the layer's passes counted).
-        heads: a folder holding the MTP layer (default: the model's own
-            checkpoint folder).
-        draft_model: a draft model (as ``--method draft`` takes it) whose
-            greedy chain and alternatives per depth are one more source.
-        draft_width: candidates per depth from the draft model (default 4).
+        heads: the MTP layer's folder (default: the model's own).
+        draft_model, draft_width: a draft model (as ``--method draft`` takes
+            it) and its candidates per depth (default 4).
 
     Raises:
         InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
@@ -188,10 +184,8 @@ class Hybrid(DraftMethod):
         bc = f"auto<={self.bc}" if self.auto else str(self.bc)
         shape = ", shape=chain" if self.chain else ""
         mtp = f", mtp<={self.mtp_depth}" if self.drafter is not None else ""
-        draft = ""
-        if self.draft is not None:
-            loaded = getattr(self.draft, "loaded", None)
-            draft = f", draft={getattr(loaded, 'name', self.draft.spec)}"
+        loaded = getattr(self.draft, "loaded", None)
+        draft = "" if self.draft is None else f", draft={getattr(loaded, 'name', self.draft.spec)}"
         rec = "" if self.recycle is None else ", recycle"
         m = self.lookup.matches
         return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{draft}{rec}{init})"
@@ -283,33 +277,18 @@ class Hybrid(DraftMethod):
         by_token = self.recycle.children(acc) if self.recycle is not None else None
         trie = merge_chains(self._chains(ctx, root))
         children = CandidateChildren(trie, levels, scale, by_token=by_token)
-        prev = ctx.engine.cached[-1] if ctx.engine.cached else -1  # token before the root
         gains = ("probe",) if levels else ()
         if self.chain:
-            return self._chain_offer(ctx, root, children, levels, prev, gains)
-        allocator = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
+            return self._chain_offer(ctx, root, children, gains)
+        tree = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
 
         def build(n: int) -> Draft:
             # an accepted best branch laid out first: no KV-row move in keep
-            return self._draft(ctx, root, allocator.alloc.prefix(n).heavy_first(), levels, prev)
+            return self._draft(ctx, root, tree.alloc.prefix(n).heavy_first())
 
-        return Offer(
-            allocator,
-            build,
-            max_slots=self.bc,
-            remaining=allocator.remaining,
-            gains=gains,
-        )
+        return Offer(tree, build, max_slots=self.bc, remaining=tree.remaining, gains=gains)
 
-    def _chain_offer(
-        self,
-        ctx: Context,
-        root: int,
-        children: CandidateChildren,
-        levels: list,
-        prev: int,
-        gains: tuple[str, ...],
-    ) -> Offer:
+    def _chain_offer(self, ctx: Context, root: int, children: Any, gains: tuple) -> Offer:
         """The chain shape: the most likely child at every depth, then (masks
         > 0) k mask slots after its last node, riding along on every step."""
         k = self.masks
@@ -333,23 +312,16 @@ class Hybrid(DraftMethod):
             a = alloc.prefix(n)
             if k:
                 a.mask_anchors = [n]
-            return self._draft(ctx, root, a, levels, prev, chain=True)
+            return self._draft(ctx, root, a, chain=True)
 
         items = [Item(v) for v in alloc.probs]
         return Offer(items, build, base_slots=1 + k, primes=k > 0, gains=gains)
 
-    def _draft(
-        self,
-        ctx: Context,
-        root: int,
-        alloc: Allocation,
-        levels: list,
-        prev: int,
-        chain: bool = False,
-    ) -> Draft:
+    def _draft(self, ctx: Context, root: int, alloc: Allocation, chain: bool = False) -> Draft:
         """The forward pass of an allocation: its nodes, then k mask slots
         after every mask anchor."""
         k, engine = self.masks, ctx.engine
+        prev = engine.cached[-1] if engine.cached else -1  # the token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]
         mask_row: dict[int, int] = {}  # anchor slot -> first mask slot
@@ -359,7 +331,7 @@ class Hybrid(DraftMethod):
                 parents.append(anchor if j == 0 else len(parents) - 1)
         n_mask = len(parents) - n_tok
         hidden = bool(n_mask) or self.drafter is not None
-        info = (levels, mask_row, prev)
+        info = (mask_row, prev)
         first, rec, m = bool(n_mask) and not chain, self.recycle, self.bc
         extras = None
         if first or rec is not None:
@@ -405,7 +377,7 @@ class Hybrid(DraftMethod):
             if self.recycle is not None:
                 self.recycle.plain(result)
             return
-        levels, mask_row, prev = draft.info
+        mask_row, prev = draft.info
         if self.drafter is not None:  # the MTP layer's pairs along the accepted path
             rows = result.hidden[mx.array([0, *result.path])]
             self.drafter.verified(rows, result.tokens)
