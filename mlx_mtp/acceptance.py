@@ -58,16 +58,24 @@ class DepthAcceptance:
     less than that a one-token draft would always look worth it.
 
     Args:
-        prior: prior ratio (before any observation).
+        prior: prior ratio (before any observation), or one per depth 1..
+            (the last one for deeper depths).
         weight: prior weight in pseudo-observations.
         decay: per-observation forgetting factor in (0, 1] (1: no forgetting).
         max_depth: deeper depths share the last bucket.
     """
 
     def __init__(
-        self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8, max_depth: int = 16
+        self,
+        prior: float | Sequence[float] = 0.5,
+        weight: float = 2.0,
+        decay: float = 0.8,
+        max_depth: int = 16,
     ):
-        self.prior, self.weight, self.decay, self.max_depth = prior, weight, decay, max_depth
+        self.weight, self.decay, self.max_depth = weight, decay, max_depth
+        ps = [float(prior)] if isinstance(prior, (int, float)) else [float(p) for p in prior]
+        #: the prior of every depth bucket (index 0 unused)
+        self.prior = np.array([ps[0], *(ps[min(d, len(ps)) - 1] for d in range(1, max_depth + 1))])
         self.acc = np.zeros(max_depth + 1)
         self.tried = np.zeros(max_depth + 1)
         self.prior_weight = np.full(max_depth + 1, float(weight))
@@ -76,7 +84,7 @@ class DepthAcceptance:
         """The ratio at ``depth`` (1..)."""
         d = min(depth, self.max_depth)
         w = self.prior_weight[d]
-        return float((self.acc[d] + w * self.prior) / (self.tried[d] + w))
+        return float((self.acc[d] + w * self.prior[d]) / (self.tried[d] + w))
 
     def qs(self, n: int) -> list[float]:
         """``[q(1), ..., q(n)]``."""
@@ -142,8 +150,8 @@ class AcceptanceModel:
 
     Attributes:
         priors: prior ratio per source name (a rate for token guesses, 1 for
-            sources whose raw scores are probabilities); ``default_prior``
-            for other names.
+            sources whose raw scores are probabilities), or a tuple of them
+            per depth; ``default_prior`` for other names.
         weight, decay, max_depth: as :class:`DepthAcceptance`.
         gain_prior: prior of the tokens a source earns per step (``gain``).
         reset_on_reprobe_hit: forget the estimates when a re-probe's whole
@@ -151,7 +159,7 @@ class AcceptanceModel:
         calibration: the whole-draft :class:`Calibration` (None: none).
     """
 
-    priors: dict[str, float] = field(default_factory=dict)
+    priors: dict[str, float | tuple[float, ...]] = field(default_factory=dict)
     default_prior: float = 0.5
     weight: float = 2.0
     decay: float = 0.8

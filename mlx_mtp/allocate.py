@@ -161,6 +161,8 @@ class CandidateChildren:
         levels: per depth, (tokens (m,) int, mask probabilities (m,)).
         scale: per depth, calibration factor for mask probabilities.
         source: the tag of the mask candidates.
+        by_token: ``f(parent token)`` -> more children of every node whose
+            token that is (token recycling's table), merged by noisy-or too.
 
     Calling it with ``(path, parent_token)`` returns the children of that node
     (mask candidates repeating the parent's token are pruned, as in ESP); the
@@ -173,8 +175,9 @@ class CandidateChildren:
         levels: Sequence[tuple[np.ndarray, np.ndarray]] = (),
         scale: Sequence[float] = (),
         source: str = "probe",
+        by_token: Callable[[int], list[Child]] | None = None,
     ):
-        self.trie = trie
+        self.trie, self.by_token = trie, by_token
         self.levels: list[list[Child]] = []
         for d, (toks, ps) in enumerate(levels):
             f = scale[d] if d < len(scale) else 1.0
@@ -190,9 +193,19 @@ class CandidateChildren:
         d = len(path)
         probe = self.levels[d] if d < len(self.levels) else []
         chain = self.trie.get(path)
-        if not chain:
+        more = self.by_token(parent_token) if self.by_token is not None else []
+        if not chain and not more:
             return [c for c in probe if c.token != parent_token]
-        kids = {t: Child(c.token, c.q, list(c.sources)) for t, c in chain.items()}
+        # copies of the chain and by-token children take the merges; a mask
+        # candidate no other source proposes goes in as it is (shared)
+        kids = {t: Child(c.token, c.q, list(c.sources)) for t, c in (chain or {}).items()}
+        for c in more:
+            k = kids.get(c.token)
+            if k is None:
+                kids[c.token] = Child(c.token, c.q, list(c.sources))
+            else:
+                k.q = 1.0 - (1.0 - k.q) * (1.0 - c.q)
+                k.sources += c.sources
         for c in probe:
             if c.token == parent_token:
                 continue

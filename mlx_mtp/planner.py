@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import numpy as np
 
 from .acceptance import Acceptance, chain_values
 from .budget import CostCurve, CostCurves, PrefixBound, as_curves, best_prefix
@@ -57,7 +58,7 @@ from .costs import LiveCurves
 from .engine import Engine
 from .sampling import draw
 from .speculative import Draft, Verified, speculative_step
-from .verify import Sampler
+from .verify import Sampler, top_tokens
 
 if TYPE_CHECKING:
     from .context import Context
@@ -195,10 +196,15 @@ class PlainResult:
         tokens: the committed token.
         queued: the step also started the forward pass of its token (the
             pipeline goes on; that pass's outputs come with the next step).
+        root: the token whose logits gave it.
+        top: (k,) int32 the ``k`` best token ids of those logits, best first,
+            when the method asks for them (``plain_topk``), else None.
     """
 
     tokens: list[int]
     queued: bool = False
+    root: int = -1
+    top: np.ndarray | None = None
 
 
 class PlainSteps:
@@ -212,13 +218,22 @@ class PlainSteps:
     generation ends, :meth:`unqueue` before a draft step). With a sampler
     each step is one forward pass and one synchronisation, not pipelined (the
     random draws stay one per returned token).
+
+    With ``topk`` > 0 every step also builds the graph of the ``topk`` best
+    ids of its logits (:func:`~mlx_mtp.verify.top_tokens`) beside the argmax
+    or draw, evaluated with it (the pipeline and its one synchronisation per
+    token stay); :attr:`last_top` holds those of the token just returned.
     """
 
-    def __init__(self, sampler: Sampler | None):
-        self.sampler = sampler
-        #: (lazy argmax after the queued token, cache offset after it, when
-        #: the clock has it done)
-        self.next: tuple[mx.array, int, float] | None = None
+    def __init__(self, sampler: Sampler | None, topk: int = 0):
+        self.sampler, self.topk = sampler, topk
+        #: (lazy argmax after the queued token, its lazy top-k or None, cache
+        #: offset after it, when the clock has it done)
+        self.next: tuple[mx.array, mx.array | None, int, float] | None = None
+        self.last_top: np.ndarray | None = None
+
+    def _top(self, logits: mx.array) -> mx.array | None:
+        return top_tokens(logits[-1:], self.topk)[0] if self.topk else None
 
     def step(self, engine: Engine, root: int, queue_next: bool = True) -> list[int]:
         """Commit one token after ``root``; with ``queue_next`` also start the
@@ -229,28 +244,36 @@ class PlainSteps:
             last = logits[-1:].astype(mx.float32)
             lp = last - mx.logsumexp(last, axis=-1, keepdims=True)
             tok = draw(self.sampler, lp, engine.slot_positions[-1:] + 1)
-            engine.timed_eval(tok)
+            top = self._top(logits)
+            engine.timed_eval(tok, *([] if top is None else [top]))
+            self.last_top = None if top is None else np.array(top)
             return [int(tok.item())]
         t0 = clock.now()
         nxt, self.next = self.next, None
-        if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
-            y, done = nxt[0], nxt[2]  # root's forward was queued by the last step
+        if nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root:
+            y, top, done = nxt[0], nxt[1], nxt[3]  # root's forward was queued by the last step
             engine.count_forward()  # that pass is used now
         else:
             logits, _ = engine.forward_chain([root], wait=False)
-            y, done = mx.argmax(logits[-1:], axis=-1), 0.0
-            engine.timed_eval(y)
+            y, top, done = mx.argmax(logits[-1:], axis=-1), self._top(logits), 0.0
+            engine.timed_eval(y, *([] if top is None else [top]))
             t0 = clock.now()
+
+        def read() -> int:
+            self.last_top = None if top is None else np.array(top)
+            return int(y.item())
+
         if queue_next and engine.trimmable(2):
             # queue the forward of y before reading it: the device works on while
             # the host waits for y and hands it out
-            following = mx.argmax(engine.queue_token(y), axis=-1)
-            queued = clock.launch([following], 1)
-            tok = clock.block(lambda: int(y.item()), done)
+            logits = engine.queue_token(y)
+            following, after = mx.argmax(logits, axis=-1), self._top(logits)
+            queued = clock.launch([following, *([] if after is None else [after])], 1)
+            tok = clock.block(read, done)
             engine.resolve_last(tok)
-            self.next = (following, engine.offset, queued)
+            self.next = (following, after, engine.offset, queued)
         else:
-            tok = clock.block(lambda: int(y.item()), done)
+            tok = clock.block(read, done)
         clock.add(clock.now() - t0)
         return [tok]
 
@@ -262,7 +285,7 @@ class PlainSteps:
     def unqueue(self, engine: Engine, root: int) -> None:
         """Drop a queued forward pass whose token a draft step feeds itself."""
         nxt, self.next = self.next, None
-        if nxt is not None and engine.offset == nxt[1] and engine.cached[-1] == root:
+        if nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root:
             engine.trim_to(engine.offset - 1)
 
 
@@ -343,7 +366,7 @@ class Planner:
         ctx.planner = self
         # what the method's begin() may read (lookahead's window)
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
-        self.plain = PlainSteps(sampler)
+        self.plain = PlainSteps(sampler, method.plain_topk)
         self.plain_left = self.plain_steps = self.reprobes = self.plain_spells = 0
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
@@ -483,8 +506,9 @@ class Planner:
         if not self.method.lossless:  # a lossy method's one-token step is its own
             offer = offer if offer is not None else self.method.propose(self.ctx, root)
             return offer.run(0)
-        tokens = self.plain.step(self.ctx.engine, root, queue_next)
-        self.method.observe(self.ctx, None, PlainResult(tokens, self.plain.queued))
+        plain = self.plain
+        tokens = plain.step(self.ctx.engine, root, queue_next)
+        self.method.observe(self.ctx, None, PlainResult(tokens, plain.queued, root, plain.last_top))
         return StepOutput(tokens)
 
     def _send(self, offer: Offer, items: list[Item], n: int, forced: bool) -> StepOutput:

@@ -78,3 +78,30 @@ def walk_tree(
             return path, targets[cur]
         path.append(nxt)
         cur = nxt
+
+
+def top_tokens(rows: mx.array, k: int) -> mx.array:
+    """The graph (not evaluated) of the ``k`` highest-scoring token ids of
+    each row of ``rows`` (R, V) logits: (R, k) int, best first.
+
+    Two-stage on vocabularies with a block size B in 16..128 that divides V:
+    the maximum of every block of B ids, the k best blocks, then the k best
+    of those k * B ids. Each of the k best ids lies in one of the k best
+    blocks (a block outside them has k blocks above it, each holding an id at
+    least as high), so the result is that of one full ``argpartition``, which
+    on a CPU costs 4-10x as much for V = 49,152 or 151,936. Ties may come out
+    in another order.
+    """
+    n, vocab = rows.shape
+    k = min(max(k, 1), vocab)
+    block = next((b for b in (64, 128, 32, 16) if vocab % b == 0 and vocab // b >= 4 * k), 0)
+    ids = None
+    if block:  # the k best blocks' ids: rows becomes (R, k * B)
+        blocks = rows.reshape(n, vocab // block, block)
+        best = mx.argpartition(-blocks.max(axis=-1), kth=k - 1, axis=-1)[:, :k]
+        rows = mx.take_along_axis(blocks, best[..., None], axis=1).reshape(n, k * block)
+        ids = (best[..., None] * block + mx.arange(block)).reshape(n, k * block)
+    part = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+    order = mx.argsort(-mx.take_along_axis(rows, part, axis=-1), axis=-1)
+    top = mx.take_along_axis(part, order, axis=-1)
+    return top if ids is None else mx.take_along_axis(ids, top, axis=-1)

@@ -396,7 +396,7 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, shor
         if draft is None:
             return
         engine = ctx.engine
-        r0 = draft.info[1].get(verified.deepest)
+        r0 = draft.info[0].get(verified.deepest)
         if r0 is None:
             return
         assert draft.logit_rows == draft.n_verify + 2  # token slots + the first mask set

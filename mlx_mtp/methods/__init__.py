@@ -30,6 +30,7 @@ METHODS: dict[str, str] = {
     "hybrid": "mlx_mtp.methods.hybrid:Hybrid",
     "mtp": "mlx_mtp.methods.mtp:MTP",
     "draft": "mlx_mtp.methods.draft:DraftModelMethod",
+    "recycle": "mlx_mtp.methods.recycle:Recycle",
 }
 
 #: what each method is, for messages about methods not built into this install
@@ -43,6 +44,7 @@ DESCRIPTIONS: dict[str, str] = {
     "hybrid": "hybrid probe + n-gram (+ native MTP) draft tree, a chain on recurrent models",
     "mtp": "the checkpoint's native MTP layer (Qwen3.5/3.6, Qwen3-Next, DeepSeek nextn): a chain",
     "draft": "a smaller model of the same tokenizer drafts (--draft-model): a chain or a tree",
+    "recycle": "token recycling: a tree from the model's own earlier top-k predictions",
 }
 
 

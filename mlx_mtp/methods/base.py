@@ -86,6 +86,9 @@ class DraftMethod(Method):
     auto: bool = False
     #: how the planner learns this method's acceptance estimates
     ACCEPTANCE: ClassVar[AcceptanceModel] = AcceptanceModel()
+    #: the best token ids of a plain step's logits that :meth:`observe` reads
+    #: (``PlainResult.top``); 0: none are computed
+    plain_topk: int = 0
 
     def acceptance_model(self) -> AcceptanceModel:
         """The :class:`~mlx_mtp.acceptance.AcceptanceModel` of this method's

@@ -1,36 +1,32 @@
 """``hybrid``: one lossless draft tree filled from several draft sources.
 
 Not from a paper: it combines ESP embedding-space probing (Goel et al., arXiv
-2603.17942) with prompt-lookup decoding (Saxena, 2023) and a pool of the
-model's own earlier predictions (as lookahead decoding keeps, Fu et al., 2024).
-Read top to bottom:
+2603.17942), prompt-lookup decoding (Saxena, 2023), the model's own earlier
+predictions (lookahead's pool, Fu et al., 2024; token recycling, Luo et al.,
+2024). Read top to bottom:
 
-1. Sources (:mod:`mlx_mtp.sources`), each a set of token paths under the root:
-   ``pld`` (the most recent prompt-lookup match) and ``pld_alt`` (further
-   distinct matches) as chains; ``pool``: a chain followed through the table
-   of the model's own target tokens after every verified slot of earlier
-   trees; ``probe``: the masks after the previous step's deepest accepted
-   node predict depths 1..k, every depth-d candidate may hang under every
-   depth-(d-1) node; ``mtp``: where the checkpoint ships a native MTP layer,
-   the chain that layer drafts.
-2. One scale for all: each candidate gets a conditional acceptance estimate
-   q, per source and depth, learned online by the planner (priors
-   :data:`PRIORS`); a mask candidate's is its probability times a per-depth
-   calibration. Sources that agree are merged (:mod:`mlx_mtp.allocate`).
+1. Sources (:mod:`mlx_mtp.sources`): ``pld`` (the most recent prompt-lookup
+   match) and ``pld_alt`` (further matches) as chains; ``pool``: a chain
+   through the model's target tokens after every earlier verified slot;
+   ``recycle``: under every node, the model's top-k after its token
+   (:mod:`~mlx_mtp.sources.recycle`); ``probe``: the masks after the last
+   step's deepest accepted node predict depths 1..k, under every node of the
+   depth before; ``mtp`` / ``draft``: a native MTP layer's chain, a draft
+   model's chain and alternatives.
+2. One scale: each candidate gets a conditional acceptance estimate q per
+   source and depth (rank for ``recycle``), learned online by the planner; a
+   mask candidate's is its probability times a per-depth calibration.
+   Sources that agree are merged by noisy-or (:mod:`mlx_mtp.allocate`).
 3. The slot budget ``BC`` (root + nodes + mask slots) is spent best-first by
-   value per slot (:class:`~mlx_mtp.allocate.Allocator`); mask sets go where
-   the accepted path is likely to end. With ``bc="auto"`` the planner cuts
-   the allocation where expected tokens per unit of time peak.
+   value per slot (:class:`~mlx_mtp.allocate.Allocator`); with
+   ``bc="auto"`` the planner cuts it where expected tokens per time peak.
 4. Verification: the shared lossless stage; :meth:`Hybrid.observe` feeds the
-   pool, the next probe candidates and the MTP layer from the outcome.
+   pool, the table, the next probe candidates and the MTP layer.
 
 Chain shape (``shape="chain"``, and ``"auto"`` on hybrid recurrent models such
-as Qwen3.5 / Qwen3-Next, whose gated delta-net layers cannot run a branching
-tree): the same merged candidates, but one path, the most likely child at
-every depth, with the k mask slots after its last node (they draft the next
-step's probe candidates if the whole chain is accepted; no masks on models
-that take no input embeddings). The recurrent state is rolled back to the
-accepted prefix (:mod:`mlx_mtp.recurrent`).
+as Qwen3.5 / Qwen3-Next, which cannot run a branching tree): the most likely
+child at every depth, then k mask slots (none on models that take no input
+embeddings); the recurrent state is rolled back (:mod:`mlx_mtp.recurrent`).
 """
 
 from __future__ import annotations
@@ -54,6 +50,7 @@ from ..sources.lookup import PromptLookup
 from ..sources.masks import MaskVectors, candidate_lists, mask_candidates, top_candidates
 from ..sources.native import NativeDrafter
 from ..sources.pool import PredictionPool
+from ..sources.recycle import RANK_PRIORS, RecycleTable
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
@@ -74,40 +71,34 @@ def _worth(qs: Sequence[float]) -> int:
 
 
 class Hybrid(DraftMethod):
-    """Hybrid draft tree: prompt lookup + probe masks + the model's own earlier
-    predictions (+ a native MTP layer), one acceptance scale, one
-    block-complexity budget; lossless.
+    """Hybrid draft tree (see the module doc): every source, one acceptance
+    scale, one block-complexity budget; lossless.
 
     Args:
         bc: block complexity = slots per forward pass (root + nodes + masks),
-            or ``"auto"`` (default): up to ``max_bc`` slots, cut per step at
-            the best-first prefix that maximises expected tokens per unit of
-            time under the device's forward cost curve, and one-token steps
-            (with a periodic re-probe) while nothing pays
+            or ``"auto"`` (default): up to ``max_bc`` slots, cut per step
+            under the device's cost curve, plain steps while nothing pays
             (:mod:`mlx_mtp.planner`). 10 and 30 are fixed edge settings.
-        masks: mask slots per mask set, k = 0..3 (0 disables probing);
-            default 1, or 0 in chain shape on a model that takes no input
-            embeddings (mask slots are vectors).
+        masks: mask slots per mask set, k = 0..3 (0: no probing); default 1,
+            or 0 in chain shape on a model that takes no input embeddings.
         matches: distinct prompt-lookup continuations per step.
         window: longest n-gram matched by prompt lookup.
         max_draft: longest chain per source (default: bc - 1).
         pool: 1 to draft from the table of the model's earlier predictions.
+        recycle: 1 (default) to draft from token recycling's table of the
+            model's top-8 after every token, kept across generations.
         max_bc: the cap of ``bc="auto"`` (default 64).
         lam, mask_init: as in :class:`~mlx_mtp.methods.probe.Probe`
             (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
         shape: ``"auto"`` (default: a chain on hybrid recurrent models, a
             tree elsewhere), ``"tree"`` or ``"chain"`` (see module doc).
-        mtp: ``"auto"`` (default: draft from the checkpoint's native MTP
-            layer when it has one), 1 (required: an error when it has none)
-            or 0 (off).
-        mtp_depth: the longest MTP chain per step (default 3); with
-            ``bc="auto"`` each step drafts the depth that pays under the cost
-            curve (the layer's own pass counted, as ``--method mtp`` does).
-        heads: a folder holding the MTP layer (default: the model's own
-            checkpoint folder).
-        draft_model: a draft model (as ``--method draft`` takes it) whose
-            greedy chain and alternatives per depth are one more source.
-        draft_width: candidates per depth from the draft model (default 4).
+        mtp: ``"auto"`` (default: the checkpoint's native MTP layer if it has
+            one), 1 (required: an error without one) or 0 (off).
+        mtp_depth: the longest MTP chain per step (default 3; with ``auto``
+            the depth that pays, the layer's passes counted).
+        heads: the MTP layer's folder (default: the model's own).
+        draft_model, draft_width: a draft model (as ``--method draft`` takes
+            it) and its candidates per depth (default 4).
 
     Raises:
         InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
@@ -121,7 +112,7 @@ class Hybrid(DraftMethod):
     #: per source and depth, no forgetting; mask candidates calibrated per
     #: depth (prior 1); the whole draft scaled by accepted / predicted tokens
     ACCEPTANCE = AcceptanceModel(
-        priors={**PRIORS, "probe": 1.0, "draft": 1.0},
+        priors={**PRIORS, "probe": 1.0, "draft": 1.0, "recycle": RANK_PRIORS},
         default_prior=0.3,
         weight=4.0,
         decay=1.0,
@@ -141,6 +132,7 @@ class Hybrid(DraftMethod):
         window: Any = 3,
         max_draft: Any = None,
         pool: Any = 1,
+        recycle: Any = 1,
         max_bc: Any = 64,
         shape: str = "auto",
         mtp: Any = "auto",
@@ -177,6 +169,8 @@ class Hybrid(DraftMethod):
         )
         self.max_draft = parse_int("max_draft", max_draft, 1) if max_draft is not None else None
         self.use_pool = bool(parse_int("pool", pool, 0, 1))
+        self.recycle = RecycleTable() if parse_int("recycle", recycle, 0, 1) else None
+        self.plain_topk = self.recycle.k if self.recycle is not None else 0
         self.draft = None
         if draft_model not in (None, ""):
             self.draft = DraftModel(draft_model, parse_width(draft_width))
@@ -190,13 +184,11 @@ class Hybrid(DraftMethod):
         bc = f"auto<={self.bc}" if self.auto else str(self.bc)
         shape = ", shape=chain" if self.chain else ""
         mtp = f", mtp<={self.mtp_depth}" if self.drafter is not None else ""
-        draft = ""
-        if self.draft is not None:
-            draft = (
-                f", draft={getattr(getattr(self.draft, 'loaded', None), 'name', self.draft.spec)}"
-            )
+        loaded = getattr(self.draft, "loaded", None)
+        draft = "" if self.draft is None else f", draft={getattr(loaded, 'name', self.draft.spec)}"
+        rec = "" if self.recycle is None else ", recycle"
         m = self.lookup.matches
-        return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{draft}{init})"
+        return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{draft}{rec}{init})"
 
     def prepare(self, ctx: Context) -> None:
         model = ctx.engine.model
@@ -229,6 +221,8 @@ class Hybrid(DraftMethod):
             self.drafter.prepare(ctx, self.heads)
         if self.draft is not None:
             self.draft.prepare(ctx)
+        if self.recycle is not None:
+            self.recycle.prepare(ctx)
 
     @property
     def learned(self) -> mx.array | None:
@@ -243,6 +237,8 @@ class Hybrid(DraftMethod):
             self.drafter.begin(ctx.engine, prompt)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
         self.pool = PredictionPool()
+        if self.recycle is not None:
+            self.recycle.begin(prompt)
 
     # ------------------------------------------------------------ candidates
     def _chains(self, ctx: Context, root: int) -> list[tuple[str, list[int], list[float]]]:
@@ -278,34 +274,21 @@ class Hybrid(DraftMethod):
         k, acc = self.masks, ctx.acceptance
         levels = self.dists
         scale = [acc.q("probe", d + 1) for d in range(len(levels))]
-        children = CandidateChildren(merge_chains(self._chains(ctx, root)), levels, scale)
-        prev = ctx.engine.cached[-1] if ctx.engine.cached else -1  # token before the root
+        by_token = self.recycle.children(acc) if self.recycle is not None else None
+        trie = merge_chains(self._chains(ctx, root))
+        children = CandidateChildren(trie, levels, scale, by_token=by_token)
         gains = ("probe",) if levels else ()
         if self.chain:
-            return self._chain_offer(ctx, root, children, levels, prev, gains)
-        allocator = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
+            return self._chain_offer(ctx, root, children, gains)
+        tree = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
 
         def build(n: int) -> Draft:
             # an accepted best branch laid out first: no KV-row move in keep
-            return self._draft(ctx, root, allocator.alloc.prefix(n).heavy_first(), levels, prev)
+            return self._draft(ctx, root, tree.alloc.prefix(n).heavy_first())
 
-        return Offer(
-            allocator,
-            build,
-            max_slots=self.bc,
-            remaining=allocator.remaining,
-            gains=gains,
-        )
+        return Offer(tree, build, max_slots=self.bc, remaining=tree.remaining, gains=gains)
 
-    def _chain_offer(
-        self,
-        ctx: Context,
-        root: int,
-        children: CandidateChildren,
-        levels: list,
-        prev: int,
-        gains: tuple[str, ...],
-    ) -> Offer:
+    def _chain_offer(self, ctx: Context, root: int, children: Any, gains: tuple) -> Offer:
         """The chain shape: the most likely child at every depth, then (masks
         > 0) k mask slots after its last node, riding along on every step."""
         k = self.masks
@@ -329,23 +312,16 @@ class Hybrid(DraftMethod):
             a = alloc.prefix(n)
             if k:
                 a.mask_anchors = [n]
-            return self._draft(ctx, root, a, levels, prev, chain=True)
+            return self._draft(ctx, root, a, chain=True)
 
         items = [Item(v) for v in alloc.probs]
         return Offer(items, build, base_slots=1 + k, primes=k > 0, gains=gains)
 
-    def _draft(
-        self,
-        ctx: Context,
-        root: int,
-        alloc: Allocation,
-        levels: list,
-        prev: int,
-        chain: bool = False,
-    ) -> Draft:
+    def _draft(self, ctx: Context, root: int, alloc: Allocation, chain: bool = False) -> Draft:
         """The forward pass of an allocation: its nodes, then k mask slots
         after every mask anchor."""
         k, engine = self.masks, ctx.engine
+        prev = engine.cached[-1] if engine.cached else -1  # the token before the root
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]
         mask_row: dict[int, int] = {}  # anchor slot -> first mask slot
@@ -355,23 +331,26 @@ class Hybrid(DraftMethod):
                 parents.append(anchor if j == 0 else len(parents) - 1)
         n_mask = len(parents) - n_tok
         hidden = bool(n_mask) or self.drafter is not None
-        info = (levels, mask_row, prev)
+        info = (mask_row, prev)
+        first, rec, m = bool(n_mask) and not chain, self.recycle, self.bc
+        extras = None
+        if first or rec is not None:
+
+            def extras(logits: mx.array, hidden: Any, targets: Any) -> list:
+                # built while the pass runs, evaluated with the target tokens: the
+                # first mask set's top-k (its anchor, usually the root, is the one
+                # the next step reads most often) and the token slots' for the table
+                out = list(top_candidates(logits[n_tok : n_tok + k], m)) if first else []
+                return out + ([rec.graph(logits, n_tok)] if rec is not None else [])
+
         if chain and not n_mask:
-            return Draft.chain(root, alloc.tokens, hidden=hidden, tags=alloc.sources, info=info)
+            return Draft.chain(
+                root, alloc.tokens, hidden=hidden, extras=extras, tags=alloc.sources, info=info
+            )
         slot_tokens = np.array([root, *alloc.tokens] + [-1] * n_mask, dtype=np.int64)
         emb = engine.embed_tokens(slot_tokens[:n_tok])
         if n_mask:
             emb = mx.concatenate([emb, self.vectors.sets(len(alloc.mask_anchors), emb.dtype)])
-        first_masks_top = None
-        if n_mask and not chain:
-            m = self.bc
-
-            def first_masks_top(logits: mx.array, hidden: Any, targets: Any) -> tuple:
-                # the first mask set (the most valuable anchor, usually the root)
-                # is the one the next step reads most often: its top-k is built
-                # while the pass runs and evaluated with the target tokens
-                return top_candidates(logits[n_tok : n_tok + k], m)
-
         # with masks, logits only for the token slots and the first mask set;
         # another mask set goes through the LM head in observe() when its
         # anchor is the deepest accepted node (rows of the pass's hidden states)
@@ -380,9 +359,9 @@ class Hybrid(DraftMethod):
             np.array(parents, dtype=np.int64),
             emb,
             n_tok,
-            logit_rows=n_tok + k if n_mask and not chain else None,
+            logit_rows=n_tok + k if first else None,
             hidden=hidden,
-            extras=first_masks_top,
+            extras=extras,
             tags=alloc.sources,
             info=info,
         )
@@ -395,8 +374,10 @@ class Hybrid(DraftMethod):
         if draft is None:  # a one-token step of plain mode: no masks ran
             if self.drafter is not None:
                 self.drafter.plain(result.tokens, queued=result.queued)
+            if self.recycle is not None:
+                self.recycle.plain(result)
             return
-        levels, mask_row, prev = draft.info
+        mask_row, prev = draft.info
         if self.drafter is not None:  # the MTP layer's pairs along the accepted path
             rows = result.hidden[mx.array([0, *result.path])]
             self.drafter.verified(rows, result.tokens)
@@ -404,8 +385,8 @@ class Hybrid(DraftMethod):
         r0 = mask_row.get(result.deepest)
         if r0 is not None:
             k = self.masks
-            if draft.extras is not None and r0 == draft.n_verify:  # the first mask set
-                self.dists = candidate_lists(*result.extras)
+            if draft.logit_rows is not None and r0 == draft.n_verify:  # the first mask set
+                self.dists = candidate_lists(*result.extras[:2])
             elif r0 + k <= result.logits.shape[0]:
                 self.dists = mask_candidates(result.logits[r0 : r0 + k], self.bc, engine)
             else:  # a mask set outside the pass's logit rows
@@ -413,3 +394,5 @@ class Hybrid(DraftMethod):
                 self.dists = mask_candidates(rows, self.bc, engine)
         if self.use_pool:
             self.pool.learn(draft, result, prev)
+        if self.recycle is not None:
+            self.recycle.learn(draft, result, result.extras[-1])

@@ -1,0 +1,156 @@
+"""Token recycling: the model's own top-k predictions after every token.
+
+Luo et al., 2024, "Turning Trash into Treasure: Accelerating Inference of
+Large Language Models with Token Recycling" (arXiv 2408.08696): every forward
+pass ranks the whole vocabulary after each of its slots, and all but the top
+token are thrown away; kept in a table, they are a draft source that needs
+no draft model and no training. Read top to bottom:
+
+1. The table (:class:`RecycleTable`): for every token id, the ``k`` ids the
+   model ranked highest after it the last time that token was an input slot
+   (an adjacency matrix, vocabulary x k int32 on the host, -1 where nothing
+   is known; 151,936 x 8 is 4.9 MB). Every pass a method runs fills it: each
+   verified draft, chain or tree, from every slot with logits, rejected
+   branches too (:meth:`RecycleTable.learn`; where a token occurs twice in
+   one pass, the row from its committed context is the one kept), and every
+   plain one-token step (:meth:`RecycleTable.plain`; the planner builds its
+   top-k beside the argmax, :class:`~mlx_mtp.planner.PlainSteps`). The
+   top-k is device work in the same synchronisation as the target tokens
+   (:func:`~mlx_mtp.verify.top_tokens`); only (slots, k) ids reach the host.
+2. Candidates (:meth:`RecycleTable.children`): the children of a draft node
+   are the row of its token; a rank-r child is worth its parent's value times
+   q(r), the acceptance of rank r given its parent accepted, learned online by
+   the planner (tag ``("recycle", r, 1.0)``, priors :data:`RANK_PRIORS`).
+   A best-first expansion from the root by these values (the planner cuts
+   it under the cost curve) replaces the paper's static tree template, a
+   breadth-first walk of a fixed shape over the table (§3.2).
+3. Lifetime (``reset``): kept across generations (``"never"``: the paper's
+   table inherited from earlier queries), reset when a prompt does not
+   continue the previous one (``"conversation"``), or at every generation
+   (``"turn"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..acceptance import Acceptance
+from ..allocate import Child
+from ..errors import InvalidArgumentError
+from ..verify import top_tokens
+
+if TYPE_CHECKING:
+    from ..context import Context
+    from ..planner import PlainResult
+    from ..speculative import Draft, Verified
+
+#: the acceptance statistics' source name (its depth buckets are ranks 1..k)
+SOURCE = "recycle"
+#: prior acceptance of the rank-1..8 candidates given their parent accepted
+RANK_PRIORS = (0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
+#: when the table starts afresh (see the module doc)
+RESETS = ("never", "conversation", "turn")
+
+
+class RecycleTable:
+    """The adjacency table of token recycling (see the module doc).
+
+    Args:
+        k: candidates kept per token (1..32; the paper's 8).
+        reset: ``"never"``, ``"conversation"`` or ``"turn"``.
+
+    Attributes:
+        table: (V, k) int32 the best ids after every token, best first, -1
+            unknown; None before the first pass (or after a reset).
+
+    Raises:
+        InvalidArgumentError: an unknown ``reset``.
+    """
+
+    def __init__(self, k: int = 8, reset: str = "never"):
+        if reset not in RESETS:
+            raise InvalidArgumentError(
+                f"option reset must be one of {', '.join(RESETS)}, got {reset!r}"
+            )
+        self.k, self.reset = k, reset
+        self.table: np.ndarray | None = None
+        self.rows = 0
+        self._model: Any = None
+        self._prompt: list[int] = []
+
+    def prepare(self, ctx: Context) -> None:
+        """A table belongs to one model: a new model starts an empty one,
+        sized by its embedding table (every input token id is below that)."""
+        engine = ctx.engine
+        if engine.model is not self._model:
+            self._model, self.table = engine.model, None
+            weight = getattr(engine.embed, "weight", None)
+            self.rows = int(weight.shape[0]) if weight is not None else 0
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        """A generation starts after ``prompt``: reset the table as ``reset`` says."""
+        prompt = list(prompt)
+        fresh = prompt[: len(self._prompt)] != self._prompt
+        if self.reset == "turn" or (self.reset == "conversation" and fresh):
+            self.table = None
+        self._prompt = prompt
+
+    # ------------------------------------------------------------ drafting
+    def children(self, acceptance: Acceptance) -> Callable[[int], list[Child]]:
+        """``f(token)`` -> the candidates after ``token`` for this step, best
+        first, valued by the planner's per-rank estimates (read once here)."""
+        k, table = self.k, self.table
+        qs = acceptance.qs(SOURCE, k)
+        tags = [[(SOURCE, r + 1, 1.0)] for r in range(k)]
+        ranks = sorted(range(k), key=lambda r: -qs[r])  # stable: rank order on ties
+
+        def kids(token: int) -> list[Child]:
+            if table is None or not 0 <= token < len(table):
+                return []
+            row = table[token].tolist()
+            return [Child(row[r], qs[r], tags[r]) for r in ranks if row[r] >= 0]
+
+        return kids
+
+    # ------------------------------------------------------------ learning
+    def graph(self, logits: mx.array, rows: int) -> mx.array:
+        """The lazy (rows, k) top-k of a pass's first ``rows`` logit rows (the
+        token slots), for :meth:`learn` (a draft's ``extras``)."""
+        return top_tokens(logits[:rows], self.k)
+
+    def learn(self, draft: Draft, verified: Verified, top: mx.array) -> None:
+        """Write the rows of a verified pass: ``top`` (R, k), evaluated
+        :meth:`graph` of its first R slots; mask slots (-1) are skipped, the
+        root and the accepted path are written last (they win a repeat)."""
+        top = np.asarray(top)
+        n = top.shape[0]
+        on_path = [0, *(s for s in verified.path if s < n)]
+        rest = np.setdiff1d(np.arange(n), on_path, assume_unique=True)
+        order = np.concatenate([rest, np.array(on_path)]).astype(np.int64)
+        tokens = draft.tokens[:n][order]
+        keep = tokens >= 0
+        self.write(tokens[keep], top[order][keep])
+
+    def plain(self, result: PlainResult) -> None:
+        """Write the row of a plain step's root (its ``top``, when computed)."""
+        if result.top is not None and result.root >= 0:
+            self.write(np.array([result.root]), np.asarray(result.top)[None])
+
+    def write(self, tokens: np.ndarray, top: np.ndarray) -> None:
+        """Set the rows of ``tokens`` (n,) to ``top`` (n, k); where a token
+        repeats, its last row wins."""
+        if not len(tokens):
+            return
+        need = int(tokens.max()) + 1
+        if self.table is None or need > len(self.table):
+            old = self.table
+            self.table = np.full((max(need, self.rows), self.k), -1, dtype=np.int32)
+            if old is not None:
+                self.table[: len(old)] = old
+        _, first = np.unique(tokens[::-1], return_index=True)
+        last = len(tokens) - 1 - first
+        self.table[tokens[last]] = top[last, : self.k]
