@@ -146,8 +146,10 @@ class SimulatedClock(DeviceClock):
     ``seconds_per_token * curve(n)``. So a pipelined one-token step (the next
     pass queued before the host reads the current token) costs the larger of
     its host work and the device time, a draft step its serial host work plus
-    the device time. Device work outside passes (top-k, an MTP layer) keeps
-    its real time.
+    the device time. This machine computes each pass when it is launched,
+    so that its compute never shares the cores with the host work measured
+    meanwhile. Device work outside passes (top-k, an MTP layer) keeps its
+    real time.
 
     Args:
         seconds_per_token: the simulated one-token pass.
@@ -162,13 +164,17 @@ class SimulatedClock(DeviceClock):
         self.seconds_per_token, self.curve = seconds_per_token, curve
         self.offset = 0.0  # virtual - real time
         self.free = 0.0  # when the simulated device finishes its queue
+        self.paused: float | None = None  # virtual time stopped at (pause)
 
     def now(self) -> float:
         return time.perf_counter() + self.offset
 
     def launch(self, outputs: list[mx.array], slots: int) -> float:
+        # computed here and now, its time left out: this machine's compute must
+        # not run beside the host work that the virtual clock measures (on a
+        # CPU it would share the cores and slow that work down)
         r0 = time.perf_counter()
-        mx.async_eval(*outputs)  # the CPU backend may compute some of it right here
+        mx.eval(*outputs)
         self.offset -= time.perf_counter() - r0
         start = max(self.now(), self.free)
         self.free = start + self.seconds_per_token * self.curve(slots)
@@ -183,6 +189,17 @@ class SimulatedClock(DeviceClock):
 
     def sync(self) -> None:
         self.block(mx.synchronize, self.free)
+
+    def pause(self) -> None:
+        """Stop virtual time (another engine's steps run meanwhile: an
+        interleaved bench); a pass still queued stays in flight."""
+        self.paused = self.now()
+
+    def resume(self) -> None:
+        """Let virtual time run on from where :meth:`pause` stopped it."""
+        if self.paused is not None:
+            self.offset += self.paused - self.now()
+            self.paused = None
 
 
 def simulated_device(spec: str | None = None) -> tuple[float, Any] | None:

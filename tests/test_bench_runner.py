@@ -374,3 +374,20 @@ def test_mlx_lm_draft_row_and_draft_rows_take_the_draft_model(smollm, tmp_path):
             smollm,
             progress=False,
         )
+
+
+def test_interleave_on_a_simulated_device_counts_its_passes_not_this_cpus(
+    smollm, tmp_path, monkeypatch
+):
+    """Under ``MLX_MTP_SIMULATE_DEVICE`` the interleaved bench times ntp at the
+    simulated 12 ms per token: the wait for the pass an ntp step leaves queued
+    is the simulated device's, not this CPU's compute of it (SmolLM2's real
+    pass takes several times 12 ms here, which would show in the figure)."""
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", "ms_per_token=12,curve=1:1,16:1.05,64:1.3")
+    cfg = _cfg(tmp_path, methods=parse_methods("ntp,pld"), interleave=True, max_tokens=24)
+    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    recs = [json.loads(x) for x in (tmp_path / "out" / runner.RECORDS).read_text().splitlines()]
+    for r in recs:
+        if r["method"] == "ntp":
+            per_token = r["decode_time"] / r["generated_tokens"]
+            assert 0.0119 <= per_token < 0.012 * 1.5, per_token
