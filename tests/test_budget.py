@@ -406,3 +406,53 @@ def test_host_work_counts_in_the_cut():
     n, rate = best_prefix(flat, vals, 1, base_cost=0.2)
     assert rate < 1.0
     assert planner.plain_interval(flat, (3,), host=0.2) > planner.plain_interval(flat, (3,))
+
+
+# ------------------------------------------- a method of the interface only
+def test_an_oracle_method_of_the_interface_only_switches_to_plain_and_back():
+    """A method written only against ``propose`` / ``observe``: it drafts the
+    true greedy continuation for the first ``GOOD`` tokens, wrong tokens after
+    them, and the true one again from ``BACK`` on. At ``auto`` on a CPU-like
+    curve the planner drafts while the drafts pay, keeps to plain steps once
+    they stop paying, re-probes, drafts again when they pay again, and the
+    output equals plain greedy decoding (float32)."""
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.testing import decode
+
+    good, back, n = 24, 72, 200
+
+    class Oracle(DraftMethod):
+        name = "oracle"
+        auto = True
+        chain_shaped = True
+
+        def __init__(self, reference: list[int], start: int):
+            self.reference, self.start, self.observed = reference, start, []
+
+        def propose(self, ctx, root):
+            p = ctx.engine.offset  # root sits at position p
+            d = list(self.reference[p + 1 : p + 5])
+            if self.start + good <= p < self.start + back:
+                d = [(t + 1) % 256 for t in d]  # wrong from the first draft token on
+            return planner.chain_offer(root, d, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.observed.append(draft is not None)
+
+    model = make_tiny_model("llama", seed=7)
+    prompt = [3, 14, 15, 92, 65, 35]
+    ref, _ = decode(Context(Engine(model)), make_method("ntp"), prompt, n)
+    oracle = Oracle(prompt + ref, len(prompt) - 1)
+    ctx = Context(Engine(model), curves=CPU_CURVE)
+    out, stats = decode(ctx, oracle, prompt, n)
+    assert out == ref
+    steps = oracle.observed  # True: a draft step, False: a plain step
+    assert stats.accepted > 0 and stats.plain_steps > 0 and stats.reprobes > 0
+    assert all(steps[:4])  # the right drafts pay from the start
+    lengths = np.cumsum(stats.accept_lengths)
+    bad = [s for s, t in zip(steps, lengths) if good + 8 <= t < back]
+    assert bad and sum(bad) <= len(bad) / 3  # mostly plain steps while drafts fail
+    # a re-probe after BACK finds the drafts right again: drafting from there on
+    lens = stats.accept_lengths
+    hit = next(i for i, (s, t) in enumerate(zip(steps, lengths)) if t > back and s and lens[i] > 1)
+    assert all(steps[hit:-1]), "".join("D" if s else "." for s in steps)
