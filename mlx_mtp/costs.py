@@ -47,7 +47,7 @@ from .artifacts import artifact_dir, atomic_write_text
 from .budget import CostCurve, CostCurves, as_curves, parse_curve
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, token_embedding
 from .timing import simulated_device
 
 if TYPE_CHECKING:
@@ -230,7 +230,8 @@ def curve_key(engine: Engine) -> dict[str, str]:
     seed), its weight quantization, the dtype it computes in, the device
     (with the BLAS threads on a CPU) and the MLX version (kernels change
     between releases)."""
-    dtype = str(engine.embed_tokens([0]).dtype).replace("mlx.core.", "")
+    emb = token_embedding(engine.model)
+    dtype = str(emb(mx.array([0])).dtype).replace("mlx.core.", "")
     arch = getattr(getattr(engine.model, "args", None), "model_type", None)
     model = model_fingerprint(engine.model)
     return {

@@ -34,13 +34,33 @@ PROJECTIONS = 8
 MIN_COSINE = 0.9
 
 
+def token_embedding(model: nn.Module) -> nn.Module:
+    """The model's token embedding, whatever its family calls it: the one
+    :func:`~mlx_mtp.families.model_parts` finds, else the first embedding
+    module of the model (families whose decoder wraps it).
+
+    Raises:
+        UnsupportedModelError: the model has no embedding module.
+    """
+    from .errors import UnsupportedModelError
+    from .families import model_parts
+
+    try:
+        return model_parts(model)[2]
+    except UnsupportedModelError:
+        for _, m in model.named_modules():
+            if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+                return m
+        raise
+
+
 def _sample(model: nn.Module, rows: int = ROWS) -> tuple[mx.array, tuple[int, int]]:
     """``rows`` evenly spaced rows of the input embedding (float32; a quantized
     embedding's rows are dequantized after gathering, never the whole table)
     and the embedding's logical shape."""
     from .dims import dense_weight, packed_width_factor
 
-    emb = model.model.embed_tokens
+    emb = token_embedding(model)
     vocab = int(emb.weight.shape[0])
     idx = mx.array(np.linspace(0, vocab - 1, rows).astype(np.int32))
     if packed_width_factor(emb) != 1:
@@ -63,7 +83,7 @@ def _layers(model: nn.Module) -> int:
     """The model's number of decoder layers (all of them on a pipeline-sharded
     rank, which holds only its own)."""
     layers = len(model.layers)
-    if getattr(model.model, "pipeline_size", 1) > 1:
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
         layers = int(getattr(model.args, "num_hidden_layers", layers))
     return layers
 
@@ -80,7 +100,8 @@ def model_fingerprint(model: nn.Module, rows: int = ROWS) -> str:
     :func:`same_model`, which falls back to the signature.
 
     Raises:
-        AttributeError: the model has no ``model.embed_tokens``.
+        UnsupportedModelError: the model keeps no token embedding under the
+            names mlx-lm uses (:func:`~mlx_mtp.families.model_parts`).
     """
     sample, shape = _sample(model, rows)
     arg = np.concatenate([np.array(mx.argmax(sample, axis=1)), np.array(mx.argmin(sample, axis=1))])
@@ -99,7 +120,8 @@ def model_signature(model: nn.Module) -> dict[str, Any]:
     fixed pseudo-random +-1 directions (seed 0), 5 significant digits.
 
     Raises:
-        AttributeError: the model has no ``model.embed_tokens``.
+        UnsupportedModelError: the model keeps no token embedding under the
+            names mlx-lm uses (:func:`~mlx_mtp.families.model_parts`).
     """
     sample, shape = _sample(model)
     proj = np.random.default_rng(0).choice([-1.0, 1.0], size=(shape[1], PROJECTIONS))

@@ -381,8 +381,14 @@ def compute_dtype(model: nn.Module) -> mx.Dtype:
     or for a quantized embedding the dtype of its scales (what quantized
     matmuls return), else that of the final norm's weight; float32 when none
     of them is floating."""
-    inner = model.model
-    emb = inner.embed_tokens
+    from .errors import UnsupportedModelError
+    from .families import model_parts
+
+    try:
+        backbone, _, emb = model_parts(model)
+    except UnsupportedModelError:
+        return mx.float32
+    inner = getattr(backbone, "inner", None) or getattr(model, "model", None)
     norm = getattr(inner, "norm", None)
     for w in (
         getattr(emb, "weight", None),

@@ -395,7 +395,16 @@ class Planner:
                 self.curves.observe(clock.slots - slots, device - (clock.aside - aside), start)
             wall = clock.now() - t0
             if self._kind == "draft":
-                self.host += HOST_RATE * (wall - device - self.host)
+                # host work: all but the device time the planner priced (the
+                # curve's time of the target's pass, and work beside it), so
+                # that what the clock counts inside a pass but the curve does
+                # not (building its graph, on a simulated device) is host work
+                n = clock.slots - slots
+                if out.forwards == 1 and n > 0 and self.t1 is not None:
+                    priced = self.t1 * self.curve(n) + (clock.aside - aside)
+                else:
+                    priced = device
+                self.host += HOST_RATE * (wall - priced - self.host)
             elif self._kind == "plain":
                 old = self.plain_time if self.plain_time is not None else wall
                 self.plain_time = old + HOST_RATE * (wall - old)
@@ -404,7 +413,7 @@ class Planner:
     @property
     def host_cost(self) -> float:
         """A draft step's host work in one-token forwards (0 without the host term)."""
-        return self.host / self.t1 if self.host_term else 0.0
+        return max(self.host, 0.0) / self.t1 if self.host_term else 0.0
 
     @property
     def plain_cost(self) -> float:

@@ -87,19 +87,16 @@ def test_doctor_checks_chain_and_rollback_on_a_hybrid_recurrent_model(tmp_path, 
     assert all(s == "ok" and e < 1e-5 for e, s in [*chain.values(), *rollback.values()])
 
 
-def test_doctor_checks_the_chain_forward_of_a_model_without_tree_support(tmp_path):
-    """DeepSeek-V3 takes no input embeddings (chain methods only): the report
-    says so and checks the causal chain forward."""
-    from mlx_lm.utils import load_model
+def test_doctor_checks_the_chain_forward_of_a_model_without_tree_support():
+    """GPT-2 places learned positions by ``cache.offset`` (chain methods only,
+    mlx_mtp.families): the report says so and checks the causal chain forward."""
+    from mlx_mtp.testing import family_config
 
-    from mlx_mtp.testing import write_tiny_deepseek
-
-    write_tiny_deepseek(tmp_path, seed=1)
-    model, config = load_model(tmp_path)
-    lm = LoadedModel(model, None, tmp_path, config, "tiny-deepseek", "float32")
+    model = make_tiny_model("gpt2", seed=1)
+    lm = LoadedModel(model, None, Path("tiny"), family_config("gpt2"), "tiny-gpt2", "float32")
     ok, lines = _doctor(lm, max_size=2, repeats=1, sizes=(1, 5, 9))
     assert ok, "\n".join(lines)
-    assert any("'deepseek_v3' has no draft-tree forward here" in line for line in lines)
+    assert any("'gpt2' has no draft-tree forward here" in line for line in lines)
     chain = _checks(lines, "chain")
     assert sorted(chain) == [1, 5, 9] and not _checks(lines, "tree")
     assert all(s == "ok" and e < 1e-5 for e, s in chain.values())

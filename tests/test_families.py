@@ -247,3 +247,16 @@ def test_plain_families_refuse_every_drafting_method(models, family):
         check_cache_support(eng, make_method("pld"))
     with pytest.raises(UnsupportedModelError, match="use ntp"):
         check_tree_support(model, "probe")
+
+
+@pytest.mark.parametrize("family", TESTED_TREE + CHAIN_HERE)
+def test_cost_curve_key_and_fingerprint_of_every_drafting_family(models, family):
+    """``auto`` keys its cost curve by the model's fingerprint, read from the
+    token embedding whatever the family calls it (``embed_tokens``, ``wte``,
+    ...): every family a drafting method runs on gets one."""
+    from mlx_mtp.costs import curve_key
+    from mlx_mtp.fingerprint import model_fingerprint
+
+    model = models(family)
+    key = curve_key(Engine(model))
+    assert key["model"].endswith(model_fingerprint(model))

@@ -49,7 +49,7 @@ VALUE_OPTIONS = frozenset(
         "bc", "masks", "tree", "lam", "mask_init", "max_bc", "shape", "window", "max_draft",
         "mode", "k", "predictor", "tau", "max_k", "level", "guess", "seed", "matches",
         "pool", "mtp", "mtp_depth", "depth", "hidden_state", "max_depth", "draft_cost",
-        "draft_width", "num_draft_tokens", "width",
+        "draft_width", "num_draft_tokens", "width", "recycle", "reset",
     }
 )  # fmt: skip
 
