@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from . import distributed
 from .acceptance import Acceptance, chain_values
 from .budget import CostCurve, CostCurves, PrefixBound, as_curves, best_prefix
 from .costs import LiveCurves
@@ -372,8 +373,10 @@ class Planner:
         self._primed = False  # the last step primed a re-probe
         # the whole step (docs/budget.md): the host work of this method's draft
         # steps and a plain step's (pipelined) time, in seconds, averaged online;
-        # counted only where the curve knows the seconds of one forward
-        known = self.auto and self.curves.t1 is not None
+        # counted only where the curve knows the seconds of one forward, and
+        # not on a model sharded over several ranks: each rank would measure
+        # its own host time, and all ranks must draft the same
+        known = self.auto and self.curves.t1 is not None and distributed.size() == 1
         self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
         self._key = method.describe()
         self.host = self.curves.host.get(self._key, 0.0) if self.auto else 0.0
