@@ -232,13 +232,27 @@ def serve_jobs(report, worker, folder, msgs):
     """Rank 0: submit jobs to the worker and record what the clients got."""
     import threading
 
+    from mlx_mtp.server import events as E
     from mlx_mtp.server.protocol import GenRequest
     from mlx_mtp.server.worker import Job
 
     def submit(req, cancel_after_start=False):
         events, done = [], threading.Event()
 
-        def emit(ev):
+        def emit(event):
+            # the worker's typed events (mlx_mtp.server.events) as plain tuples
+            if isinstance(event, E.Taken):
+                return
+            if isinstance(event, E.Started):
+                ev = ("started",)
+            elif isinstance(event, E.Delta):
+                ev = ("delta", event.text)
+            elif isinstance(event, E.Done):
+                ev = ("done", event.finish_reason)
+            elif isinstance(event, E.Failed):
+                ev = ("error", str(event.error))
+            else:
+                ev = ("cancelled",)
             events.append(ev)
             if ev[0] == "started" and cancel_after_start:
                 job.cancel.set()
