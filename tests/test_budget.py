@@ -406,4 +406,3 @@ def test_host_work_counts_in_the_cut():
     n, rate = best_prefix(flat, vals, 1, base_cost=0.2)
     assert rate < 1.0
     assert planner.plain_interval(flat, (3,), host=0.2) > planner.plain_interval(flat, (3,))
-
