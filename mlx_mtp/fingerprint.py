@@ -45,6 +45,9 @@ def token_embedding(model: nn.Module) -> nn.Module:
     from .errors import UnsupportedModelError
     from .families import model_parts
 
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if emb is not None:  # the usual place (also of a model made of namespaces)
+        return emb
     try:
         return model_parts(model)[2]
     except UnsupportedModelError:

@@ -126,8 +126,11 @@ def test_options():
     for bad in ({"bc": 1}, {"k": 0}, {"k": 33}, {"reset": "x"}, {"window": 3}):
         with pytest.raises(InvalidArgumentError):
             make_method("recycle", **bad)
-    assert make_method("hybrid").plain_topk == 8 and "recycle" in make_method("hybrid").describe()
-    assert make_method("hybrid", recycle=0).plain_topk == 0
+    assert (
+        make_method("hybrid").plain_topk == 0 and "recycle" not in make_method("hybrid").describe()
+    )
+    hybrid = make_method("hybrid", recycle=1)
+    assert hybrid.plain_topk == 8 and "recycle" in hybrid.describe()
 
 
 def test_recurrent_or_unknown_models_are_refused():
@@ -190,8 +193,8 @@ def test_tiny_models_exact_and_drafting(family):
         ("recycle", {"bc": 10}),
         ("recycle", {}),
         ("recycle", {"reset": "turn", "k": 3}),
-        ("hybrid", {"bc": 16}),
-        ("hybrid", {}),
+        ("hybrid", {"bc": 16, "recycle": 1}),
+        ("hybrid", {"recycle": 1}),
     ]
     for name, opts in settings:
         ctx = Context(Engine(model), curves=CostCurve.flat(64, 0.003))
@@ -228,9 +231,13 @@ SMOL_SETTINGS = {"recycle:30": ("recycle", {"bc": 30}), "recycle:auto": ("recycl
 
 
 def test_exact_float32_smollm(smollm, short_spec_prompts, greedy_reference):
-    """recycle fixed and auto, hybrid (recycling on by default) auto; the
-    fixed hybrid settings run in tests/test_hybrid.py."""
-    settings = {**SMOL_SETTINGS, "hybrid:auto": ("hybrid", {})}
+    """recycle fixed and auto, hybrid with the recycling source, auto and at
+    BC=30."""
+    settings = {
+        **SMOL_SETTINGS,
+        "hybrid:auto:recycle": ("hybrid", {"recycle": 1}),
+        "hybrid:30:recycle": ("hybrid", {"bc": 30, "recycle": 1}),
+    }
     _check_exact(smollm, short_spec_prompts[:4], 32, settings, greedy_reference)
 
 
@@ -239,9 +246,9 @@ def test_exact_float32_smollm_long(smollm, spec_prompts, greedy_reference):
     settings = {
         **SMOL_SETTINGS,
         "recycle:10:turn": ("recycle", {"bc": 10, "reset": "turn"}),
-        "hybrid:30": ("hybrid", {"bc": 30}),
-        "hybrid:auto": ("hybrid", {}),
-        "hybrid:10:k2": ("hybrid", {"bc": 10, "masks": 2}),
+        "hybrid:30": ("hybrid", {"bc": 30, "recycle": 1}),
+        "hybrid:auto": ("hybrid", {"recycle": 1}),
+        "hybrid:10:k2": ("hybrid", {"bc": 10, "masks": 2, "recycle": 1}),
     }
     _check_exact(smollm, spec_prompts[:30], 64, settings, greedy_reference)
 
@@ -262,7 +269,7 @@ def test_exact_float32_qwen(qwen):
             memo[tuple(p)] = decode(Context(engine), ntp, p, n)[0]
         return memo[tuple(p)]
 
-    settings = {"recycle:auto": ("recycle", {}), "hybrid:auto": ("hybrid", {})}
+    settings = {"recycle:auto": ("recycle", {}), "hybrid:auto": ("hybrid", {"recycle": 1})}
     _check_exact(qwen, prompts, 24, settings, reference)
 
 
@@ -278,7 +285,10 @@ def test_hybrid_recycle_on_a_recurrent_model_runs_chains(tmp_path):
     model, _ = load_model(tmp_path)
     prompts = _prompts(3, seed=4)
     ref_ctx, ctx = Context(Engine(model)), Context(Engine(model), curves=CostCurve.flat(64, 0))
-    ntp, m = make_method("ntp"), make_method("hybrid", bc=8, masks=0, mtp=0, pool=0, matches=0)
+    ntp, m = (
+        make_method("ntp"),
+        make_method("hybrid", bc=8, masks=0, mtp=0, pool=0, matches=0, recycle=1),
+    )
     m.prepare(ctx)
     assert m.chain
     accepted = 0

@@ -85,8 +85,10 @@ class Hybrid(DraftMethod):
         window: longest n-gram matched by prompt lookup.
         max_draft: longest chain per source (default: bc - 1).
         pool: 1 to draft from the table of the model's earlier predictions.
-        recycle: 1 (default) to draft from token recycling's table of the
-            model's top-8 after every token, kept across generations.
+        recycle: 1 to draft from token recycling's table of the model's
+            top-8 after every token, kept across generations (default 0:
+            every plain step then also computes the top-8, and the tau gain
+            is not yet measured to pay for it).
         max_bc: the cap of ``bc="auto"`` (default 64).
         lam, mask_init: as in :class:`~mlx_mtp.methods.probe.Probe`
             (``mask_init="learned"`` loads :mod:`mlx_mtp.learned_masks`).
@@ -132,7 +134,7 @@ class Hybrid(DraftMethod):
         window: Any = 3,
         max_draft: Any = None,
         pool: Any = 1,
-        recycle: Any = 1,
+        recycle: Any = 0,
         max_bc: Any = 64,
         shape: str = "auto",
         mtp: Any = "auto",
