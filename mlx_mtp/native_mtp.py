@@ -382,14 +382,13 @@ def compute_dtype(model: nn.Module) -> mx.Dtype:
     matmuls return), else that of the final norm's weight; float32 when none
     of them is floating."""
     from .errors import UnsupportedModelError
-    from .families import model_parts
+    from .fingerprint import token_embedding
 
     try:
-        backbone, _, emb = model_parts(model)
+        emb = token_embedding(model)
     except UnsupportedModelError:
         return mx.float32
-    inner = getattr(backbone, "inner", None) or getattr(model, "model", None)
-    norm = getattr(inner, "norm", None)
+    norm = getattr(getattr(model, "model", None), "norm", None)
     for w in (
         getattr(emb, "weight", None),
         getattr(emb, "scales", None),
