@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
     from .budget import CostCurve, CostCurves
     from .engine import Engine
-    from .planner import Planner
+    from .planner import Learned, Planner
 
 
 @dataclass
@@ -25,12 +25,19 @@ class Context:
             test); None: this device's own (:func:`mlx_mtp.costs.device_curves`).
         planner: the planner of the generation under way (set by the
             decoding loop; None outside one).
+        learned: what the planner of a method at ``auto`` learned in its last
+            generation (:class:`~mlx_mtp.planner.Learned`: acceptance
+            estimates, host time), by the method's description: the next
+            generation on this context starts from it instead of the priors
+            (a conversation's turns, a server's requests: the same model and
+            method).
     """
 
     engine: Engine
     loaded: Any = None
     curves: CostCurve | CostCurves | None = None
     planner: Planner | None = None
+    learned: dict[str, Learned] = field(default_factory=dict)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -43,6 +50,15 @@ class Context:
         """The cost curve at the cache's current length (for choices of
         shape, such as lookahead's window)."""
         return self.planner.curve
+
+    def history(self, root: int) -> list[int]:
+        """The committed tokens up to ``root``: the cache's and ``root``
+        (counted once where a pipelined plain step has queued its forward
+        pass, so that the cache holds it already)."""
+        cached = self.engine.cached
+        if self.planner is not None and self.planner.plain.holds(self.engine, root):
+            return list(cached)
+        return [*cached, root]
 
     @property
     def tokenizer(self) -> Any:

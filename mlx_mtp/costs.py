@@ -317,9 +317,6 @@ class LiveCurves:
         self.sizes = list(first.sizes)
         self.k = np.ones(len(self.sizes))
         self.t1 = first.seconds
-        #: host seconds per draft step of each method (its settings string),
-        #: carried from one generation to the next (:class:`~mlx_mtp.planner.Planner`)
-        self.host: dict[str, float] = {}
         self.changed = False
         self._at: dict[int, tuple[int, CostCurve]] = {}
         self.version = 0

@@ -163,6 +163,24 @@ class Offer:
     source: str = ""
 
 
+@dataclass
+class Learned:
+    """What a :class:`Planner` at ``auto`` learned in one generation, kept for
+    the next on the same :class:`~mlx_mtp.context.Context`.
+
+    Attributes:
+        acceptance: the acceptance estimates.
+        host: seconds of host work per draft step (pipeline restart included).
+        plain_time: seconds of a pipelined plain step (None: none measured).
+        plain_left: plain-mode steps left before the next re-probe.
+    """
+
+    acceptance: Acceptance
+    host: float = 0.0
+    plain_time: float | None = None
+    plain_left: int = 0
+
+
 def chain_offer(
     root: int,
     tokens: Sequence[int],
@@ -283,11 +301,17 @@ class PlainSteps:
         """Whether the forward pass of the last token is queued."""
         return self.next is not None
 
+    def holds(self, engine: Engine, root: int) -> bool:
+        """Whether the cache holds ``root``'s queued forward pass (the last
+        step was pipelined), so that the next one-token step is half done."""
+        nxt = self.next
+        return nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root
+
     def unqueue(self, engine: Engine, root: int) -> None:
         """Drop a queued forward pass whose token a draft step feeds itself."""
-        nxt, self.next = self.next, None
-        if nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root:
+        if self.holds(engine, root):
             engine.trim_to(engine.offset - 1)
+        self.next = None
 
 
 def plain_interval(
@@ -363,12 +387,18 @@ class Planner:
         if curves is not None and not isinstance(curves, LiveCurves):
             curves = LiveCurves(as_curves(curves), learn=False)
         self.curves = curves
-        self.acceptance = Acceptance(method.acceptance_model())
+        self._key = method.settings_key()
+        # auto goes on from what the last generation on this context learned
+        learned = ctx.learned.get(self._key) if self.auto else None
+        if learned is None:
+            learned = Learned(Acceptance(method.acceptance_model()))
+        self.acceptance = learned.acceptance
         ctx.planner = self
         # what the method's begin() may read (lookahead's window)
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
         self.plain = PlainSteps(sampler, method.plain_topk)
-        self.plain_left = self.plain_steps = self.reprobes = self.plain_spells = 0
+        self.plain_steps = self.reprobes = self.plain_spells = 0
+        self.plain_left = learned.plain_left  # plain mode goes on across generations
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
         # the whole step (docs/budget.md): the host work of this method's draft
@@ -378,10 +408,8 @@ class Planner:
         # its own host time, and all ranks must draft the same
         known = self.auto and self.curves.t1 is not None and distributed.size() == 1
         self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
-        self._key = method.describe()
-        self.host = self.curves.host.get(self._key, 0.0) if self.auto else 0.0
-        self.plain_time: float | None = None
-        self._kind = ""
+        self.host, self.plain_time = learned.host, learned.plain_time
+        self._kind = self._last_kind = ""
 
     # ----------------------------------------------------------------- step
     def step(self, root: int) -> StepOutput:
@@ -408,9 +436,15 @@ class Planner:
                 else:
                     priced = device
                 self.host += HOST_RATE * (wall - priced - self.host)
+            elif self._kind == "plain" and self._last_kind == "draft":
+                # the pipeline starts again after a draft step: what this step
+                # takes beyond a pipelined one is the draft step's cost too
+                if self.plain_time is not None:
+                    self.host += HOST_RATE * max(wall - self.plain_time, 0.0)
             elif self._kind == "plain":
                 old = self.plain_time if self.plain_time is not None else wall
                 self.plain_time = old + HOST_RATE * (wall - old)
+            self._last_kind = self._kind
         return out
 
     @property
@@ -427,11 +461,13 @@ class Planner:
         return max(self.plain_time / self.t1, 1e-3)
 
     def finish(self) -> None:
-        """The generation ended: cache what the cost curve learned, keep the
-        method's host time for its next generation."""
+        """The generation ended: cache what the cost curve learned, keep what
+        this generation learned for the next one on the context."""
         if self.auto:
-            self.curves.host[self._key] = self.host
             self.curves.save()
+            self.ctx.learned[self._key] = Learned(
+                self.acceptance, self.host, self.plain_time, self.plain_left
+            )
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
         """How many drafts a source whose drafts cost ``item_cost`` one-token
@@ -472,9 +508,12 @@ class Planner:
             if self.plain_left == 0:
                 self.reprobes += 1
                 self._due = True
-            self._kind = "plain"
             return self._plain(root, queue_next=not self._due)
-        self.plain.unqueue(engine, root)
+        # root's forward pass is queued when the last step was a pipelined one
+        # of an offer that waits (auto only); anything else queued is stale
+        queued = self.auto and self.plain.holds(engine, root)
+        if not queued:
+            self.plain.unqueue(engine, root)
         if self.auto:  # the cost of a draft slot grows with the context
             self.curve = self.curves.at(engine.offset)
         offer = self.method.propose(self.ctx, root)
@@ -483,23 +522,33 @@ class Planner:
         if not self.auto:
             items = list(offer.items)
             return self._send(offer, items, len(items), forced=False)
+
+        def send(n: int, forced: bool = False) -> StepOutput:
+            if queued:  # the half-done plain step first, unpipelined: the draft
+                # is offered again after its token (dropping the queued pass
+                # would waste a whole forward)
+                return self._plain(root, queue_next=False, offer=offer)
+            return self._send(offer, items, n, forced)
+
         host, plain = self.host_cost, self.plain_cost
         items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
         slots = self._reprobe_slots(offer, items)
         if not items:
             if offer.primes and not primed:  # no candidates yet: this pass makes them
                 self._due = self._primed = reprobe
-                return self._send(offer, items, 0, forced=False)
+                return send(0)
             if offer.required:
-                return self._send(offer, items, 0, forced=False)
+                return send(0)
             if offer.wait and not primed:
-                return self._plain(root, queue_next=False, offer=offer)
+                # nothing after this root, maybe after the next: a pipelined
+                # plain step, whose queued pass the next step uses or finishes
+                return self._plain(root, queue_next=True, offer=offer)
         elif reprobe or self._cheap(slots):
             # a re-probe, or a nearly free device: a few items whatever they are worth
             n = max(n, min(len(items), offer.reprobe_items))
-            return self._send(offer, items, n, forced=reprobe)
+            return send(n, forced=reprobe)
         elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
-            return self._send(offer, items, n, forced=False)
+            return send(n)
         self.plain_left = plain_interval(self.curve, slots, host, plain)
         self.plain_spells += 1
         return self._plain(root, queue_next=True, offer=offer)
@@ -515,6 +564,7 @@ class Planner:
 
     def _plain(self, root: int, queue_next: bool, offer: Offer | None = None) -> StepOutput:
         self.plain_steps += 1
+        self._kind = "plain"
         if not self.method.lossless:  # a lossy method's one-token step is its own
             offer = offer if offer is not None else self.method.propose(self.ctx, root)
             return offer.run(0)

@@ -126,6 +126,64 @@ def test_an_auto_method_goes_plain_when_drafts_stop_paying_and_comes_back():
     assert stats.forward_passes < n - 40
 
 
+class WaitOracle(SpellOracle):
+    """A prompt-lookup-like ``auto`` method: the right chain where
+    ``good(position)`` holds, nothing otherwise, and an offer that waits
+    (nothing now says nothing of the next root)."""
+
+    name = "wait-oracle"
+
+    def propose(self, ctx, root):
+        chain = self.reference[self.done : self.done + self.depth] if self.good(self.done) else []
+        return chain_offer(root, chain, "oracle", ctx.acceptance, wait=True)
+
+    def observe(self, ctx, draft, result):
+        queued = getattr(result, "queued", False)
+        self.log.append((self.done, "plain" if draft is None else "draft", queued))
+        self.done += len(result.tokens)
+
+
+def test_a_waiting_offer_keeps_the_plain_steps_pipelined():
+    """Steps with nothing to draft stay pipelined (each queues the next
+    pass, as ntp does); a draft that turns up at a root whose pass is
+    queued waits for that step to finish, then goes in after its token."""
+    model = make_tiny_model("llama", seed=3)
+    n = 60
+    ref = run_method(Engine(model), NTP(), PROMPT, n)
+    oracle = WaitOracle(ref, lambda pos: 30 <= pos < 40)
+    flat = CostCurve([1, 64], [1.0, 1.0])  # drafts pay whenever there is one
+    out, stats = decode(Context(Engine(model), curves=flat), oracle, PROMPT, n)
+    assert out == ref
+    before = [(pos, q) for pos, kind, q in oracle.log if pos < 29]
+    assert before and all(kind == "plain" for pos, kind, _ in oracle.log if pos < 30)
+    assert all(q for _, q in before)  # queued: pipelined, not one sync per step
+    drafts = [pos for pos, kind, _ in oracle.log if kind == "draft"]
+    assert drafts and 30 < min(drafts) < 40  # the draft after the queued step's token
+    assert stats.accepted > 0
+
+
+def test_auto_carries_what_it_learned_to_the_next_generation():
+    """A second generation on the same context starts from the first's
+    acceptance estimates and plain mode, not from the priors: drafts that
+    never pay are not tried again at its start."""
+    model = make_tiny_model("llama", seed=3)
+    n = 40
+    ref = run_method(Engine(model), NTP(), PROMPT, n)
+    oracle = SpellOracle(ref, lambda pos: False)  # always wrong
+    cpu = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])
+    ctx = Context(Engine(model), curves=cpu)
+    runs = []
+    for _ in range(2):
+        oracle.log.clear()
+        out, stats = decode(ctx, oracle, PROMPT, n)
+        assert out == ref
+        runs.append([kind for _, kind, _ in oracle.log])
+    assert runs[0][0] == "draft" and "plain" in runs[0]
+    assert oracle.settings_key() in ctx.learned
+    assert runs[1][: runs[0].index("plain")].count("draft") == 0
+    assert runs[1].count("draft") < runs[0].count("draft")
+
+
 def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():
     model = make_tiny_model("qwen2", seed=1)
     engine = Engine(model)

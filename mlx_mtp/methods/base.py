@@ -95,6 +95,12 @@ class DraftMethod(Method):
         settings (default: the class's ``ACCEPTANCE``)."""
         return self.ACCEPTANCE
 
+    def settings_key(self) -> str:
+        """The settings under which the planner keeps what one generation
+        learned for the next (:class:`~mlx_mtp.planner.Learned`); default
+        :meth:`describe`, which must then not change between generations."""
+        return self.describe()
+
     def propose(self, ctx: Context, root: int) -> Offer:
         """This step's offer after ``root`` (the last committed token, not yet
         in the cache). May read ``ctx.engine.cached`` and embed tokens; must

@@ -251,7 +251,7 @@ class Hybrid(DraftMethod):
             qs = {src: q[: _worth(q)] for src, q in qs.items()}
         chains: list[tuple[str, list[int], list[float]]] = []
         most = max(len(qs["pld"]), len(qs["pld_alt"]))
-        for r, toks in enumerate(self.lookup.candidates(engine, root, most)):
+        for r, toks in enumerate(self.lookup.candidates(ctx, root, most)):
             src = "pld" if r == 0 else "pld_alt"
             toks = toks[: len(qs[src])]
             if toks:

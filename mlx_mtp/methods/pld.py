@@ -53,6 +53,6 @@ class PLD(DraftMethod):
         return f"pld(window={self.window}, max_draft={md})"
 
     def propose(self, ctx: Context, root: int) -> Offer:
-        cands = self.lookup.candidates(ctx.engine, root, self.max_draft)
+        cands = self.lookup.candidates(ctx, root, self.max_draft)
         # no match now says nothing of the next token: look again next step
         return chain_offer(root, cands[0] if cands else [], "pld", ctx.acceptance, wait=True)

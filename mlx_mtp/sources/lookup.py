@@ -4,9 +4,12 @@ found earlier in the context, the training-free source of ``pld`` and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ..engine import Engine
+if TYPE_CHECKING:
+    from ..context import Context
 
 
 def lookup_candidates(
@@ -60,10 +63,11 @@ class PromptLookup:
     def __init__(self, window: int = 3, matches: int = 1):
         self.window, self.matches = window, matches
 
-    def candidates(self, engine: Engine, root: int, max_draft: int) -> list[list[int]]:
+    def candidates(self, ctx: Context, root: int, max_draft: int) -> list[list[int]]:
         """Up to ``matches`` continuations of up to ``max_draft`` tokens after
-        ``root`` (the cache's tokens and the root are the context)."""
+        ``root`` (the context: :meth:`Context.history
+        <mlx_mtp.context.Context.history>`)."""
         if max_draft < 1 or self.matches < 1:
             return []
-        context = np.array([*engine.cached, root], dtype=np.int64)
+        context = np.array(ctx.history(root), dtype=np.int64)
         return lookup_candidates(context, self.window, max_draft, self.matches)
