@@ -77,11 +77,13 @@ class Lookahead(DraftMethod):
     Args:
         level: N, the n-gram size (the window has N - 1 levels); 5 in the paper.
         window: W, Jacobi columns per level; 7 in the paper. ``"auto"``
-            (default): the widest W <= 7 whose lookahead branch costs at most
-            ``AUTO_WINDOW_COST`` more than a one-token forward on this
-            device's cost curve (:mod:`mlx_mtp.costs`); 0 where even one
-            column costs more (a CPU): then no Jacobi branch runs and every
-            step is a pipelined one-token step, as in ``ntp``.
+            (default): the widest W <= 7 whose lookahead step (its pass on
+            this device's cost curve, :mod:`mlx_mtp.costs`, and the host work
+            the last generation's lookahead steps measured, the host term of
+            :mod:`mlx_mtp.planner`) costs at most ``AUTO_WINDOW_COST`` more
+            than a plain step; 0 where even one column costs more (a CPU):
+            then no Jacobi branch runs and every step is a pipelined
+            one-token step, as in ``ntp``.
         guess: G, pool candidates verified per step (and kept per key); 7.
             ``"auto"`` (default): up to 7, cut per step by the planner to the
             candidates whose expected accepted tokens pay for their slots.
@@ -119,15 +121,24 @@ class Lookahead(DraftMethod):
         g = f"auto<={self.guess}" if self.auto_guess else str(self.guess)
         return f"lookahead(level={self.level}, window={w}, guess={g})"
 
+    def settings_key(self) -> str:
+        w = "auto" if self.auto_window else str(self.window)
+        return f"lookahead(level={self.level}, window={w}, guess={self.auto_guess or self.guess})"
+
     def prepare(self, ctx: Context) -> None:
         check_tree_support(ctx.engine.model, self.name)
 
     def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
         super().begin(ctx, prompt, sampler)
         if self.auto_window:  # the widest window that is nearly free on this device
+            # (its pass and the host work of a lookahead step, as measured, against
+            # a plain step's time)
+            planner = ctx.planner
+            host, plain = planner.host_cost, planner.plain_cost
             self.window = 0
             for w in range(self.PAPER_WINDOW, 0, -1):
-                if ctx.curve(1 + (self.level - 1) * w) <= 1.0 + self.AUTO_WINDOW_COST:
+                step = ctx.curve(1 + (self.level - 1) * w) + host
+                if step <= (1.0 + self.AUTO_WINDOW_COST) * plain:
                     self.window = w
                     break
         rng = np.random.default_rng(self.seed)
