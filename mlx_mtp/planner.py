@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 #: share of decode time the periodic re-probes may cost
 REPROBE_OVERHEAD = 0.01
 #: bounds of the plain-mode interval (steps)
-MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 64
+MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 256
 #: weight of a new step in the averages of host and plain-step time
 HOST_RATE = 0.2
 
@@ -170,13 +170,14 @@ class Learned:
 
     Attributes:
         acceptance: the acceptance estimates.
-        host: seconds of host work per draft step (pipeline restart included).
+        host: seconds of host work per draft step (pipeline restart
+            included; None: none measured).
         plain_time: seconds of a pipelined plain step (None: none measured).
         plain_left: plain-mode steps left before the next re-probe.
     """
 
     acceptance: Acceptance
-    host: float = 0.0
+    host: float | None = None
     plain_time: float | None = None
     plain_left: int = 0
 
@@ -435,11 +436,13 @@ class Planner:
                     priced = self.t1 * self.curve(n) + (clock.aside - aside)
                 else:
                     priced = device
-                self.host += HOST_RATE * (wall - priced - self.host)
+                sample = wall - priced
+                old = self.host if self.host is not None else sample
+                self.host = old + HOST_RATE * (sample - old)
             elif self._kind == "plain" and self._last_kind == "draft":
                 # the pipeline starts again after a draft step: what this step
                 # takes beyond a pipelined one is the draft step's cost too
-                if self.plain_time is not None:
+                if self.plain_time is not None and self.host is not None:
                     self.host += HOST_RATE * max(wall - self.plain_time, 0.0)
             elif self._kind == "plain":
                 old = self.plain_time if self.plain_time is not None else wall
@@ -450,7 +453,9 @@ class Planner:
     @property
     def host_cost(self) -> float:
         """A draft step's host work in one-token forwards (0 without the host term)."""
-        return max(self.host, 0.0) / self.t1 if self.host_term else 0.0
+        if not self.host_term or self.host is None:
+            return 0.0
+        return max(self.host, 0.0) / self.t1
 
     @property
     def plain_cost(self) -> float:
