@@ -78,7 +78,10 @@ def test_plain_mode_interval_pays_for_the_reprobe():
     interval = planner.plain_interval
     assert interval(CPU_CURVE, (3,)) == 33  # c(3) = 1.33: every 33 steps -> 1% overhead
     # a two-step re-probe (probe: root masks, then one node) pays for both
-    assert interval(CPU_CURVE, (2, 4)) == planner.MAX_PLAIN_STEPS  # 0.66 -> capped at 64
+    assert interval(CPU_CURVE, (2, 4)) == 66  # 0.24 + 0.42: every 66 steps
+    # host work of each re-probe step counts; the interval is capped
+    assert interval(CPU_CURVE, (3,), host=0.5) == 83
+    assert interval(CPU_CURVE, (2, 4), host=5.0) == planner.MAX_PLAIN_STEPS
     cheap = CostCurve([1, 2, 4], [1.0, 1.07, 1.27])
     assert interval(cheap, (2, 4)) == 34 and interval(cheap, (2,)) == 7
     assert interval(GPU_CURVE, (3,)) == planner.MIN_PLAIN_STEPS
