@@ -513,9 +513,9 @@ class Planner:
             if self.plain_left == 0:
                 self.reprobes += 1
                 self._due = True
-            return self._plain(root, queue_next=not self._due)
+            return self._plain(root, queue_next=True)
         # root's forward pass is queued when the last step was a pipelined one
-        # of an offer that waits (auto only); anything else queued is stale
+        # (plain mode, an offer that waits: auto only); anything else is stale
         queued = self.auto and self.plain.holds(engine, root)
         if not queued:
             self.plain.unqueue(engine, root)
@@ -530,8 +530,9 @@ class Planner:
 
         def send(n: int, forced: bool = False) -> StepOutput:
             if queued:  # the half-done plain step first, unpipelined: the draft
-                # is offered again after its token (dropping the queued pass
-                # would waste a whole forward)
+                # (a re-probe too) is offered again after its token (dropping
+                # the queued pass would waste a whole forward)
+                self._due, self._primed = reprobe, False
                 return self._plain(root, queue_next=False, offer=offer)
             return self._send(offer, items, n, forced)
 
