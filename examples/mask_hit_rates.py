@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import mlx_mtp  # noqa: F401  (first: loads OpenBLAS ahead of mlx on Linux)
 
@@ -59,10 +60,10 @@ def main() -> None:
     for key in [k for k in table["mean"] if k.startswith("top")]:
         before, after = table["mean"][key], table["learned"][key]
         table.setdefault("ratio", {})[key] = after / before if before else float("inf")
-    print(json.dumps(table, indent=2))
+    text = json.dumps(table, indent=2)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=2)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

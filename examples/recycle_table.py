@@ -53,13 +53,8 @@ class DeviceTable(RecycleTable):
         self.dev: mx.array | None = None
 
     def learn(self, draft, verified, top):  # noqa: D102
-        n = top.shape[0]
-        on_path = [0, *(s for s in verified.path if s < n)]
-        rest = np.setdiff1d(np.arange(n), on_path, assume_unique=True)
-        order = np.concatenate([rest, np.array(on_path)]).astype(np.int64)
-        tokens = draft.tokens[:n][order]
-        keep = tokens >= 0
-        self._scatter(tokens[keep], order[keep], top)
+        tokens, rows = self.write_order(draft, verified, top.shape[0])
+        self._scatter(tokens, rows, top)
 
     def plain(self, result):  # noqa: D102
         if result.top is not None and result.root >= 0:

@@ -37,8 +37,8 @@ def smollm():
     return load_model("smollm2-135m", dtype="float32")
 
 
-def _imported(name: str, what: str):
-    """An imported test model (scripts/get_test_model.sh) loaded in float32;
+def _imported(name: str, what: str, script: str = "get_test_model.sh"):
+    """An imported test model (``scripts/<script>``) loaded in float32;
     fails (does not skip) when it was not imported."""
     from pathlib import Path
 
@@ -50,7 +50,7 @@ def _imported(name: str, what: str):
     if not (path / COMPLETE_MARKER).exists():
         pytest.fail(
             f"The {what} test model is not imported ({path} is missing). Run "
-            "`bash scripts/get_test_model.sh` first (the README's test command does).",
+            f"`bash scripts/{script}` first (the README's test command does).",
             pytrace=False,
         )
     return load_model(str(path), dtype="float32")
@@ -82,20 +82,9 @@ def qwen_large():
     """The draft-model pair's target, Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF
     imported by scripts/get_draft_pair.sh), loaded in float32 (about 6 GB): a
     ``LoadedModel``. Fails (does not skip) when the model was not imported."""
-    from pathlib import Path
+    from mlx_mtp.loading import QWEN_CODER_LARGE
 
-    from mlx_mtp.converters.gguf import COMPLETE_MARKER
-
-    from mlx_mtp.loading import QWEN_CODER_LARGE, imported_model_dir, load_model
-
-    path = imported_model_dir(QWEN_CODER_LARGE, Path(REAL_MLX_MTP_HOME))
-    if not (path / COMPLETE_MARKER).exists():
-        pytest.fail(
-            f"The Qwen 1.5B test model is not imported ({path} is missing). Run "
-            "`bash scripts/get_draft_pair.sh` first (the README's test command does).",
-            pytrace=False,
-        )
-    return load_model(str(path), dtype="float32")
+    return _imported(QWEN_CODER_LARGE, "Qwen 1.5B", "get_draft_pair.sh")
 
 
 @pytest.fixture(scope="session")
@@ -129,9 +118,15 @@ def greedy_reference(smollm):
     SmolLM2 float32, memoised for the whole session so that every exactness
     test compares against the same reference without recomputing it."""
     from mlx_mtp.engine import Engine
+
+    return memoised_greedy(Engine(smollm.model))
+
+
+def memoised_greedy(engine):
+    """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation on
+    ``engine``, memoised per prompt (a longer ``n`` extends it)."""
     from mlx_mtp.methods.ntp import NTP
 
-    engine = Engine(smollm.model)
     memo: dict[tuple, list[int]] = {}
 
     def ref(prompt: list[int], n: int) -> list[int]:
@@ -215,3 +210,32 @@ def chi2_same(a, b, n: int) -> bool:
     chi2, dof = float(((t - e) ** 2 / e).sum()), t.shape[1] - 1
     assert dof >= 3, dof
     return chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 7
+
+
+def assert_refused(gguf_path, out, match: str) -> None:
+    """Importing ``gguf_path`` into ``out`` raises a GGUFImportError matching
+    ``match`` and leaves neither ``out`` nor a temporary folder beside it."""
+    from mlx_mtp.converters.gguf import GGUFImportError, convert_gguf
+
+    with pytest.raises(GGUFImportError, match=match):
+        convert_gguf(gguf_path, out)
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+def sweep(settings):
+    """A slow test over ``(method, options)`` pairs (arguments ``name, opts``;
+    ids ``pld-max_draft10``, ``probe-auto``)."""
+    ids = [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
+    param = pytest.mark.parametrize("name,opts", settings, ids=ids)
+    return lambda test: pytest.mark.slow(param(test))
+
+
+def assert_exact(engine, greedy, prompts, name: str, opts: dict, n: int) -> None:
+    """``make_method(name, **opts)`` on ``engine`` equals plain greedy
+    decoding (``greedy(prompt, n)``) for ``n`` tokens of every prompt."""
+    from mlx_mtp.methods import make_method
+
+    for i, p in enumerate(prompts):
+        got = run_method(engine, make_method(name, **opts), p, n)
+        assert got == greedy(p, n), f"{name} {opts} prompt {i} ({len(p)} tokens)"

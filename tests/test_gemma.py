@@ -16,14 +16,13 @@ runs every lossless setting of the benchmark on its 12 Spec-Bench prompts
 from __future__ import annotations
 
 import pytest
-from conftest import run_method
+from conftest import assert_exact, memoised_greedy, sweep
 
 from mlx_mtp.cache_view import SlidingKVCache
 from mlx_mtp.context import Context
 from mlx_mtp.data import load_questions, render_prompt
 from mlx_mtp.engine import Engine
 from mlx_mtp.methods import make_method
-from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.testing import decode
 
 WINDOW = 512
@@ -57,16 +56,7 @@ def gemma_engine(gemma):
 @pytest.fixture(scope="module")
 def gemma_greedy(gemma_engine):
     """``ref(prompt, n)``: memoised plain greedy continuation."""
-    memo: dict[tuple, list[int]] = {}
-
-    def ref(prompt: list[int], n: int) -> list[int]:
-        have = memo.get(tuple(prompt), [])
-        if len(have) < n:
-            have = run_method(gemma_engine, NTP(), prompt, n, eos=set())
-            memo[tuple(prompt)] = have
-        return have[:n]
-
-    return ref
+    return memoised_greedy(gemma_engine)
 
 
 def test_gemma_config_tokenizer_and_caches(gemma):
@@ -145,13 +135,6 @@ def bench_prompts(gemma):
     return [*out, _prompt(tok, LONG_QID)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "name,opts",
-    SLOW_SETTINGS,
-    ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in SLOW_SETTINGS],
-)
+@sweep(SLOW_SETTINGS)
 def test_gemma_exact_on_the_bench_prompts(gemma_engine, gemma_greedy, bench_prompts, name, opts):
-    for i, p in enumerate(bench_prompts):
-        got = run_method(gemma_engine, make_method(name, **opts), p, 64)
-        assert got == gemma_greedy(p, 64), f"{name} {opts} prompt {i} ({len(p)} tokens)"
+    assert_exact(gemma_engine, gemma_greedy, bench_prompts, name, opts, 64)

@@ -131,19 +131,16 @@ def test_lookup_candidates():
 
 def _lookup_by_brute_force(context, window, max_draft, limit):
     """Every earlier n-gram compared with the suffix, longest n first."""
-    T, out = len(context), []
+    T = len(context)
     for n in range(min(window, T - 1), 0, -1):
         suffix = list(context[T - n :])
-        for s in range(T - 1 - n, -1, -1):  # windows ending before the suffix's last token
-            if list(context[s : s + n]) == suffix:
-                follow = list(context[s + n : s + n + max_draft])
-                if follow not in out:
-                    out.append(follow)
-                if len(out) >= limit:
-                    return out
-        if out:
-            return out
-    return out
+        # windows ending before the suffix's last token, most recent first
+        starts = [s for s in range(T - 1 - n, -1, -1) if list(context[s : s + n]) == suffix]
+        follows = [list(context[s + n : s + n + max_draft]) for s in starts]
+        unique = [f for i, f in enumerate(follows) if f not in follows[:i]]
+        if unique:
+            return unique[:limit]
+    return []
 
 
 def test_lookup_candidates_match_brute_force():

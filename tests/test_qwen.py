@@ -11,12 +11,11 @@ greedy on 3 prompts x 24 tokens); ``-m slow`` runs every method and setting on
 from __future__ import annotations
 
 import pytest
-from conftest import run_method
+from conftest import assert_exact, memoised_greedy, run_method, sweep
 
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.methods import make_method
-from mlx_mtp.methods.ntp import NTP
 
 CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
 #: Greedy (ntp) continuation of CODE_PROMPT, float32, 32 tokens, recorded once
@@ -52,16 +51,7 @@ def qwen_engine(qwen):
 @pytest.fixture(scope="module")
 def qwen_greedy(qwen_engine):
     """``ref(prompt, n)``: memoised plain greedy continuation of the Qwen model."""
-    memo: dict[tuple, list[int]] = {}
-
-    def ref(prompt: list[int], n: int) -> list[int]:
-        have = memo.get(tuple(prompt), [])
-        if len(have) < n:
-            have = run_method(qwen_engine, NTP(), prompt, n, eos=set())
-            memo[tuple(prompt)] = have
-        return have[:n]
-
-    return ref
+    return memoised_greedy(qwen_engine)
 
 
 def test_qwen_config_tokenizer_and_chat_template(qwen):
@@ -198,16 +188,9 @@ SLOW_METHODS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "name,opts",
-    SLOW_METHODS,
-    ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in SLOW_METHODS],
-)
+@sweep(SLOW_METHODS)
 def test_qwen_exact_full_sweep(qwen_engine, qwen_greedy, qwen_spec_prompts, name, opts):
-    for i, p in enumerate(qwen_spec_prompts):
-        got = run_method(qwen_engine, make_method(name, **opts), p, 64)
-        assert got == qwen_greedy(p, 64), f"{name} {opts} prompt {i}"
+    assert_exact(qwen_engine, qwen_greedy, qwen_spec_prompts, name, opts, 64)
 
 
 @pytest.mark.slow

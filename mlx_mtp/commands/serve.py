@@ -20,6 +20,11 @@ LOOPBACK = {"localhost", "127.0.0.1", "::1"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+def repeatable(flag: str, help: str) -> typer.models.OptionInfo:
+    """A ``typer`` option that may be given several times (None: never)."""
+    return typer.Option(None, flag, help=f"{help} Repeatable.")
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the server reachable from this machine only."""
     if host in LOOPBACK:
@@ -114,23 +119,20 @@ def register(app: typer.Typer) -> None:
             help="Seconds one forward pass may take: measured at start, it bounds the slots "
             "per pass and the prefill chunk (and so how soon a cancel or shutdown acts).",
         ),
-        allow_artifacts: list[Path] | None = typer.Option(
-            None,
+        allow_artifacts: list[Path] | None = repeatable(
             "--allow-artifacts",
-            help="A folder whose heads/adapters requests may name (mtp.heads, "
-            "mtp.adapter); repeatable. Without it requests may not name files or repos.",
+            "A folder whose heads/adapters requests may name (mtp.heads, mtp.adapter). "
+            "Without it requests may not name files or repos.",
         ),
-        allow_host: list[str] | None = typer.Option(
-            None,
+        allow_host: list[str] | None = repeatable(
             "--allow-host",
-            help="Another name clients may use in the Host header (besides the bound "
-            "address and localhost); repeatable.",
+            "Another name clients may use in the Host header (besides the bound "
+            "address and localhost).",
         ),
-        allow_origin: list[str] | None = typer.Option(
-            None,
+        allow_origin: list[str] | None = repeatable(
             "--allow-origin",
-            help="A web origin (e.g. http://localhost:3000) whose pages may call the server "
-            "(CORS); repeatable, '*' for any. Default: none.",
+            "A web origin (e.g. http://localhost:3000) whose pages may call the server "
+            "(CORS); '*' for any. Default: none.",
         ),
         log_level: str = typer.Option(
             "info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."

@@ -127,13 +127,20 @@ class RecycleTable:
         :meth:`graph` of its first R slots; mask slots (-1) are skipped, the
         root and the accepted path are written last (they win a repeat)."""
         top = np.asarray(top)
-        n = top.shape[0]
+        tokens, rows = self.write_order(draft, verified, top.shape[0])
+        self.write(tokens, top[rows])
+
+    @staticmethod
+    def write_order(draft: Draft, verified: Verified, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, rows)``: the token and row of the first ``n`` slots of a
+        verified pass in the order :meth:`learn` writes them (mask slots left
+        out, the root and the accepted path last)."""
         on_path = [0, *(s for s in verified.path if s < n)]
         rest = np.setdiff1d(np.arange(n), on_path, assume_unique=True)
         order = np.concatenate([rest, np.array(on_path)]).astype(np.int64)
         tokens = draft.tokens[:n][order]
         keep = tokens >= 0
-        self.write(tokens[keep], top[order][keep])
+        return tokens[keep], order[keep]
 
     def plain(self, result: PlainResult) -> None:
         """Write the row of a plain step's root (its ``top``, when computed)."""
