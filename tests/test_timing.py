@@ -61,6 +61,36 @@ def test_plain_decoding_runs_at_the_simulated_speed(monkeypatch):
     assert 60 < stats.decode_tps <= 84  # host work of each step may show where it is longer
 
 
+def test_lookahead_window_auto_counts_the_host_time_its_steps_measured(monkeypatch):
+    """On a simulated fast device whose curve makes a 7-column window nearly
+    free, lookahead's first generation runs the window; when its steps'
+    host work (a sleep in every propose) is more than the window may cost,
+    the next generation on the context runs no window, and stays exact."""
+    from mlx_mtp.methods.lookahead import Lookahead
+
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
+    real = Lookahead.propose
+
+    def slow(self, ctx, root):
+        time.sleep(0.01)  # 10 ms of host work beside a 12 ms forward
+        return real(self, ctx, root)
+
+    monkeypatch.setattr(Lookahead, "propose", slow)
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ref = decode(Engine(model), make_method("ntp"), prompt, 24)[0]
+    ctx = Context(Engine(model))
+    m = make_method("lookahead")
+    m.prepare(ctx)
+    windows = []
+    for _ in range(2):
+        out, _ = decode(ctx, m, prompt, 24)
+        assert out == ref
+        windows.append(m.window)
+    assert windows[0] > 0 and windows[1] == 0
+
+
 def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch):
     """pld on a repetitive prompt, simulated fast device: with host work
     slowed (a sleep in every propose) the planner runs plain steps; with the
