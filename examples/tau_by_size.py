@@ -66,6 +66,7 @@ def main() -> None:
         for m in methods:
             ax.plot(xs, [t.get(m, float("nan")) for _, t, _ in runs], marker="o", label=m)
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks(xs, [model for model, _, _ in runs], rotation=15, fontsize=8)
         ax.set_ylabel("tau (tokens per forward pass)")
         ax.set_title("Acceptance length against model size (greedy, float32)")
