@@ -60,6 +60,14 @@ class Context:
             return list(cached)
         return [*cached, root]
 
+    def previous(self, root: int) -> int:
+        """The committed token before ``root`` (-1: none), as :meth:`history`
+        counts the tokens."""
+        cached = self.engine.cached
+        if self.planner is not None and self.planner.plain.holds(self.engine, root):
+            return cached[-2] if len(cached) > 1 else -1
+        return cached[-1] if cached else -1
+
     @property
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer (None for a bare model)."""

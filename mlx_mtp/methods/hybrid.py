@@ -257,8 +257,7 @@ class Hybrid(DraftMethod):
             if toks:
                 chains.append((src, toks, qs[src][: len(toks)]))
         if self.use_pool:
-            prev = engine.cached[-1] if engine.cached else -1
-            toks = self.pool.chain(prev, root, len(qs["pool"]))
+            toks = self.pool.chain(ctx.previous(root), root, len(qs["pool"]))
             if toks:
                 chains.append(("pool", toks, qs["pool"][: len(toks)]))
         if self.drafter is not None:
@@ -322,8 +321,7 @@ class Hybrid(DraftMethod):
     def _draft(self, ctx: Context, root: int, alloc: Allocation, chain: bool = False) -> Draft:
         """The forward pass of an allocation: its nodes, then k mask slots
         after every mask anchor."""
-        k, engine = self.masks, ctx.engine
-        prev = engine.cached[-1] if engine.cached else -1  # the token before the root
+        k, engine, prev = self.masks, ctx.engine, ctx.previous(root)
         n_tok = 1 + len(alloc.tokens)
         parents = [-1] + [p + 1 for p in alloc.parents]
         mask_row: dict[int, int] = {}  # anchor slot -> first mask slot
