@@ -56,17 +56,18 @@ class Context:
         (counted once where a pipelined plain step has queued its forward
         pass, so that the cache holds it already)."""
         cached = self.engine.cached
-        if self.planner is not None and self.planner.plain.holds(self.engine, root):
-            return list(cached)
-        return [*cached, root]
+        return list(cached) if self._queued(root) else [*cached, root]
 
     def previous(self, root: int) -> int:
         """The committed token before ``root`` (-1: none), as :meth:`history`
         counts the tokens."""
         cached = self.engine.cached
-        if self.planner is not None and self.planner.plain.holds(self.engine, root):
-            return cached[-2] if len(cached) > 1 else -1
-        return cached[-1] if cached else -1
+        before = len(cached) - (2 if self._queued(root) else 1)
+        return cached[before] if before >= 0 else -1
+
+    def _queued(self, root: int) -> bool:
+        # a pipelined plain step has queued root's forward pass in the cache
+        return self.planner is not None and self.planner.plain.holds(self.engine, root)
 
     @property
     def tokenizer(self) -> Any:

@@ -269,8 +269,8 @@ class PlainSteps:
             self.last_top = None if top is None else np.array(top)
             return [int(tok.item())]
         t0 = clock.now()
-        nxt, self.next = self.next, None
-        if nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root:
+        held, nxt, self.next = self.holds(engine, root), self.next, None
+        if held:
             y, top, done = nxt[0], nxt[1], nxt[3]  # root's forward was queued by the last step
             engine.count_forward()  # that pass is used now
         else:
