@@ -270,9 +270,21 @@ class PlainSteps:
             return [int(tok.item())]
         t0 = clock.now()
         held, nxt, self.next = self.holds(engine, root), self.next, None
+        # the queued pass must be droppable again (root's pass too, when not held)
+        pipelined = queue_next and engine.trimmable(2 if held else 3)
         if held:
             y, top, done = nxt[0], nxt[1], nxt[3]  # root's forward was queued by the last step
             engine.count_forward()  # that pass is used now
+        elif pipelined:
+            # the pipeline starts here (after a draft step, a prefill): root's
+            # pass is started before the graph of the next one is built, so
+            # that building it overlaps the device as in the steady state
+            engine.settle()
+            logits = engine.queue_token(mx.array([root]))
+            engine.resolve_last(root)
+            engine.count_forward()
+            y, top = mx.argmax(logits, axis=-1), self._top(logits)
+            done = clock.launch([y, *([] if top is None else [top])], 1)
         else:
             logits, _ = engine.forward_chain([root], wait=False)
             y, top, done = mx.argmax(logits[-1:], axis=-1), self._top(logits), 0.0
@@ -283,7 +295,7 @@ class PlainSteps:
             self.last_top = None if top is None else np.array(top)
             return int(y.item())
 
-        if queue_next and engine.trimmable(2):
+        if pipelined:
             # queue the forward of y before reading it: the device works on while
             # the host waits for y and hands it out
             logits = engine.queue_token(y)
@@ -499,11 +511,18 @@ class Planner:
         (each draft costing ``item_cost`` one-token forwards: a draft model)."""
         return PrefixBound(self.curve, max_slots, 1, 0.0, item_cost, self.host_cost)
 
-    def _cheap(self, slots: Sequence[int]) -> bool:
-        """Whether the largest step of ``slots`` slots costs a plain step's time
-        up to ``REPROBE_OVERHEAD`` (a memory-bound device with little host
-        work): probing every step then costs no more than a periodic re-probe."""
-        draft = self.curve(max(slots)) + self.host_cost
+    def _sunk(self, seconds: float) -> float:
+        """``seconds`` of device work beside the target's passes in one-token
+        forwards (0 where the curve does not know a forward's seconds)."""
+        t1 = self.t1
+        return max(seconds, 0.0) / t1 if t1 else 0.0
+
+    def _cheap(self, slots: Sequence[int], sunk: float = 0.0) -> bool:
+        """Whether the largest step of ``slots`` slots (and ``sunk`` one-token
+        forwards of drafting) costs a plain step's time up to
+        ``REPROBE_OVERHEAD`` (a memory-bound device with little host work):
+        probing every step then costs no more than a periodic re-probe."""
+        draft = self.curve(max(slots)) + self.host_cost + sunk
         return draft <= (1.0 + REPROBE_OVERHEAD) * self.plain_cost
 
     def _step(self, root: int) -> StepOutput:
@@ -521,6 +540,7 @@ class Planner:
             self.plain.unqueue(engine, root)
         if self.auto:  # the cost of a draft slot grows with the context
             self.curve = self.curves.at(engine.offset)
+        aside = engine.clock.aside
         offer = self.method.propose(self.ctx, root)
         reprobe, self._due = self._due, False
         primed, self._primed = self._primed, False
@@ -536,7 +556,10 @@ class Planner:
                 return self._plain(root, queue_next=False, offer=offer)
             return self._send(offer, items, n, forced)
 
-        host, plain = self.host_cost, self.plain_cost
+        # a step costs the device work its offer already took too (a draft
+        # model's or an MTP layer's passes run by propose): a plain step saves it
+        sunk = self._sunk(engine.clock.aside - aside)
+        host, plain = self.host_cost + sunk, self.plain_cost
         items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
         slots = self._reprobe_slots(offer, items)
         if not items:
@@ -549,7 +572,7 @@ class Planner:
                 # nothing after this root, maybe after the next: a pipelined
                 # plain step, whose queued pass the next step uses or finishes
                 return self._plain(root, queue_next=True, offer=offer)
-        elif reprobe or self._cheap(slots):
+        elif reprobe or self._cheap(slots, sunk):
             # a re-probe, or a nearly free device: a few items whatever they are worth
             n = max(n, min(len(items), offer.reprobe_items))
             return send(n, forced=reprobe)

@@ -184,6 +184,40 @@ def test_auto_carries_what_it_learned_to_the_next_generation():
     assert runs[1].count("draft") < runs[0].count("draft")
 
 
+class CostlyOracle(SpellOracle):
+    """Always the right chain, but each proposal runs ``cost`` seconds of
+    device work beside the target's passes (a draft model's passes)."""
+
+    name = "costly-oracle"
+
+    def __init__(self, reference: list[int], cost: float):
+        super().__init__(reference, lambda pos: True)
+        self.cost = cost
+
+    def propose(self, ctx, root):
+        ctx.engine.clock.add_beside(self.cost)
+        return super().propose(ctx, root)
+
+
+def test_the_device_work_an_offer_took_counts_against_its_draft(monkeypatch):
+    """A draft whose proposal cost ten one-token forwards of device work (a
+    draft model's passes) does not pay even when all of it is accepted: auto
+    runs plain steps; the same drafts without that cost run every step."""
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
+    model = make_tiny_model("llama", seed=3)
+    n = 40
+    ref = run_method(Engine(model), NTP(), PROMPT, n)
+    flat = CostCurve([1, 64], [1.0, 1.05], seconds=0.01)
+    kinds = {}
+    for cost in (0.0, 0.1):
+        oracle = CostlyOracle(ref, cost)
+        out, stats = decode(Context(Engine(model), curves=flat), oracle, PROMPT, n)
+        assert out == ref
+        kinds[cost] = [kind for _, kind, _ in oracle.log]
+    assert "plain" not in kinds[0.0]
+    assert kinds[0.1].count("plain") > 3 * kinds[0.1].count("draft")
+
+
 def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():
     model = make_tiny_model("qwen2", seed=1)
     engine = Engine(model)

@@ -119,3 +119,41 @@ def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch):
         runs[term] = decode(ctx, m, prompt, 48)[1]
     assert runs["1"].plain_steps > runs["0"].plain_steps
     assert runs["1"].decode_tps > runs["0"].decode_tps
+
+
+def test_the_pipeline_restarts_without_waiting_for_the_roots_pass():
+    """A plain step whose root's pass was not queued (after a draft step)
+    starts that pass and builds the next token's pass while it runs: two
+    launches, then one wait, as in a step of the steady state; it commits the
+    same tokens as unpipelined steps."""
+    from mlx_mtp.planner import PlainSteps
+
+    model = make_tiny_model("llama", seed=3, tie_word_embeddings=False)
+    prompt = [5, 17, 99, 3]
+    events: list[str] = []
+
+    class Spy(SimulatedClock):
+        def launch(self, outputs, slots):
+            events.append("launch")
+            return super().launch(outputs, slots)
+
+        def block(self, read, done=0.0):
+            events.append("block")
+            return super().block(read, done)
+
+    runs = {}
+    for queue in (True, False):
+        eng = Engine(model)
+        eng.clock = Spy(0.012, CostCurve([1, 64], [1.0, 1.3]))
+        eng.sync(prompt[:-1])
+        plain, root, out = PlainSteps(None), prompt[-1], []
+        for i in range(6):
+            if i == 3:  # a draft step ran: the queued pass is dropped
+                plain.unqueue(eng, root)
+            events.clear()
+            out.append(plain.step(eng, root, queue_next=queue)[0])
+            if queue and i in (0, 3):  # a restart: no wait before the next pass is queued
+                assert events == ["launch", "launch", "block"], events
+            root = out[-1]
+        runs[queue] = out
+    assert runs[True] == runs[False]
