@@ -227,7 +227,9 @@ def generate_steps(
             if method.auto and curves is None:
                 curves = device_curves(engine)
             planner = Planner(ctx, method, sampler, curves)
-        method.begin(ctx, prompt, sampler)
+        t0 = clock.now()
+        method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
+        stats.prefill_time += clock.now() - t0
         root, finish = prompt[-1], None
         f0, s0 = engine.forward_seconds, engine.forward_slots
         cleared = 0

@@ -24,6 +24,7 @@ from ..families import check_tree_support
 from ..planner import Item, Offer
 from ..sources.draft import DraftModel, parse_width
 from ..speculative import Draft
+from ..verify import Sampler
 from .base import DraftMethod, parse_int
 
 #: the longest chain ``num_draft_tokens="auto"`` may draft
@@ -102,6 +103,10 @@ class DraftModelMethod(DraftMethod):
         if self.shape == "tree":
             check_tree_support(ctx.engine.model, self.name)
         self.source.prepare(ctx)
+
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
+        self.source.begin(prompt)
 
     def propose(self, ctx: Context, root: int) -> Offer:
         chains = self.source.candidates(ctx, root, self.depth, self.auto)

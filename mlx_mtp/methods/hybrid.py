@@ -241,6 +241,8 @@ class Hybrid(DraftMethod):
         self.pool = PredictionPool()
         if self.recycle is not None:
             self.recycle.begin(prompt)
+        if self.draft is not None:
+            self.draft.begin(prompt)
 
     # ------------------------------------------------------------ candidates
     def _chains(self, ctx: Context, root: int) -> list[tuple[str, list[int], list[float]]]:

@@ -127,6 +127,13 @@ class DraftModel:
         self.draft_cost = weight_bytes(self.loaded.model) / max(weight_bytes(ctx.engine.model), 1)
         self.seconds_per_pass: float | None = None
 
+    def begin(self, prompt: list[int]) -> None:
+        """Prefill the draft model with the prompt (all but its last token, as
+        the target's cache holds it), as mlx-lm's draft loop does before its
+        first step: part of the generation's prefill, not of its decoding."""
+        if self.engine is not None:
+            self.engine.sync(prompt[:-1])
+
     def candidates(
         self, ctx: Context, root: int, depth: int, auto: bool
     ) -> list[tuple[str, list[int], list[float], list[float]]]:
@@ -141,7 +148,10 @@ class DraftModel:
             and the alternative token).
         """
         eng = self.engine
-        eng.sync(ctx.engine.cached)  # in step with the target's committed tokens
+        s0 = eng.clock.seconds
+        # in step with the target's committed tokens (after plain steps: a
+        # chunked pass over the tokens they committed, device work too)
+        eng.sync(ctx.engine.cached)
         acc = ctx.acceptance
         planner = ctx.planner
         bound = planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
@@ -150,7 +160,7 @@ class DraftModel:
         raws: list[float] = []
         alts: list[tuple[int, int, float, float]] = []  # (depth, token, cond, raw)
         tok, path = root, 1.0
-        t0, s0 = eng.clock.now(), eng.clock.seconds
+        t0 = eng.clock.now()
         for d in range(1, depth + 1):
             logits, _ = eng.forward_chain([tok], wait=False)
             row = logits[-1:]
