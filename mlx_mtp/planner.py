@@ -573,8 +573,11 @@ class Planner:
                 # plain step, whose queued pass the next step uses or finishes
                 return self._plain(root, queue_next=True, offer=offer)
         elif reprobe or self._cheap(slots, sunk):
-            # a re-probe, or a nearly free device: a few items whatever they are worth
-            n = max(n, min(len(items), offer.reprobe_items))
+            # a re-probe, or a nearly free device: a few items whatever they are
+            # worth; a re-probe whose best prefix does not pay sends only those,
+            # the step its interval was sized for (a larger tree costs more host)
+            few = min(len(items), offer.reprobe_items)
+            n = few if reprobe and rate * plain <= 1.0 else max(n, few)
             return send(n, forced=reprobe)
         elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
             return send(n)
