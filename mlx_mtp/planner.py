@@ -563,7 +563,11 @@ class Planner:
         items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
         slots = self._reprobe_slots(offer, items)
         if not items:
-            if offer.primes and not primed:  # no candidates yet: this pass makes them
+            # no candidates yet (after plain steps, at the start): this pass makes
+            # them; right after a draft step, whose pass made them, an empty
+            # offer has nothing to send and plain mode follows
+            fresh = reprobe or self._last_kind != "draft"
+            if offer.primes and not primed and fresh:
                 self._due = self._primed = reprobe
                 return send(0)
             if offer.required:

@@ -223,6 +223,35 @@ def test_the_device_work_an_offer_took_counts_against_its_draft(monkeypatch):
     assert reprobes and all(acc == 2 for acc in reprobes)
 
 
+class EmptyPrimer(SpellOracle):
+    """A method whose drafts come from the pass before (``primes``, as
+    clp's heads) and whose passes never yield a draft (clp's span
+    predictor saying 0)."""
+
+    name = "empty-primer"
+
+    def propose(self, ctx, root):
+        offer = chain_offer(root, [], "oracle", ctx.acceptance)
+        offer.primes = True
+        return offer
+
+
+def test_an_empty_offer_after_a_priming_pass_goes_plain():
+    """At auto, a priming method whose pass made no candidates is not primed
+    again step after step (each an unpipelined pass): plain mode follows,
+    and only its re-probes prime."""
+    model = make_tiny_model("llama", seed=3)
+    n = 60
+    ref = run_method(Engine(model), NTP(), PROMPT, n)
+    oracle = EmptyPrimer(ref, lambda pos: True)
+    cpu = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])
+    out, stats = decode(Context(Engine(model), curves=cpu), oracle, PROMPT, n)
+    assert out == ref
+    kinds = [kind for _, kind, _ in oracle.log]
+    assert kinds[0] == "draft" and kinds[1] == "plain"
+    assert kinds.count("draft") <= 1 + stats.reprobes
+
+
 def test_chain_draft_of_wrong_tokens_commits_only_the_bonus():
     model = make_tiny_model("qwen2", seed=1)
     engine = Engine(model)
