@@ -565,8 +565,9 @@ class Planner:
         if not items:
             # no candidates yet (after plain steps, at the start): this pass makes
             # them; right after a draft step, whose pass made them, an empty
-            # offer has nothing to send and plain mode follows
-            fresh = reprobe or self._last_kind != "draft"
+            # offer has nothing to send and plain mode follows, unless a
+            # priming pass costs next to nothing here
+            fresh = reprobe or self._last_kind != "draft" or self._cheap(slots, sunk)
             if offer.primes and not primed and fresh:
                 self._due = self._primed = reprobe
                 return send(0)
