@@ -279,7 +279,6 @@ class PlainSteps:
             # the pipeline starts here (after a draft step, a prefill): root's
             # pass is started before the graph of the next one is built, so
             # that building it overlaps the device as in the steady state
-            engine.settle()
             logits = engine.queue_token(mx.array([root]))
             engine.resolve_last(root)
             engine.count_forward()
@@ -567,8 +566,11 @@ class Planner:
             # them; right after a draft step, whose pass made them, an empty
             # offer has nothing to send and plain mode follows, unless a
             # priming pass costs next to nothing here
-            fresh = reprobe or self._last_kind != "draft" or self._cheap(slots, sunk)
-            if offer.primes and not primed and fresh:
+            if (
+                offer.primes
+                and not primed
+                and (reprobe or self._last_kind != "draft" or self._cheap(slots, sunk))
+            ):
                 self._due = self._primed = reprobe
                 return send(0)
             if offer.required:

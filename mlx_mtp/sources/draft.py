@@ -131,8 +131,7 @@ class DraftModel:
         """Prefill the draft model with the prompt (all but its last token, as
         the target's cache holds it), as mlx-lm's draft loop does before its
         first step: part of the generation's prefill, not of its decoding."""
-        if self.engine is not None:
-            self.engine.sync(prompt[:-1])
+        self.engine.sync(prompt[:-1])
 
     def candidates(
         self, ctx: Context, root: int, depth: int, auto: bool
