@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from ..acceptance import AcceptanceModel
 from ..context import Context
 from ..errors import InvalidArgumentError
+from ..families import check_tree_support
 from ..planner import Offer, PlainResult, PlainSteps, StepOutput
 from ..speculative import Draft, Verified
 from ..verify import Sampler
@@ -115,6 +116,30 @@ class DraftMethod(Method):
         :class:`~mlx_mtp.planner.PlainResult`). ``ctx.engine`` is there for
         device work on the pass's outputs (``lm_head`` on hidden rows, top-k
         through ``timed_eval``); the cache already holds the accepted path."""
+
+
+class SourceMethod(DraftMethod):
+    """A draft method built around one draft source, ``self.source`` (an
+    object with ``prepare(ctx)`` and ``begin(prompt)``, such as
+    :class:`~mlx_mtp.sources.draft.DraftModel`): :meth:`prepare` checks
+    that the model can run a draft tree (unless the method is
+    ``chain_shaped``) and prepares the source; :meth:`begin` begins it.
+
+    Raises:
+        UnsupportedModelError: (prepare) a tree-shaped method on a model that
+            cannot run a draft tree.
+    """
+
+    source: Any
+
+    def prepare(self, ctx: Context) -> None:
+        if not self.chain_shaped:
+            check_tree_support(ctx.engine.model, self.name)
+        self.source.prepare(ctx)
+
+    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
+        super().begin(ctx, prompt, sampler)
+        self.source.begin(prompt)
 
 
 def parse_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:

@@ -20,12 +20,10 @@ from ..acceptance import AcceptanceModel, chain_values
 from ..allocate import Allocator, CandidateChildren, merge_chains
 from ..context import Context
 from ..errors import InvalidArgumentError
-from ..families import check_tree_support
 from ..planner import Item, Offer
 from ..sources.draft import DraftModel, parse_width
 from ..speculative import Draft
-from ..verify import Sampler
-from .base import DraftMethod, parse_int
+from .base import SourceMethod, parse_int
 
 #: the longest chain ``num_draft_tokens="auto"`` may draft
 AUTO_MAX_DRAFT = 8
@@ -33,7 +31,7 @@ AUTO_MAX_DRAFT = 8
 TREE_WIDTH = 4
 
 
-class DraftModelMethod(DraftMethod):
+class DraftModelMethod(SourceMethod):
     """Draft-model speculative decoding (see the module doc).
 
     Args:
@@ -98,15 +96,6 @@ class DraftModelMethod(DraftMethod):
         name = getattr(name, "name", self.source.spec)
         tree = f", width={self.width}" if self.shape == "tree" else ""
         return f"draft(model={name}, num_draft_tokens={n}, shape={self.shape}{tree})"
-
-    def prepare(self, ctx: Context) -> None:
-        if self.shape == "tree":
-            check_tree_support(ctx.engine.model, self.name)
-        self.source.prepare(ctx)
-
-    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(ctx, prompt, sampler)
-        self.source.begin(prompt)
 
     def propose(self, ctx: Context, root: int) -> Offer:
         chains = self.source.candidates(ctx, root, self.depth, self.auto)

@@ -173,9 +173,8 @@ class Hybrid(DraftMethod):
         self.use_pool = bool(parse_int("pool", pool, 0, 1))
         self.recycle = RecycleTable() if parse_int("recycle", recycle, 0, 1) else None
         self.plain_topk = self.recycle.k if self.recycle is not None else 0
-        self.draft = None
-        if draft_model not in (None, ""):
-            self.draft = DraftModel(draft_model, parse_width(draft_width))
+        drafting = draft_model not in (None, "")
+        self.draft = DraftModel(draft_model, parse_width(draft_width)) if drafting else None
 
     @property
     def block_complexity(self) -> int:
@@ -221,10 +220,9 @@ class Hybrid(DraftMethod):
         if self.mtp_opt == 1 or (self.mtp_opt == "auto" and has_mtp):
             self.drafter = NativeDrafter()
             self.drafter.prepare(ctx, self.heads)
-        if self.draft is not None:
-            self.draft.prepare(ctx)
-        if self.recycle is not None:
-            self.recycle.prepare(ctx)
+        for source in (self.draft, self.recycle):  # tables and models of their own
+            if source is not None:
+                source.prepare(ctx)
 
     @property
     def learned(self) -> mx.array | None:
@@ -239,10 +237,9 @@ class Hybrid(DraftMethod):
             self.drafter.begin(ctx.engine, prompt)
         self.dists: list[tuple[np.ndarray, np.ndarray]] = []
         self.pool = PredictionPool()
-        if self.recycle is not None:
-            self.recycle.begin(prompt)
-        if self.draft is not None:
-            self.draft.begin(prompt)
+        for source in (self.recycle, self.draft):
+            if source is not None:
+                source.begin(prompt)
 
     # ------------------------------------------------------------ candidates
     def _chains(self, ctx: Context, root: int) -> list[tuple[str, list[int], list[float]]]:

@@ -20,15 +20,13 @@ import numpy as np
 from ..acceptance import AcceptanceModel, CalibrationModel
 from ..allocate import Allocator
 from ..context import Context
-from ..families import check_tree_support
 from ..planner import Offer, PlainResult
 from ..sources.recycle import RANK_PRIORS, SOURCE, RecycleTable
 from ..speculative import Draft, Verified
-from ..verify import Sampler
-from .base import DraftMethod, parse_bc, parse_int
+from .base import SourceMethod, parse_bc, parse_int
 
 
-class Recycle(DraftMethod):
+class Recycle(SourceMethod):
     """Token recycling (see the module doc).
 
     Args:
@@ -75,14 +73,6 @@ class Recycle(DraftMethod):
     def acceptance_model(self) -> AcceptanceModel:
         k = self.source.k
         return replace(self.ACCEPTANCE, priors={SOURCE: RANK_PRIORS[:k]}, max_depth=k)
-
-    def prepare(self, ctx: Context) -> None:
-        check_tree_support(ctx.engine.model, self.name)
-        self.source.prepare(ctx)
-
-    def begin(self, ctx: Context, prompt: list[int], sampler: Sampler | None) -> None:
-        super().begin(ctx, prompt, sampler)
-        self.source.begin(prompt)
 
     def propose(self, ctx: Context, root: int) -> Offer:
         kids = self.source.children(ctx.acceptance)
