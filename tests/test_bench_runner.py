@@ -368,6 +368,13 @@ def test_mlx_lm_draft_row_and_draft_rows_take_the_draft_model(smollm, tmp_path):
         assert m["overall"]["tau"] > 1.5, label  # a perfect draft is accepted
         assert "speedup_vs_mlx_lm_draft" in m["overall"]
     assert "Overall vs mlx_lm_draft" in (tmp_path / "out" / "report.md").read_text()
+    # mlx-lm's draft loop takes no progress callback: its prefill (both
+    # models) is still split from its decode time, as the draft rows' is
+    recs = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").open()]
+    pre = {(r["qid"], r["method"]): r["prefill_time"] for r in recs}
+    for qid in {r["qid"] for r in recs}:
+        draft = pre[(qid, "draft:shape=chain,num_draft_tokens=2")]
+        assert pre[(qid, "mlx_lm_draft:k=2")] > 0.3 * draft > 0, qid
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         runner.run_bench(
             _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm_draft"), out=str(tmp_path / "o2")),

@@ -39,9 +39,11 @@ class MLXLMPeer:
 
     Timing, so that the row compares with ``ntp``'s: ``prefill_time`` runs
     until mlx-lm's prefill of ``prompt[:-1]`` ends (its progress callback
-    after the last prefill chunk); ``decode_time`` from there to the last
-    token, so it includes the forward of the last prompt token that yields the
-    first new token, as ``ntp``'s does. mlx-lm does not emit EOS; the EOS that
+    after the last prefill chunk; ``mlx_lm_draft``, whose loop takes no
+    callback, until the draft model's first decoding call, which follows the
+    prefill of both models, as ``draft`` rows count it); ``decode_time`` from
+    there to the last token, so it includes the forward of the last prompt
+    token that yields the first new token, as ``ntp``'s does. mlx-lm does not emit EOS; the EOS that
     ended the generation is appended to ``tokens`` (``ntp`` emits it), so the
     two token lists compare one to one. ``forward_time`` is set to the whole
     decode time (mlx-lm's loop does not separate device from host time).
@@ -135,12 +137,15 @@ class MLXLMPeer:
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         tokens, text, finish, last = [], [], None, t0
-        draft = {}
+        draft, calls = {}, []
+        model = self.loaded.model
         if self.draft is not None:
-            draft = {"draft_model": self.draft.model, "num_draft_tokens": self.k}
+            model = _Timed(model, calls, "target")
+            draft = {"draft_model": _Timed(self.draft.model, calls, "draft")}
+            draft["num_draft_tokens"] = self.k
         drafted = 0
         for r in stream_generate(
-            self.loaded.model,
+            model,
             tok,
             mx.array(ids),
             max_tokens=max_tokens,
@@ -153,6 +158,9 @@ class MLXLMPeer:
             finish = r.finish_reason
             tokens.append(int(r.token))  # the last response carries the EOS that stopped it
             drafted += bool(getattr(r, "from_draft", False))
+        if calls and len(ids) > 1:  # the draft's first call after the target's prefill
+            first = next(i for i, (who, _) in enumerate(calls) if who == "target")
+            marks = [t for who, t in calls[first:] if who == "draft"][:1]
         start = marks[-1] if marks else t0
         stats.prefill_time = start - t0
         stats.generated_tokens = len(tokens)
@@ -165,3 +173,18 @@ class MLXLMPeer:
         stats.accept_lengths = [1] * len(tokens)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         return Result("".join(text), tokens, stats, finish)
+
+
+class _Timed:
+    """A model that logs ``(tag, time.perf_counter())`` into ``log`` when it
+    is called and is otherwise the wrapped model (attributes forwarded)."""
+
+    def __init__(self, model: Any, log: list, tag: str):
+        self._model, self._log, self._tag = model, log, tag
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._log.append((self._tag, time.perf_counter()))
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
