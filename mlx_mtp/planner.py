@@ -170,16 +170,21 @@ class Learned:
 
     Attributes:
         acceptance: the acceptance estimates.
-        host: seconds of host work per draft step (pipeline restart
-            included; None: none measured).
+        host: seconds of host work per draft step (None: none measured).
         plain_time: seconds of a pipelined plain step (None: none measured).
         plain_left: plain-mode steps left before the next re-probe.
+        restart: seconds a plain step right after a draft step takes beyond a
+            pipelined one (None: none measured).
+        ends: share of draft steps after which the pipeline starts again
+            (a plain step follows; None: none measured).
     """
 
     acceptance: Acceptance
     host: float | None = None
     plain_time: float | None = None
     plain_left: int = 0
+    restart: float | None = None
+    ends: float | None = None
 
 
 def chain_offer(
@@ -327,14 +332,19 @@ class PlainSteps:
 
 
 def plain_interval(
-    curve: CostCurve, reprobe: Sequence[int], host: float = 0.0, plain: float = 1.0
+    curve: CostCurve,
+    reprobe: Sequence[int],
+    host: float = 0.0,
+    plain: float = 1.0,
+    restart: float = 0.0,
 ) -> int:
     """Plain steps between re-probes whose steps take ``reprobe`` slots: their
-    extra cost ``sum(c(s) + host - plain)`` (``host``: a draft step's host
-    work, ``plain``: a plain step's time, in one-token forwards) spread over
-    the interval is ``REPROBE_OVERHEAD``, within ``[MIN_PLAIN_STEPS,
-    MAX_PLAIN_STEPS]``."""
-    extra = sum(max(curve(s) + host - plain, 0.0) for s in reprobe)
+    extra cost ``sum(c(s) + host - plain) + restart`` (``host``: a draft
+    step's host work, ``plain``: a plain step's time, ``restart``: what the
+    plain step after the re-probe takes beyond a pipelined one, all in
+    one-token forwards) spread over the interval is ``REPROBE_OVERHEAD``,
+    within ``[MIN_PLAIN_STEPS, MAX_PLAIN_STEPS]``."""
+    extra = sum(max(curve(s) + host - plain, 0.0) for s in reprobe) + max(restart, 0.0)
     n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
     return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
 
@@ -421,6 +431,7 @@ class Planner:
         known = self.auto and self.curves.t1 is not None and distributed.size() == 1
         self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
         self.host, self.plain_time = learned.host, learned.plain_time
+        self.restart, self.ends = learned.restart, learned.ends
         self._kind = self._last_kind = ""
 
     # ----------------------------------------------------------------- step
@@ -450,11 +461,18 @@ class Planner:
                 sample = wall - priced
                 old = self.host if self.host is not None else sample
                 self.host = old + HOST_RATE * (sample - old)
-            elif self._kind == "plain" and self._last_kind == "draft":
+            if self._last_kind == "draft" and self._kind:
+                # after a draft step: whether the pipeline starts again here
+                ends = float(self._kind == "plain")
+                old = self.ends if self.ends is not None else ends
+                self.ends = old + HOST_RATE * (ends - old)
+            if self._kind == "plain" and self._last_kind == "draft":
                 # the pipeline starts again after a draft step: what this step
                 # takes beyond a pipelined one is the draft step's cost too
-                if self.plain_time is not None and self.host is not None:
-                    self.host += HOST_RATE * max(wall - self.plain_time, 0.0)
+                if self.plain_time is not None:
+                    excess = max(wall - self.plain_time, 0.0)
+                    old = self.restart if self.restart is not None else excess
+                    self.restart = old + HOST_RATE * (excess - old)
             elif self._kind == "plain":
                 old = self.plain_time if self.plain_time is not None else wall
                 self.plain_time = old + HOST_RATE * (wall - old)
@@ -463,7 +481,15 @@ class Planner:
 
     @property
     def host_cost(self) -> float:
-        """A draft step's host work in one-token forwards (0 without the host term)."""
+        """A draft step's host work in one-token forwards (0 without the host
+        term): its own, and the pipeline restart after it times the share of
+        draft steps a plain step follows."""
+        return self.draft_host_cost + (self.ends or 0.0) * self.restart_cost
+
+    @property
+    def draft_host_cost(self) -> float:
+        """The host work of a draft step itself, in one-token forwards (0
+        without the host term or a measurement)."""
         if not self.host_term or self.host is None:
             return 0.0
         return max(self.host, 0.0) / self.t1
@@ -476,13 +502,26 @@ class Planner:
             return 1.0
         return max(self.plain_time / self.t1, 1e-3)
 
+    @property
+    def restart_cost(self) -> float:
+        """What the plain step after a draft step takes beyond a pipelined one,
+        in one-token forwards (0 without the host term or a measurement)."""
+        if not self.host_term or self.restart is None:
+            return 0.0
+        return max(self.restart, 0.0) / self.t1
+
     def finish(self) -> None:
         """The generation ended: cache what the cost curve learned, keep what
         this generation learned for the next one on the context."""
         if self.auto:
             self.curves.save()
             self.ctx.learned[self._key] = Learned(
-                self.acceptance, self.host, self.plain_time, self.plain_left
+                self.acceptance,
+                self.host,
+                self.plain_time,
+                self.plain_left,
+                self.restart,
+                self.ends,
             )
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
@@ -588,7 +627,9 @@ class Planner:
             return send(n, forced=reprobe)
         elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
             return send(n)
-        self.plain_left = plain_interval(self.curve, slots, host, plain)
+        # a re-probe pays its own host work and the restart after it, in full
+        own = self.draft_host_cost + sunk
+        self.plain_left = plain_interval(self.curve, slots, own, plain, self.restart_cost)
         self.plain_spells += 1
         return self._plain(root, queue_next=True, offer=offer)
 

@@ -157,3 +157,59 @@ def test_the_pipeline_restarts_without_waiting_for_the_roots_pass():
             root = out[-1]
         runs[queue] = out
     assert runs[True] == runs[False]
+
+
+def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
+    """A re-probe costs its draft step and the pipeline's restart after it.
+    Where the step after a draft step takes 30 ms more (a sleep in propose),
+    the planner measures that in full at the first re-probe and spaces the
+    next ones to pay for it (30 ms = 2.5 forwards: the longest interval);
+    without the sleep the intervals stay short."""
+    from mlx_mtp import planner
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.planner import chain_offer
+
+    intervals = []
+    real = planner.plain_interval
+
+    def spy(*args, **kwargs):
+        intervals.append(real(*args, **kwargs))
+        return intervals[-1]
+
+    monkeypatch.setattr(planner, "plain_interval", spy)
+
+    class WrongChain(DraftMethod):
+        """auto, written against propose/observe only: a chain of wrong
+        tokens (never accepted); ``pause`` seconds of host work in the
+        proposal right after a draft step."""
+
+        name, auto = "wrong-chain", True
+
+        def __init__(self, pause: float):
+            self.pause, self.last = pause, ""
+
+        def propose(self, ctx, root):
+            if self.last == "draft":
+                time.sleep(self.pause)
+            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.last = "plain" if draft is None else "draft"
+
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ref = decode(Engine(model), make_method("ntp"), prompt, 300)[0]
+    reprobes, spaced = {}, {}
+    for pause in (0.0, 0.03):
+        ctx, intervals[:] = Context(Engine(model)), []
+        method = WrongChain(pause)
+        out, stats = decode(ctx, method, prompt, 300)
+        assert out == ref
+        # the restart is measured by the step that sets the second interval
+        reprobes[pause], spaced[pause] = stats.reprobes, intervals[2:]
+    assert ctx.learned[method.settings_key()].restart > 0.025
+    assert spaced[0.03] and set(spaced[0.03]) == {planner.MAX_PLAIN_STEPS}, spaced
+    assert reprobes[0.03] <= 2 < 4 <= reprobes[0.0], reprobes
+    assert max(spaced[0.0]) < planner.MAX_PLAIN_STEPS / 4, spaced
