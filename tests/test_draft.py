@@ -261,3 +261,43 @@ def test_cli_draft_model_flags():
     bad = runner.invoke(app, [*base, "--method", "pld", "--draft-model", "smollm2-135m"])
     assert isinstance(bad.exception, InvalidArgumentError)
     assert "draft_model" in str(bad.exception)
+
+
+def test_hybrid_runs_a_draft_model_only_while_it_pays(monkeypatch):
+    """hybrid at auto: a draft model's passes are spent before the planner
+    cuts the offer, so one whose candidates earn less than its passes cost
+    sits out (and retries now and then) while the other sources go on; one
+    that earns drafts every step. Both exact."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_mtp.sources.draft import DraftModel
+
+    calls = []
+    real = DraftModel.candidates
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftModel, "candidates", spy)
+    target = make_tiny_model("qwen2", seed=11)  # untied: no repeat-the-token drafts
+    close = make_tiny_model("qwen2", seed=11)
+    mx.random.seed(3)
+    noisy = [(k, v + 0.05 * mx.random.normal(v.shape)) for k, v in tree_flatten(close.parameters())]
+    close.update(tree_unflatten(noisy))
+    far = make_tiny_model("qwen2", seed=12)
+    prompts = [np.random.default_rng(5).integers(0, 256, 12).tolist() for _ in range(4)]
+    t = _loaded(target, "target")
+    ref = [decode(Engine(target), make_method("ntp"), p, 40)[0] for p in prompts]
+    share = {}
+    for draft in (_loaded(close, "close"), _loaded(far, "far")):
+        calls.clear()
+        ctx = Context(Engine(target), t, curves=CostCurve.flat(16, 0.003))
+        m = make_method("hybrid", bc="auto", draft_model=draft, pool=0, matches=0)
+        m.prepare(ctx)
+        m.draft.draft_cost = 0.1  # a draft pass: a tenth of a target forward
+        runs = [decode(ctx, m, p, 40) for p in prompts]
+        assert [out for out, _ in runs] == ref, draft.name
+        share[draft.name] = len(calls) / sum(s.steps - s.plain_steps for _, s in runs)
+    assert share["close"] > 0.9 and share["far"] < 0.25, share

@@ -265,7 +265,8 @@ class Hybrid(DraftMethod):
             toks = self.drafter.draft(engine, min(n, depth))
             if toks:
                 chains.append(("mtp", toks, acc.qs("mtp", len(toks))))
-        if self.draft is not None:  # the draft model's chain and its alternatives
+        self._drafted = self.draft is not None and (not self.auto or self.draft.pays(ctx))
+        if self._drafted:  # the draft model's chain and its alternatives
             chains += self.draft.candidates(ctx, root, min(depth, 8), self.auto)
         return chains
 
@@ -277,7 +278,7 @@ class Hybrid(DraftMethod):
         by_token = self.recycle.children(acc) if self.recycle is not None else None
         trie = merge_chains(self._chains(ctx, root))
         children = CandidateChildren(trie, levels, scale, by_token=by_token)
-        gains = ("probe",) if levels else ()
+        gains = ("probe",) * bool(levels) + ("draft",) * self._drafted
         if self.chain:
             return self._chain_offer(ctx, root, children, gains)
         tree = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)

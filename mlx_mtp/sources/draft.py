@@ -99,12 +99,30 @@ class DraftModel:
         draft_cost: one draft pass's time in one-token target forwards: the
             ratio of the two models' weight bytes until a pass is measured,
             then measured draft seconds per pass over the target's.
+        passes: draft passes per drafting step (average).
     """
+
+    #: steps a draft model that does not pay sits out before it drafts again
+    RETRY = 16
 
     def __init__(self, spec: Any, width: int = 1):
         self.spec, self.width = spec, width
         self.engine: Engine | None = None
-        self.draft_cost = 0.0
+        self.draft_cost, self.passes, self.skipped = 0.0, 1.0, 0
+
+    def pays(self, ctx: Context) -> bool:
+        """Whether to run the draft model this step, as one source among
+        others at ``auto`` (``hybrid``): the tokens its candidates earned per
+        step (``ctx.acceptance.gain("draft")``) cover its passes, or it sat
+        out ``RETRY`` steps. Its passes are spent before the planner cuts the
+        offer, so without this a draft model that does not pay makes every
+        step of the other sources cost them too."""
+        cost = self.draft_cost * self.passes
+        if ctx.acceptance.gain("draft") >= cost or self.skipped >= self.RETRY:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
 
     def prepare(self, ctx: Context) -> None:
         """Load the draft model (in the target's dtype) and check its tokenizer.
@@ -184,6 +202,7 @@ class DraftModel:
                 if bound.exhausted(path):  # a longer chain's nodes are worth at most this
                     break
         self._measure(ctx, len(chain), eng.clock.now() - t0)
+        self.passes += 0.2 * (len(chain) - self.passes)
         ctx.engine.clock.add_beside(eng.clock.seconds - s0)  # draft passes: device work
         out = [("draft", chain, conds, raws)]
         for d, t, cond, raw in alts:
