@@ -331,6 +331,12 @@ class PlainSteps:
         self.next = None
 
 
+def _average(old: float | None, sample: float) -> float:
+    """The running average of host and plain-step times: ``sample`` weighted
+    ``HOST_RATE`` (the first sample as it is)."""
+    return sample if old is None else old + HOST_RATE * (sample - old)
+
+
 def plain_interval(
     curve: CostCurve,
     reprobe: Sequence[int],
@@ -458,24 +464,17 @@ class Planner:
                     priced = self.t1 * self.curve(n) + (clock.aside - aside)
                 else:
                     priced = device
-                sample = wall - priced
-                old = self.host if self.host is not None else sample
-                self.host = old + HOST_RATE * (sample - old)
-            if self._last_kind == "draft" and self._kind:
+                self.host = _average(self.host, wall - priced)
+            if self._last_kind == "draft":
                 # after a draft step: whether the pipeline starts again here
-                ends = float(self._kind == "plain")
-                old = self.ends if self.ends is not None else ends
-                self.ends = old + HOST_RATE * (ends - old)
+                self.ends = _average(self.ends, float(self._kind == "plain"))
             if self._kind == "plain" and self._last_kind == "draft":
                 # the pipeline starts again after a draft step: what this step
                 # takes beyond a pipelined one is the draft step's cost too
                 if self.plain_time is not None:
-                    excess = max(wall - self.plain_time, 0.0)
-                    old = self.restart if self.restart is not None else excess
-                    self.restart = old + HOST_RATE * (excess - old)
+                    self.restart = _average(self.restart, max(wall - self.plain_time, 0.0))
             elif self._kind == "plain":
-                old = self.plain_time if self.plain_time is not None else wall
-                self.plain_time = old + HOST_RATE * (wall - old)
+                self.plain_time = _average(self.plain_time, wall)
             self._last_kind = self._kind
         return out
 
