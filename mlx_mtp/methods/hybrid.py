@@ -57,6 +57,7 @@ from .base import DraftMethod, parse_bc, parse_int
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
 PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3, "mtp": 0.5}
+Chain = tuple[str, list[int], list[float]]  # (source, tokens, conditional estimates)
 #: deepest depth with its own statistics (deeper ones share the last bucket)
 MAX_STAT_DEPTH = 12
 #: ``bc=auto``: chain nodes whose own path estimate falls below this (expected
@@ -242,13 +243,13 @@ class Hybrid(DraftMethod):
                 source.begin(prompt)
 
     # ------------------------------------------------------------ candidates
-    def _chains(self, ctx: Context, root: int) -> list[tuple[str, list[int], list[float]]]:
+    def _chains(self, ctx: Context, root: int, drafted: bool) -> list[Chain]:
         depth = self.max_draft or self.bc - 1
         acc, engine = ctx.acceptance, ctx.engine
         qs = {src: acc.qs(src, depth) for src in ("pld", "pld_alt", "pool")}
         if self.auto:  # no node worth next to nothing
             qs = {src: q[: _worth(q)] for src, q in qs.items()}
-        chains: list[tuple[str, list[int], list[float]]] = []
+        chains: list[Chain] = []
         most = max(len(qs["pld"]), len(qs["pld_alt"]))
         for r, toks in enumerate(self.lookup.candidates(ctx, root, most)):
             src = "pld" if r == 0 else "pld_alt"
@@ -265,8 +266,7 @@ class Hybrid(DraftMethod):
             toks = self.drafter.draft(engine, min(n, depth))
             if toks:
                 chains.append(("mtp", toks, acc.qs("mtp", len(toks))))
-        self._drafted = self.draft is not None and (not self.auto or self.draft.pays(ctx))
-        if self._drafted:  # the draft model's chain and its alternatives
+        if drafted:  # the draft model's chain and its alternatives
             chains += self.draft.candidates(ctx, root, min(depth, 8), self.auto)
         return chains
 
@@ -276,9 +276,10 @@ class Hybrid(DraftMethod):
         levels = self.dists
         scale = [acc.q("probe", d + 1) for d in range(len(levels))]
         by_token = self.recycle.children(acc) if self.recycle is not None else None
-        trie = merge_chains(self._chains(ctx, root))
+        drafted = self.draft is not None and (not self.auto or self.draft.pays(ctx))
+        trie = merge_chains(self._chains(ctx, root, drafted))
         children = CandidateChildren(trie, levels, scale, by_token=by_token)
-        gains = ("probe",) * bool(levels) + ("draft",) * self._drafted
+        gains = ("probe",) * bool(levels) + ("draft",) * drafted
         if self.chain:
             return self._chain_offer(ctx, root, children, gains)
         tree = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
