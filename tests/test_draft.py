@@ -287,7 +287,8 @@ def test_hybrid_runs_a_draft_model_only_while_it_pays(monkeypatch):
     noisy = [(k, v + 0.05 * mx.random.normal(v.shape)) for k, v in tree_flatten(close.parameters())]
     close.update(tree_unflatten(noisy))
     far = make_tiny_model("qwen2", seed=12)
-    prompts = [np.random.default_rng(5).integers(0, 256, 12).tolist() for _ in range(4)]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, 12).tolist() for _ in range(4)]
     t = _loaded(target, "target")
     ref = [decode(Engine(target), make_method("ntp"), p, 40)[0] for p in prompts]
     share = {}
