@@ -43,10 +43,11 @@ class MLXLMPeer:
     callback, until the draft model's first decoding call, which follows the
     prefill of both models, as ``draft`` rows count it); ``decode_time`` from
     there to the last token, so it includes the forward of the last prompt
-    token that yields the first new token, as ``ntp``'s does. mlx-lm does not emit EOS; the EOS that
-    ended the generation is appended to ``tokens`` (``ntp`` emits it), so the
-    two token lists compare one to one. ``forward_time`` is set to the whole
-    decode time (mlx-lm's loop does not separate device from host time).
+    token that yields the first new token, as ``ntp``'s does. mlx-lm does not
+    emit EOS; the EOS that ended the generation is appended to ``tokens``
+    (``ntp`` emits it), so the two token lists compare one to one.
+    ``forward_time`` is set to the whole decode time (mlx-lm's loop does not
+    separate device from host time).
 
     Args:
         name: ``mlx_lm`` or ``mlx_lm_draft``.
