@@ -25,6 +25,10 @@ class Context:
             test); None: this device's own (:func:`mlx_mtp.costs.device_curves`).
         planner: the planner of the generation under way (set by the
             decoding loop; None outside one).
+        left: tokens the generation under way may still commit (set by the
+            decoding loop before each step; None outside one): a source whose
+            drafting costs passes of its own (a draft model) drafts no deeper
+            than the tokens that can still be kept.
         learned: what the planner of a method at ``auto`` learned in its last
             generation (:class:`~mlx_mtp.planner.Learned`: acceptance
             estimates, host time), by the method's description: the next
@@ -38,6 +42,7 @@ class Context:
     curves: CostCurve | CostCurves | None = None
     planner: Planner | None = None
     learned: dict[str, Learned] = field(default_factory=dict)
+    left: int | None = None
 
     @property
     def acceptance(self) -> Acceptance:

@@ -242,6 +242,7 @@ def generate_steps(
                 mx.clear_cache()
                 cleared = n
             slots0 = engine.forward_slots
+            ctx.left = max_tokens - n
             out = planner.step(root) if planner is not None else method.step(ctx, root)
             tokens = out.tokens[: max_tokens - n]
             for i, t in enumerate(tokens):
@@ -271,6 +272,7 @@ def generate_steps(
             root = tokens[-1]
             yield Step(tokens, stats, finish)
     finally:
+        ctx.left = None
         # cache = prompt + generated tokens but the last one
         expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)
         wired.__exit__(None, None, None)

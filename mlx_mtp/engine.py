@@ -270,11 +270,7 @@ class Engine:
         """
         self.settle()
         self._tree_rows = None
-        common = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            common += 1
+        common = self.common_prefix(tokens)
         if common < self.offset:
             try:
                 self.trim_to(common)
@@ -296,6 +292,34 @@ class Engine:
             self.cached.extend(piece)
             mx.clear_cache()
         return len(rest)
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the cache holds already."""
+        common = 0
+        for a, b in zip(self.cached, tokens):
+            if a != b:
+                break
+            common += 1
+        return common
+
+    def catch_up(self, tokens: list[int], most: int) -> list[int]:
+        """Bring the cache within ``most`` tokens of holding ``tokens``: keep
+        the longest common prefix, prefill (:meth:`sync`) all but the last
+        ``most`` of the rest, and return those (at most ``most``) for the
+        caller's next pass to feed in front of its own tokens, which saves a
+        pass of their own (a draft model after its drafts were all accepted:
+        the last one was never fed).
+
+        Args:
+            tokens: the token ids the cache should hold.
+            most: the most tokens left for the caller (>= 0).
+
+        Returns:
+            ``tokens[offset:]`` after the call.
+        """
+        keep = max(self.common_prefix(tokens), len(tokens) - max(int(most), 0))
+        self.sync(tokens[:keep])
+        return list(tokens[self.offset :])
 
     # ------------------------------------------------------------- memory
     def max_slots(self, context: int = 0) -> int:
@@ -320,6 +344,7 @@ class Engine:
         hidden: bool = False,
         wait: bool = True,
         droppable: bool = False,
+        last: int | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Causal forward of ``tokens`` after the cache; they are appended to it.
 
@@ -334,10 +359,13 @@ class Engine:
                 (rejected drafts, mask tokens): refuse before the pass if the
                 cache could not drop them; on a hybrid recurrent model the
                 pass is then recorded for the rollback even for one token.
+            last: compute logits for the last ``last`` tokens only (the LM
+                head is a large share of a small model's pass; a draft model
+                reads only its last token's).
 
         Returns:
-            logits (L, V) float32-or-model-dtype, and the hidden states (L, D)
-            if ``hidden``.
+            logits (L or ``last``, V) float32-or-model-dtype, and the hidden
+            states (L, D) if ``hidden``.
 
         Raises:
             CacheNotTrimmableError: ``droppable`` and the cache cannot drop
@@ -357,18 +385,57 @@ class Engine:
                 self.rollback.disarm()
         self.slot_positions = np.arange(self.offset, self.offset + len(tokens))
         self.cached.extend(tokens)
-        logits, h = self._chain(mx.array(tokens))
+        logits, h = self._chain(mx.array(tokens), last=last)
         self.clock.finish(t0, [logits] if h is None else [logits, h], wait, len(tokens))
         return logits, (h if hidden else None)
 
-    def _chain(self, ids: mx.array, count: bool = True) -> tuple[mx.array, mx.array | None]:
-        # the lazy graph of a causal forward of ids (L,) after the cache
+    def _chain(
+        self, ids: mx.array, count: bool = True, last: int | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        # the lazy graph of a causal forward of ids (L,) after the cache; logits
+        # of the last ``last`` rows only when set
         if count:
             self.count_forward(ids.shape[0])
         if self.backbone is None:
-            return self.model(ids[None], cache=self.cache)[0], None
+            logits = self.model(ids[None], cache=self.cache)[0]
+            return (logits if last is None else logits[-last:]), None
         h = self.backbone(ids[None], cache=self.cache)[0]
-        return self.lm_head(h), h
+        return self.lm_head(h if last is None else h[-last:]), h
+
+    def queue_behind(self, token: mx.array) -> mx.array:
+        """Build the one-token forward of ``token``, a lazy (1,) id read from
+        the pass in flight (its argmax), to run behind that pass: a draft
+        model's chain of passes with one synchronisation for all of them, as
+        mlx-lm's draft loop queues them. The caller starts the pass and what
+        it reads from it with :meth:`DeviceClock.extend
+        <mlx_mtp.timing.DeviceClock.extend>` and, once the ids are read,
+        records them with :meth:`resolve_queued` (``cached`` holds a ``-1``
+        for each until then). Not for models with recurrent layers (their
+        rollback is armed per pass: :meth:`forward_chain`).
+
+        Returns:
+            The lazy logits (1, V).
+        """
+        if self.rollback is not None:
+            raise UnsupportedModelError("queue_behind: recurrent layers need forward_chain")
+        self._tree_rows = None
+        self.slot_positions = np.array([self.offset], dtype=np.int64)
+        self.cached.append(-1)
+        return self._chain(token.reshape(1).astype(mx.int32))[0]
+
+    def resolve_queued(self, tokens: Sequence[int]) -> None:
+        """Record the ids of the tokens queued last by :meth:`queue_behind`
+        (or :meth:`queue_token`), in order.
+
+        Raises:
+            ValueError: the cache does not end with that many queued tokens.
+        """
+        n = len(tokens)
+        if n == 0:
+            return
+        if len(self.cached) < n or any(t != -1 for t in self.cached[-n:]):
+            raise ValueError(f"resolve_queued: the cache does not end with {n} queued tokens")
+        self.cached[-n:] = [int(t) for t in tokens]
 
     def queue_token(self, token: mx.array) -> mx.array:
         """Build the one-token forward of ``token``, whose id may not be known yet.

@@ -146,6 +146,72 @@ def test_auto_stops_drafting_when_draft_passes_cost_too_much(pair):
     assert outs == ref and max(s.slots_per_forward for s in stats) > 3
 
 
+def _count_calls(obj, name, log):
+    """Wrap ``obj.name`` so that each call appends to ``log``."""
+    inner = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        log.append(name)
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+
+
+@pytest.mark.parametrize("k,n", [(2, 31), (4, 32)])
+def test_fixed_chain_runs_k_draft_passes_and_one_sync_per_step(pair, k, n):
+    """mlx-lm's draft loop: a step of a fixed chain runs k draft passes (the
+    last draft of a step that accepted every draft goes into the next step's
+    first pass, not a pass of its own) and reads them in one synchronisation,
+    the passes queued one behind the other on the device."""
+    target, _, _ = pair
+    # the target drafting for itself: every draft is accepted
+    same = _loaded(target.model, "same")
+    ctx = Context(Engine(target.model), target, curves=CostCurve.flat(16, 0.003))
+    m = make_method("draft", draft_model=same, shape="chain", num_draft_tokens=k)
+    m.prepare(ctx)
+    eng = m.source.engine
+    calls: list[str] = []
+    _count_calls(eng, "backbone", calls)
+    _count_calls(eng.clock, "wait", calls)
+    prompt = _prompts(1, seed=5)[0]
+    ref, _ = decode(Context(Engine(target.model)), make_method("ntp"), prompt, n)
+    out, stats = decode(ctx, m, prompt, n)
+    assert out == ref
+    # every draft accepted; the last step drafts only what can still be kept
+    steps, last = stats.forward_passes, (n - 1) % (k + 1)
+    assert stats.accept_lengths == [k + 1] * (steps - 1) + [last + 1]
+    assert stats.accepted == stats.drafted == k * (steps - 1) + last
+    # the prompt's prefill (one backbone call), then the drafts' passes; one
+    # wait per step that drafts
+    assert calls.count("backbone") == 1 + stats.drafted
+    assert calls.count("wait") == steps - (last == 0)
+
+
+def test_draft_at_a_queued_root_feeds_the_root_once(pair):
+    """After a pipelined plain step the target's cache holds the root's queued
+    pass already: the draft model feeds the root once, after the committed
+    tokens before it (else its drafts follow a doubled root)."""
+    target, close, _ = pair
+    ctx = Context(Engine(target.model), target, curves=CostCurve.flat(16, 0.003))
+    m = make_method("draft", draft_model=close, shape="chain", num_draft_tokens=3)
+    m.prepare(ctx)
+    prompt = _prompts(1, seed=6)[0]
+    ctx.engine.sync(prompt)  # the root (prompt's last token) is in the cache: queued
+    root = prompt[-1]
+    planner = types.SimpleNamespace(
+        plain=types.SimpleNamespace(holds=lambda engine, r: r == root),
+        acceptance=types.SimpleNamespace(q=lambda source, d: 1.0),
+        t1=None,
+    )
+    ctx.planner = planner
+    m.source.begin(prompt[:-1] + [root])
+    chains = m.source.candidates(ctx, root, 3, auto=False)
+    fresh = Context(Engine(close.model), close)
+    ref, _ = decode(fresh, make_method("ntp"), prompt, 3)
+    assert chains[0][1] == ref
+    assert m.source.engine.cached == [*prompt, *ref[:2]]
+
+
 def test_mismatched_tokenizer_and_missing_draft_are_refused(pair):
     target, close, _ = pair
     shifted = _loaded(close.model, "shifted", ByteTokenizer(shift=1))

@@ -7,11 +7,14 @@ bottom:
 
 1. The draft model has its own :class:`~mlx_mtp.engine.Engine`. Before it
    drafts, its KV cache is brought in step with the target's committed tokens
-   (:meth:`Engine.sync <mlx_mtp.engine.Engine.sync>` keeps the longest common
-   prefix: rejected drafts are dropped, tokens it has not seen, such as the
-   bonus token or those of plain steps, are fed in one pass).
+   (:meth:`Engine.catch_up <mlx_mtp.engine.Engine.catch_up>` keeps the
+   longest common prefix: rejected drafts are dropped; tokens it has not
+   seen, such as the last draft of a step that accepted every draft or those
+   of plain steps, are fed in its first pass, in front of the root).
 2. Depth by depth it feeds its last token and takes its most probable token
-   as the next draft (the chain); its ``width - 1`` next most probable tokens
+   as the next draft (the chain); with a fixed depth the passes are queued
+   one behind the other on the device and read in one synchronisation, as
+   mlx-lm's draft loop does. Its ``width - 1`` next most probable tokens
    at each depth become siblings of that draft (leaves), so that one target
    pass verifies a tree: the chain plus the draft's alternatives at every
    depth, a cheap form of the dynamic trees of SpecInfer (Miao et al. 2024)
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..budget import PrefixBound
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
@@ -42,6 +47,10 @@ PROBE_TEXTS = (
     "Ünïcödé, 中文, emoji 🙂 and numbers 1234567890.",
     "  leading spaces, tabs\tand\nnew lines\n\n",
 )
+
+#: the most tokens the draft model lacks that its first pass of a step feeds
+#: in front of the root (more are prefilled on their own first)
+CATCH_UP = 64
 
 #: draft models loaded in this process, by (spec, dtype): bound once, shared
 _LOADED: dict[tuple[str, str | None], Any] = {}
@@ -156,7 +165,14 @@ class DraftModel:
     ) -> list[tuple[str, list[int], list[float], list[float]]]:
         """Draft after ``root`` (the target's cache holds everything before
         it): up to ``depth`` chain tokens (fewer with ``auto`` once no longer
-        chain can pay), with ``width - 1`` alternatives at every depth.
+        chain can pay, and no more than ``ctx.left - 1``), with ``width - 1``
+        alternatives at every depth.
+
+        With a fixed depth the draft model's passes are queued one behind the
+        other, each fed the argmax of the one before while it is still
+        lazy, and read in one synchronisation (mlx-lm's draft loop); at
+        ``auto`` each pass is read before the next, since the planner's bound
+        decides from its probabilities whether to draft on.
 
         Returns:
             Chains ``("draft", tokens, conditional estimates, raw draft
@@ -164,43 +180,34 @@ class DraftModel:
             chain first, then one chain per alternative (the chain's prefix
             and the alternative token).
         """
+        if ctx.left is not None:  # drafts past the generation's end: passes for nothing
+            depth = min(depth, ctx.left - 1)
+        if depth < 1:
+            return [("draft", [], [], [])]
         eng = self.engine
         s0 = eng.clock.seconds
-        # in step with the target's committed tokens (after plain steps: a
-        # chunked pass over the tokens they committed, device work too)
-        eng.sync(ctx.engine.cached)
+        # in step with the target's committed tokens before root; the few it
+        # lacks (the last draft of a step that accepted them all, the tokens
+        # of plain steps) go into its first pass, in front of root
+        feed = [*eng.catch_up(ctx.history(root)[:-1], CATCH_UP), root]
+        t0 = eng.clock.now()
+        if auto or eng.rollback is not None:
+            bound = ctx.planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
+            rows = self._stepwise(ctx, feed, depth, bound)
+        else:
+            rows = self._queued(feed, depth)
         acc = ctx.acceptance
-        planner = ctx.planner
-        bound = planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
         chain: list[int] = []
         conds: list[float] = []
         raws: list[float] = []
         alts: list[tuple[int, int, float, float]] = []  # (depth, token, cond, raw)
-        tok, path = root, 1.0
-        t0 = eng.clock.now()
-        for d in range(1, depth + 1):
-            logits, _ = eng.forward_chain([tok], wait=False)
-            row = logits[-1:]
-            if self.vocab is not None and row.shape[-1] > self.vocab:
-                row = row[:, : self.vocab]  # rows past the tokenizer: embedding padding
-            top, top_p = top_candidates(row, self.width)
-            eng.timed_eval(top, top_p)
-            toks, ps = np.array(top)[0], np.array(top_p)[0]
-            order = np.argsort(-ps, kind="stable")
-            toks, ps = toks[order], ps[order]
+        for d, (toks, ps) in enumerate(rows, start=1):
             cal = acc.q("draft", d)
             for t, p in zip(toks[1:].tolist(), ps[1:].tolist()):
                 alts.append((d, int(t), min(p * cal, 1.0), float(p)))
-            tok = int(toks[0])
-            cond = min(float(ps[0]) * cal, 1.0)
-            chain.append(tok)
-            conds.append(cond)
+            chain.append(int(toks[0]))
+            conds.append(min(float(ps[0]) * cal, 1.0))
             raws.append(float(ps[0]))
-            path *= cond
-            if bound is not None:
-                bound.add(path, 1)
-                if bound.exhausted(path):  # a longer chain's nodes are worth at most this
-                    break
         self._measure(ctx, len(chain), eng.clock.now() - t0)
         self.passes += 0.2 * (len(chain) - self.passes)
         ctx.engine.clock.add_beside(eng.clock.seconds - s0)  # draft passes: device work
@@ -210,6 +217,58 @@ class DraftModel:
                 ("draft", [*chain[: d - 1], t], [*conds[: d - 1], cond], [*raws[: d - 1], raw])
             )
         return out
+
+    def _row(self, logits: mx.array) -> mx.array:
+        """The last row (1, V') of a draft pass's logits, without the rows past
+        the tokenizer (embedding padding)."""
+        row = logits[-1:]
+        if self.vocab is not None and row.shape[-1] > self.vocab:
+            row = row[:, : self.vocab]
+        return row
+
+    def _stepwise(
+        self, ctx: Context, feed: list[int], depth: int, bound: PrefixBound | None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Draft pass by pass, each read before the next: per depth the
+        ``width`` best tokens and their probabilities, most probable first
+        (the chain's token); with ``bound``, until no longer chain can pay."""
+        eng, acc = self.engine, ctx.acceptance
+        rows: list[tuple[np.ndarray, np.ndarray]] = []
+        path = 1.0
+        for d in range(1, depth + 1):
+            logits, _ = eng.forward_chain(feed, wait=False, last=1)
+            top, top_p = top_candidates(self._row(logits), self.width)
+            eng.timed_eval(top, top_p)
+            rows.append(_ranked(np.array(top)[0], np.array(top_p)[0]))
+            feed = [int(rows[-1][0][0])]
+            if bound is not None:
+                path *= min(float(rows[-1][1][0]) * acc.q("draft", d), 1.0)
+                bound.add(path, 1)
+                if bound.exhausted(path):  # a longer chain's nodes are worth at most this
+                    break
+        return rows
+
+    def _queued(self, feed: list[int], depth: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Draft ``depth`` passes queued one behind the other, each fed the
+        lazy argmax of the one before, read in one synchronisation; per depth
+        as :meth:`_stepwise` returns them, the fed token first."""
+        eng = self.engine
+        logits, _ = eng.forward_chain(feed, wait=False, last=1)
+        reads: list[tuple[mx.array, mx.array, mx.array]] = []
+        for d in range(1, depth + 1):
+            top, top_p = top_candidates(self._row(logits), self.width)
+            # the chain's token: the most probable of the top (the first of ties)
+            nxt = mx.take_along_axis(top, mx.argmax(top_p, axis=-1, keepdims=True), axis=-1)
+            reads.append((nxt, top, top_p))
+            if d < depth:
+                logits = eng.queue_behind(nxt)
+                eng.clock.extend([logits, nxt, top, top_p], 1)
+        eng.timed_eval(*(a for r in reads for a in r))
+        rows = []
+        for nxt, top, top_p in reads:
+            rows.append(_ranked(np.array(top)[0], np.array(top_p)[0], first=int(nxt.item())))
+        eng.resolve_queued([int(toks[0]) for toks, _ in rows[:-1]])
+        return rows
 
     def _measure(self, ctx: Context, passes: int, seconds: float) -> None:
         """Refine :attr:`draft_cost` from the draft passes just run."""
@@ -221,6 +280,22 @@ class DraftModel:
         t1 = ctx.planner.t1 if ctx.planner is not None else None
         if t1:
             self.draft_cost = self.seconds_per_pass / t1
+
+
+def _ranked(
+    toks: np.ndarray, ps: np.ndarray, first: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate tokens and their probabilities, most probable first (the
+    first of ties); ``first``, when given and among them, leads."""
+    order = np.argsort(-ps, kind="stable")
+    toks, ps = toks[order], ps[order]
+    if first is not None and toks[0] != first:
+        at = np.flatnonzero(toks == first)
+        if at.size:
+            i = int(at[0])
+            order = np.array([i, *range(i), *range(i + 1, len(toks))])
+            toks, ps = toks[order], ps[order]
+    return toks, ps
 
 
 def parse_width(value: Any) -> int:
