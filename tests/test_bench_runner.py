@@ -365,9 +365,16 @@ def test_mlx_lm_draft_row_and_draft_rows_take_the_draft_model(smollm, tmp_path):
     for label in ("mlx_lm_draft:k=2", "draft:shape=chain,num_draft_tokens=2", "draft"):
         m = by[label]
         assert m["exactness"]["exact"] == m["exactness"]["checked"] == 2, label
-        assert m["overall"]["tau"] > 1.5, label  # a perfect draft is accepted
         assert "speedup_vs_mlx_lm_draft" in m["overall"]
+    # a perfect draft is accepted (``draft`` at auto drafts only where a draft
+    # model as dear as the target pays on this machine's curve, which it may not)
+    for label in ("mlx_lm_draft:k=2", "draft:shape=chain,num_draft_tokens=2"):
+        assert by[label]["overall"]["tau"] > 1.5, label
     assert "Overall vs mlx_lm_draft" in (tmp_path / "out" / "report.md").read_text()
+    # the same chain, every draft right: both loops pass the target as often
+    # (mlx-lm's last step, cut by max_tokens, yields no bonus token but is a pass)
+    chain = by["draft:shape=chain,num_draft_tokens=2"]
+    assert peer["overall"]["forward_passes"] == chain["overall"]["forward_passes"]
     # mlx-lm's draft loop takes no progress callback: its prefill (both
     # models) is still split from its decode time, as the draft rows' is
     recs = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").open()]

@@ -166,8 +166,12 @@ class MLXLMPeer:
         stats.prefill_time = start - t0
         stats.generated_tokens = len(tokens)
         stats.decode_time = stats.forward_time = last - start
-        # mlx-lm marks the tokens its draft model proposed and the target kept
+        # mlx-lm marks the tokens its draft model proposed and the target kept;
+        # its target passes are counted as calls (a last step cut by max_tokens
+        # yields no bonus token)
         passes = len(tokens) - drafted
+        if calls:
+            passes = max(sum(who == "target" and t >= start for who, t in calls), 1)
         stats.forward_passes = stats.steps = passes
         stats.slots = passes * (1 + self.k)
         stats.drafted, stats.accepted = passes * self.k, drafted
