@@ -136,6 +136,23 @@ class DeviceClock:
             self.aside += self.seconds - before
 
     @contextmanager
+    def work_of(self, other: DeviceClock) -> Iterator[None]:
+        """Another engine's passes run inside the block (a draft model's, on
+        ``other``, its own clock): their device seconds count as work beside
+        this clock's passes, and this clock's time moves as ``other``'s did
+        (on a simulated device: the simulated time of those passes, not this
+        machine's compute of them)."""
+        s0, v0, r0 = other.seconds, other.now(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_beside(other.seconds - s0)
+            self._shift((other.now() - v0) - (time.perf_counter() - r0))
+
+    def _shift(self, seconds: float) -> None:
+        """Move this clock's time by ``seconds`` (a real clock cannot)."""
+
+    @contextmanager
     def untimed(self) -> Iterator[None]:
         """Passes run inside the block (a cost measurement) are not counted."""
         saved = (self.passes, self.slots, self.seconds, self.aside)
@@ -199,6 +216,10 @@ class SimulatedClock(DeviceClock):
 
     def sync(self) -> None:
         self.block(mx.synchronize, self.free)
+
+    def _shift(self, seconds: float) -> None:
+        self.offset += seconds
+        self.free = max(self.free, self.now())  # the other's passes held the device
 
     def pause(self) -> None:
         """Stop virtual time (another engine's steps run meanwhile: an

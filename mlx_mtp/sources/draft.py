@@ -152,6 +152,10 @@ class DraftModel:
         self.engine = Engine(self.loaded.model)
         self.vocab = len(ctx.loaded.tokenizer.vocab) if ctx.loaded.tokenizer else None
         self.draft_cost = weight_bytes(self.loaded.model) / max(weight_bytes(ctx.engine.model), 1)
+        if self.engine.clock.simulated:
+            # a memory-bound device reads every weight once per pass: a draft
+            # pass takes the simulated target pass's time in their weight bytes
+            self.engine.clock.seconds_per_token *= self.draft_cost
         self.seconds_per_pass: float | None = None
 
     def begin(self, prompt: list[int]) -> None:
@@ -185,17 +189,18 @@ class DraftModel:
         if depth < 1:
             return [("draft", [], [], [])]
         eng = self.engine
-        s0 = eng.clock.seconds
-        # in step with the target's committed tokens before root; the few it
-        # lacks (the last draft of a step that accepted them all, the tokens
-        # of plain steps) go into its first pass, in front of root
-        feed = [*eng.catch_up(ctx.history(root)[:-1], CATCH_UP), root]
-        t0 = eng.clock.now()
-        if auto or eng.rollback is not None:
-            bound = ctx.planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
-            rows = self._stepwise(ctx, feed, depth, bound)
-        else:
-            rows = self._queued(feed, depth)
+        with ctx.engine.clock.work_of(eng.clock):  # the draft passes: device work
+            # in step with the target's committed tokens before root; the few it
+            # lacks (the last draft of a step that accepted them all, the tokens
+            # of plain steps) go into its first pass, in front of root
+            feed = [*eng.catch_up(ctx.history(root)[:-1], CATCH_UP), root]
+            t0 = eng.clock.now()
+            if auto or eng.rollback is not None:
+                bound = ctx.planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
+                rows = self._stepwise(ctx, feed, depth, bound)
+            else:
+                rows = self._queued(feed, depth)
+            self._measure(ctx, len(rows), eng.clock.now() - t0)
         acc = ctx.acceptance
         chain: list[int] = []
         conds: list[float] = []
@@ -208,9 +213,7 @@ class DraftModel:
             chain.append(int(toks[0]))
             conds.append(min(float(ps[0]) * cal, 1.0))
             raws.append(float(ps[0]))
-        self._measure(ctx, len(chain), eng.clock.now() - t0)
         self.passes += 0.2 * (len(chain) - self.passes)
-        ctx.engine.clock.add_beside(eng.clock.seconds - s0)  # draft passes: device work
         out = [("draft", chain, conds, raws)]
         for d, t, cond, raw in alts:
             out.append(
