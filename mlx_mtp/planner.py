@@ -449,7 +449,7 @@ class Planner:
         t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
         self._kind = ""
         out = self._step(root)
-        if self.auto:  # a measurement of the cost curve at this step's slots
+        if self.auto and self._kind != "last":  # a measurement of the curve at this step's slots
             device = clock.seconds - seconds
             if out.forwards == 1 and clock.slots > slots:  # the target's pass alone
                 self.curves.observe(clock.slots - slots, device - (clock.aside - aside), start)
@@ -570,6 +570,13 @@ class Planner:
                 self.reprobes += 1
                 self._due = True
             return self._plain(root, queue_next=True)
+        if self.ctx.left is not None and self.ctx.left <= 1:
+            # the generation's last token: no draft could be kept. One plain
+            # step, not a spell of plain mode (which the next generation on
+            # the context would inherit), and nothing learned from it
+            out = self._plain(root, queue_next=False)
+            self._kind = "last"
+            return out
         # root's forward pass is queued when the last step was a pipelined one
         # (plain mode, an offer that waits: auto only); anything else is stale
         queued = self.auto and self.plain.holds(engine, root)
