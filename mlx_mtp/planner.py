@@ -571,10 +571,10 @@ class Planner:
                 self._due = True
             return self._plain(root, queue_next=True)
         if self.ctx.left is not None and self.ctx.left <= 1:
-            # the generation's last token: no draft could be kept. One plain
-            # step, not a spell of plain mode (which the next generation on
-            # the context would inherit), and nothing learned from it
-            out = self._plain(root, queue_next=False)
+            # the generation's last token: no draft could be kept. A one-token
+            # step, neither a draft nor plain mode (whose steps the next
+            # generation on the context would inherit), and nothing learned from it
+            out = self._plain(root, queue_next=False, counted=False)
             self._kind = "last"
             return out
         # root's forward pass is queued when the last step was a pipelined one
@@ -648,8 +648,10 @@ class Planner:
         step = offer.base_slots + sum(taken) + offer.item_slots * (r - len(taken))
         return (offer.base_slots, step) if offer.primes else (step,)
 
-    def _plain(self, root: int, queue_next: bool, offer: Offer | None = None) -> StepOutput:
-        self.plain_steps += 1
+    def _plain(
+        self, root: int, queue_next: bool, offer: Offer | None = None, counted: bool = True
+    ) -> StepOutput:
+        self.plain_steps += counted
         self._kind = "plain"
         if not self.method.lossless:  # a lossy method's one-token step is its own
             offer = offer if offer is not None else self.method.propose(self.ctx, root)
