@@ -85,10 +85,9 @@ class DeviceClock:
 
     def extend(self, outputs: list[mx.array], slots: int = 1) -> None:
         """Start a pass of ``slots`` slots queued behind the pending one (its
-        input is read from that pass's outputs): :meth:`wait` then waits for
-        both and counts the time from the pending pass's start."""
-        if self.pending is None:
-            self.pending = (self.now(), [], 0.0)
+        input is read from that pass's outputs; a pass must be pending):
+        :meth:`wait` then waits for both and counts the time from the pending
+        pass's start."""
         t0, running, _ = self.pending
         done = self.launch(outputs, slots)
         self.pending = (t0, [*running, *outputs], done)

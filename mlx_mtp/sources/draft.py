@@ -38,7 +38,7 @@ from ..budget import PrefixBound
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
-from .masks import top_candidates
+from .masks import candidate_lists, top_candidates
 
 #: texts whose token ids the target and draft tokenizers must agree on
 PROBE_TEXTS = (
@@ -245,7 +245,7 @@ class DraftModel:
             logits, _ = eng.forward_chain(feed, wait=False, last=1)
             top, top_p = top_candidates(self._row(logits), self.width)
             eng.timed_eval(top, top_p)
-            rows.append(_ranked(np.array(top)[0], np.array(top_p)[0]))
+            rows.append(candidate_lists(top, top_p)[0])
             feed = [int(rows[-1][0][0])]
             if bound is not None:
                 path *= min(float(rows[-1][1][0]) * acc.q("draft", d), 1.0)
@@ -272,7 +272,11 @@ class DraftModel:
         eng.timed_eval(*(a for r in reads for a in r))
         rows = []
         for nxt, top, top_p in reads:
-            rows.append(_ranked(np.array(top)[0], np.array(top_p)[0], first=int(nxt.item())))
+            toks, ps = candidate_lists(top, top_p)[0]
+            # the fed token leads (it is the first of any tie for the top)
+            i = int(np.flatnonzero(toks == int(nxt.item()))[0])
+            order = [i, *range(i), *range(i + 1, len(toks))]
+            rows.append((toks[order], ps[order]))
         eng.resolve_queued([int(toks[0]) for toks, _ in rows[:-1]])
         return rows
 
@@ -286,22 +290,6 @@ class DraftModel:
         t1 = ctx.planner.t1 if ctx.planner is not None else None
         if t1:
             self.draft_cost = self.seconds_per_pass / t1
-
-
-def _ranked(
-    toks: np.ndarray, ps: np.ndarray, first: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate tokens and their probabilities, most probable first (the
-    first of ties); ``first``, when given and among them, leads."""
-    order = np.argsort(-ps, kind="stable")
-    toks, ps = toks[order], ps[order]
-    if first is not None and toks[0] != first:
-        at = np.flatnonzero(toks == first)
-        if at.size:
-            i = int(at[0])
-            order = np.array([i, *range(i), *range(i + 1, len(toks))])
-            toks, ps = toks[order], ps[order]
-    return toks, ps
 
 
 def parse_width(value: Any) -> int:
