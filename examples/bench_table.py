@@ -1,9 +1,13 @@
-"""One table from several ``mlx-mtp bench`` folders of the same methods (a
-bench split by ``--categories`` over several processes): per method, token
-equality with ``ntp``, tau, slots per forward pass, decode speed against
-``ntp`` per task and overall, prefill + decode against ``ntp``, and against
-the fastest ``mlx_lm_draft`` row. Each ratio divides rows measured side by
-side in one folder's run; overall figures are total tokens over total time.
+"""One table from several ``mlx-mtp bench`` folders (a bench split by
+``--categories`` over several processes, or a second run that adds methods):
+per method, token equality with ``ntp``, tau, slots per forward pass, decode
+speed against ``ntp`` per task and overall, prefill + decode against ``ntp``,
+and against the fastest ``mlx_lm_draft`` row. Every folder must hold an
+``ntp`` row. Each ratio divides rows measured side by side in one folder's
+run: a method's time over the prompts it ran is set against the time of the
+``ntp`` row of the same folders on the same prompts (overall figures are
+total tokens over total time). A method that ran in only some folders is
+shown over those folders' prompts (``exact`` says how many).
 
     python examples/bench_table.py docs/results/draft-pair-cpu-12x64/*/
 """
@@ -16,42 +20,58 @@ from pathlib import Path
 
 
 def main(folders: list[str]) -> None:
-    recs = [json.loads(line) for d in folders for line in (Path(d) / "records.jsonl").open()]
-    methods = list(dict.fromkeys(r["method"] for r in recs))
-    by = {(r["qid"], r["method"]): r for r in recs}
-    qids = list(dict.fromkeys(r["qid"] for r in recs))
-    task = {r["qid"]: r["task"] for r in recs}
-    tasks = list(dict.fromkeys(task[q] for q in qids))
+    # (folder, qid, method) -> record
+    by: dict[tuple[int, str, str], dict] = {}
+    for i, d in enumerate(folders):
+        for line in (Path(d) / "records.jsonl").open():
+            r = json.loads(line)
+            by[i, r["qid"], r["method"]] = r
+    methods = list(dict.fromkeys(m for _, _, m in by))
+    task = {q: r["task"] for (_, q, _), r in by.items()}
+    tasks = list(dict.fromkeys(task.values()))
 
-    def tps(m: str, qs: list[str], prefill: bool = False) -> float:
-        toks = sum(by[q, m]["generated_tokens"] for q in qs)
-        secs = sum(by[q, m]["decode_time"] + prefill * by[q, m]["prefill_time"] for q in qs)
-        return toks / secs
+    def runs(m: str, t: str | None = None) -> list[tuple[int, str]]:
+        """(folder, qid) of every prompt ``m`` ran (on task ``t``)."""
+        return [(i, q) for i, q, n in by if n == m and (t is None or task[q] == t)]
 
-    def of(t: str) -> list[str]:
-        return [q for q in qids if task[q] == t]
+    def secs(m: str, keys: list[tuple[int, str]], prefill: bool = False) -> float:
+        rs = [by[i, q, m] for i, q in keys]
+        return sum(r["decode_time"] + prefill * r["prefill_time"] for r in rs)
+
+    def speed(m: str, ref: str, t: str | None = None, prefill: bool = False) -> str:
+        keys = [k for k in runs(m, t) if (*k, ref) in by]
+        if not keys:
+            return "-"
+        toks = sum(by[i, q, m]["generated_tokens"] for i, q in keys)
+        ref_toks = sum(by[i, q, ref]["generated_tokens"] for i, q in keys)
+        ratio = (toks / secs(m, keys, prefill)) / (ref_toks / secs(ref, keys, prefill))
+        return f"{ratio:.2f}x"
 
     peers = [m for m in methods if m.startswith("mlx_lm_draft")]
-    best = max(peers, key=lambda m: tps(m, qids)) if peers else None
+    best = None
+    if peers:
+        best = max(peers, key=lambda m: float(speed(m, "ntp")[:-1]))
     head = ["method", "exact", "tau", "slots/fwd", *tasks, "overall", "prefill+decode"]
     if best:
         head += [f"vs {best}", "(prefill+decode)"]
     print("| " + " | ".join(head) + " |")
     print("|---|---|" + "---:|" * (len(head) - 2))
     for m in methods:
-        exact = sum(by[q, m]["tokens"] == by[q, "ntp"]["tokens"] for q in qids)
-        fwd = sum(by[q, m]["forward_passes"] for q in qids)
-        gen = sum(by[q, m]["generated_tokens"] for q in qids)
-        slots = sum(by[q, m]["slots"] for q in qids)
-        row = [m, f"{exact}/{len(qids)}", f"{gen / fwd:.2f}", f"{slots / fwd:.1f}"]
-        row += [f"{tps(m, of(t)) / tps('ntp', of(t)):.2f}x" for t in tasks]
-        row += [f"{tps(m, qids) / tps('ntp', qids):.2f}x"]
-        row += [f"{tps(m, qids, True) / tps('ntp', qids, True):.2f}x"]
+        keys = runs(m)
+        rs = [by[i, q, m] for i, q in keys]
+        exact = sum(by[i, q, m]["tokens"] == by[i, q, "ntp"]["tokens"] for i, q in keys)
+        fwd = sum(r["forward_passes"] for r in rs)
+        gen = sum(r["generated_tokens"] for r in rs)
+        slots = sum(r["slots"] for r in rs)
+        row = [m, f"{exact}/{len(keys)}", f"{gen / fwd:.2f}", f"{slots / fwd:.1f}"]
+        row += [speed(m, "ntp", t) for t in tasks]
+        row += [speed(m, "ntp"), speed(m, "ntp", prefill=True)]
         if best:
-            row += [f"{tps(m, qids) / tps(best, qids):.2f}x"]
-            row += [f"{tps(m, qids, True) / tps(best, qids, True):.2f}x"]
+            row += [speed(m, best), speed(m, best, prefill=True)]
         print("| " + " | ".join(row) + " |")
-    print(f"\nntp: {tps('ntp', qids):.3f} tok/s decode")
+    keys = runs("ntp")
+    toks = sum(by[i, q, "ntp"]["generated_tokens"] for i, q in keys)
+    print(f"\nntp: {toks / secs('ntp', keys):.3f} tok/s decode")
 
 
 if __name__ == "__main__":
