@@ -7,7 +7,8 @@ and against the fastest ``mlx_lm_draft`` row. Every folder must hold an
 run: a method's time over the prompts it ran is set against the time of the
 ``ntp`` row of the same folders on the same prompts (overall figures are
 total tokens over total time). A method that ran in only some folders is
-shown over those folders' prompts (``exact`` says how many).
+shown over those folders' prompts (``exact`` says how many), and its
+``vs mlx_lm_draft`` columns over the prompts both ran.
 
     python examples/bench_table.py docs/results/draft-pair-cpu-12x64/*/
 """
@@ -20,21 +21,27 @@ from pathlib import Path
 
 
 def main(folders: list[str]) -> None:
-    # (folder, qid, method) -> record
-    by: dict[tuple[int, str, str], dict] = {}
+    # (folder, prompt, method) -> record; a prompt is (qid, turn, repeat)
+    by: dict[tuple[int, tuple, str], dict] = {}
     for i, d in enumerate(folders):
         for line in (Path(d) / "records.jsonl").open():
             r = json.loads(line)
-            by[i, r["qid"], r["method"]] = r
+            by[i, (r["qid"], r["turn"], r["repeat"]), r["method"]] = r
+    missing = {(i, q) for i, q, _ in by} - {(i, q) for i, q, m in by if m == "ntp"}
+    if missing:
+        sys.exit(
+            f"no ntp record for {len(missing)} prompts (e.g. {sorted(missing)[0]}): "
+            "every folder needs an ntp row"
+        )
     methods = list(dict.fromkeys(m for _, _, m in by))
     task = {q: r["task"] for (_, q, _), r in by.items()}
     tasks = list(dict.fromkeys(task.values()))
 
-    def runs(m: str, t: str | None = None) -> list[tuple[int, str]]:
+    def runs(m: str, t: str | None = None) -> list[tuple[int, tuple]]:
         """(folder, qid) of every prompt ``m`` ran (on task ``t``)."""
         return [(i, q) for i, q, n in by if n == m and (t is None or task[q] == t)]
 
-    def secs(m: str, keys: list[tuple[int, str]], prefill: bool = False) -> float:
+    def secs(m: str, keys: list[tuple[int, tuple]], prefill: bool = False) -> float:
         rs = [by[i, q, m] for i, q in keys]
         return sum(r["decode_time"] + prefill * r["prefill_time"] for r in rs)
 
