@@ -38,7 +38,7 @@ def main(folders: list[str]) -> None:
     tasks = list(dict.fromkeys(task.values()))
 
     def runs(m: str, t: str | None = None) -> list[tuple[int, tuple]]:
-        """(folder, qid) of every prompt ``m`` ran (on task ``t``)."""
+        """(folder, prompt) of every prompt ``m`` ran (on task ``t``)."""
         return [(i, q) for i, q, n in by if n == m and (t is None or task[q] == t)]
 
     def secs(m: str, keys: list[tuple[int, tuple]], prefill: bool = False) -> float:
