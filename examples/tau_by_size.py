@@ -10,12 +10,15 @@ depend on this machine's speed, though the fixed settings below never read it):
       OPENBLAS_NUM_THREADS=1 mlx-mtp bench --model $m --limit 2 --max-tokens 64 \\
         --out docs/results/tau-by-size/$m --methods "$M"
     done
-    python examples/tau_by_size.py docs/results/tau-by-size/* \\
+    python examples/tau_by_size.py docs/results/tau-by-size/*/ \\
       --plot docs/results/tau-by-size/tau.png
 
 tau is the figure that carries over from this CPU to any device (the cost of
-a slot differs, the tokens a pass keeps do not). A method a folder did not
-run is left empty; each row gives the prompts x tokens of its run.
+a slot differs, the tokens a pass keeps do not). Several folders of one model
+(a run split by task, or methods added in a later run on the same settings)
+make one row: each method's tau is its generated tokens over its forward
+passes summed over the folders. A method no folder ran is left empty; each
+row gives the prompts x tokens of its methods.
 """
 
 from __future__ import annotations
@@ -33,23 +36,67 @@ PARAMS = {
 }
 
 
-def load(folder: Path) -> tuple[str, dict[str, float], str]:
-    """(model alias, tau per method label, the run's prompts x tokens)."""
-    r = json.loads((folder / "results.json").read_text())
+def load(folder: Path) -> tuple[str, int, dict[str, tuple[int, int, int]]]:
+    """(model alias, max tokens, {method label: (prompts, generated tokens,
+    forward passes)}) of one bench folder."""
+    path = folder / "results.json"
+    if not path.is_file():
+        raise SystemExit(
+            f"{folder}: no results.json; give the folders that `mlx-mtp bench --out` wrote"
+        )
+    r = json.loads(path.read_text())
     s = r["settings"]
-    model = Path(str(s["model"])).name
-    taus = {m["label"]: m["overall"]["tau"] for m in r["methods"]}
-    n = r["methods"][0]["overall"].get("n", "?")
-    return model, taus, f"{n} x {s['max_tokens']}"
+    counts = {}
+    for m in r["methods"]:
+        o = m["overall"]
+        counts[m["label"]] = (int(o["n"]), int(o["generated_tokens"]), int(o["forward_passes"]))
+    return Path(str(s["model"])).name, int(s["max_tokens"]), counts
+
+
+def merge(folders: list[Path]) -> list[tuple[str, dict[str, float], str]]:
+    """One (model, tau per method label, prompts x tokens) row per model,
+    smallest model first.
+
+    Raises:
+        SystemExit: two folders of one model generated different numbers of
+            tokens per prompt, so their tau cannot be pooled.
+    """
+    pooled: dict[str, dict[str, list[int]]] = {}
+    lengths: dict[str, int] = {}
+    for folder in folders:
+        model, max_tokens, counts = load(folder)
+        if lengths.setdefault(model, max_tokens) != max_tokens:
+            raise SystemExit(
+                f"{folder}: {max_tokens} tokens per prompt, but another folder of {model} "
+                f"has {lengths[model]}; pool only runs with the same --max-tokens"
+            )
+        for label, c in counts.items():
+            acc = pooled.setdefault(model, {}).setdefault(label, [0, 0, 0])
+            for i, v in enumerate(c):
+                acc[i] += v
+    rows = []
+    for model, methods in pooled.items():
+        taus = {m: tok / max(passes, 1) for m, (_, tok, passes) in methods.items()}
+        ns = sorted({n for m, (n, _, _) in methods.items() if m != "ntp"} or {methods["ntp"][0]})
+        n = str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+        rows.append((model, taus, f"{n} x {lengths[model]}"))
+    return sorted(rows, key=lambda r: PARAMS.get(r[0], 0.0))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here")
+    ap.add_argument(
+        "--methods",
+        help="comma-separated method labels to show (default: the smallest model's, ntp left out)",
+    )
     args = ap.parse_args()
-    runs = sorted((load(f) for f in args.folders), key=lambda r: PARAMS.get(r[0], 0.0))
-    methods = [m for m in runs[0][1] if m != "ntp"]
+    runs = merge(args.folders)
+    if args.methods:
+        methods = args.methods.split(",")
+    else:  # the smallest model's methods
+        methods = [m for m in runs[0][1] if m != "ntp"]
     print("| model | prompts x tokens | " + " | ".join(f"`{m}`" for m in methods) + " |")
     print("|---|---:|" + "---:|" * len(methods))
     for model, taus, size in runs:
