@@ -1,7 +1,7 @@
 """Acceptance length (tau) of the training-free methods against model size:
-a markdown table and one plot from ``mlx-mtp bench`` folders, one per model.
+a markdown table and one plot from ``mlx-mtp bench`` folders, one or more per model.
 
-Each folder is a bench run with the same methods on the same prompts, e.g.
+Each folder is one ``mlx-mtp bench --out`` run, e.g.
 (float32, greedy; ``MLX_MTP_COST_CURVE`` pins the budget so the run does not
 depend on this machine's speed, though the fixed settings below never read it):
 
@@ -17,14 +17,18 @@ tau is the figure that carries over from this CPU to any device (the cost of
 a slot differs, the tokens a pass keeps do not). Several folders of one model
 (a run split by task, or methods added in a later run on the same settings)
 make one row: each method's tau is its generated tokens over its forward
-passes summed over the folders. A method no folder ran is left empty; each
-row gives the prompts x tokens of its methods.
+passes summed over the folders' records (``ntp``, in every run, is left
+out). A prompt that two folders both ran for one method is refused (it would
+count twice), and so are folders of one model with different settings
+(tokens, temperature, dtype, turns). A method no folder ran is left empty; a
+cell over fewer prompts than its row's count gives its own count in brackets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 #: parameters of the real models of the test suite (embeddings included)
@@ -36,51 +40,99 @@ PARAMS = {
 }
 
 
-def load(folder: Path) -> tuple[str, int, dict[str, tuple[int, int, int]]]:
-    """(model alias, max tokens, {method label: (prompts, generated tokens,
-    forward passes)}) of one bench folder."""
-    path = folder / "results.json"
-    if not path.is_file():
-        raise SystemExit(
-            f"{folder}: no results.json; give the folders that `mlx-mtp bench --out` wrote"
-        )
-    r = json.loads(path.read_text())
-    s = r["settings"]
-    counts = {}
-    for m in r["methods"]:
-        o = m["overall"]
-        counts[m["label"]] = (int(o["n"]), int(o["generated_tokens"]), int(o["forward_passes"]))
-    return Path(str(s["model"])).name, int(s["max_tokens"]), counts
+#: the plain-decoding reference every bench run has (left out of the pooling)
+REFERENCE = "ntp"
+#: settings that must agree for runs of one model to be pooled
+POOLED_SETTINGS = ("max_tokens", "temp", "dtype", "turns", "mode")
 
 
-def merge(folders: list[Path]) -> list[tuple[str, dict[str, float], str]]:
-    """One (model, tau per method label, prompts x tokens) row per model,
-    smallest model first.
+def load(folder: Path) -> tuple[str, dict, list[dict]]:
+    """(model alias, settings, records) of one ``mlx-mtp bench --out`` folder.
 
     Raises:
-        SystemExit: two folders of one model generated different numbers of
-            tokens per prompt, so their tau cannot be pooled.
+        SystemExit: ``folder`` is not a bench folder.
+    """
+    results, records = folder / "results.json", folder / "records.jsonl"
+    if not (results.is_file() and records.is_file()):
+        raise SystemExit(
+            f"{folder}: not a bench folder (no results.json and records.jsonl); "
+            "give the folders that `mlx-mtp bench --out` wrote"
+        )
+    settings = json.loads(results.read_text())["settings"]
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    return Path(str(settings["model"])).name, settings, rows
+
+
+def merge(folders: list[Path]) -> list[tuple[str, dict[str, float], dict[str, int], int]]:
+    """One (model, tau per method label, prompts per method label, max
+    tokens) row per model, smallest model first.
+
+    Raises:
+        SystemExit: two folders of one model differ in a setting of
+            ``POOLED_SETTINGS``, or both hold one prompt for one method.
     """
     pooled: dict[str, dict[str, list[int]]] = {}
-    lengths: dict[str, int] = {}
+    settings: dict[str, tuple[Path, dict]] = {}
+    seen: dict[tuple, Path] = {}
     for folder in folders:
-        model, max_tokens, counts = load(folder)
-        if lengths.setdefault(model, max_tokens) != max_tokens:
-            raise SystemExit(
-                f"{folder}: {max_tokens} tokens per prompt, but another folder of {model} "
-                f"has {lengths[model]}; pool only runs with the same --max-tokens"
-            )
-        for label, c in counts.items():
-            acc = pooled.setdefault(model, {}).setdefault(label, [0, 0, 0])
-            for i, v in enumerate(c):
-                acc[i] += v
+        model, s, records = load(folder)
+        first, ref = settings.setdefault(model, (folder, s))
+        for key in POOLED_SETTINGS:
+            if s.get(key) != ref.get(key):
+                raise SystemExit(
+                    f"{folder}: {key}={s.get(key)!r}, but {first} (also {model}) has "
+                    f"{ref.get(key)!r}; pool only runs made with the same settings"
+                )
+        for r in records:
+            if r["method"] == REFERENCE:  # in every run, and its tau is 1
+                continue
+            key = (model, r["method"], r["qid"], r["turn"], r["repeat"])
+            if key in seen:
+                raise SystemExit(
+                    f"{folder}: {r['method']} on prompt {r['qid']} (turn {r['turn']}) is "
+                    f"also in {seen[key]}; give each run's folder once"
+                )
+            seen[key] = folder
+            acc = pooled.setdefault(model, {}).setdefault(r["method"], [0, 0, 0])
+            acc[0] += 1
+            acc[1] += int(r["generated_tokens"])
+            acc[2] += int(r["forward_passes"])
     rows = []
     for model, methods in pooled.items():
         taus = {m: tok / max(passes, 1) for m, (_, tok, passes) in methods.items()}
-        ns = sorted({n for m, (n, _, _) in methods.items() if m != "ntp"} or {methods["ntp"][0]})
-        n = str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
-        rows.append((model, taus, f"{n} x {lengths[model]}"))
+        prompts = {m: n for m, (n, _, _) in methods.items()}
+        rows.append((model, taus, prompts, int(settings[model][1]["max_tokens"])))
     return sorted(rows, key=lambda r: PARAMS.get(r[0], 0.0))
+
+
+def split_labels(text: str) -> list[str]:
+    """Method labels from a comma-separated list, as ``mlx-mtp bench
+    --methods`` reads it: a token with ``=`` and no ``:`` is one more setting
+    of the label before it (``hybrid:bc=30,recycle=1`` is one label)."""
+    labels: list[str] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if tok and "=" in tok and ":" not in tok and labels:
+            labels[-1] += "," + tok
+        elif tok:
+            labels.append(tok)
+    return labels
+
+
+def table(runs: list, methods: list[str]) -> list[str]:
+    """The markdown table's lines: one row per model, one column per method."""
+    lines = ["| model | prompts x tokens | " + " | ".join(f"`{m}`" for m in methods) + " |"]
+    lines.append("|---|---:|" + "---:|" * len(methods))
+    for model, taus, prompts, max_tokens in runs:
+        n = max((prompts[m] for m in methods if m in prompts), default=0)
+        cells = []
+        for m in methods:
+            if m not in taus:
+                cells.append("")
+            else:
+                own = f" ({prompts[m]})" if prompts[m] != n else ""
+                cells.append(f"{taus[m]:.2f}{own}")
+        lines.append(f"| {model} | {n} x {max_tokens} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -89,19 +141,19 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     ap.add_argument(
         "--methods",
-        help="comma-separated method labels to show (default: the smallest model's, ntp left out)",
+        help="method labels to show, comma-separated as for `mlx-mtp bench --methods` "
+        "(default: the smallest model's)",
     )
     args = ap.parse_args()
     runs = merge(args.folders)
     if args.methods:
-        methods = args.methods.split(",")
+        methods = split_labels(args.methods)
+        for m in methods:
+            if not any(m in taus for _, taus, _, _ in runs):
+                print(f"warning: no folder ran {m!r}", file=sys.stderr)
     else:  # the smallest model's methods
-        methods = [m for m in runs[0][1] if m != "ntp"]
-    print("| model | prompts x tokens | " + " | ".join(f"`{m}`" for m in methods) + " |")
-    print("|---|---:|" + "---:|" * len(methods))
-    for model, taus, size in runs:
-        cells = " | ".join(f"{taus[m]:.2f}" if m in taus else "" for m in methods)
-        print(f"| {model} | {size} | {cells} |")
+        methods = list(runs[0][1])
+    print("\n".join(table(runs, methods)))
     if args.plot:
         import matplotlib
 
@@ -109,12 +161,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        xs = [PARAMS.get(model, float("nan")) for model, _, _ in runs]
+        xs = [PARAMS.get(run[0], float("nan")) for run in runs]
         for m in methods:
-            ax.plot(xs, [t.get(m, float("nan")) for _, t, _ in runs], marker="o", label=m)
+            ax.plot(xs, [run[1].get(m, float("nan")) for run in runs], marker="o", label=m)
         ax.set_xscale("log")
         ax.minorticks_off()
-        ax.set_xticks(xs, [model for model, _, _ in runs], rotation=15, fontsize=8)
+        ax.set_xticks(xs, [run[0] for run in runs], rotation=15, fontsize=8)
         ax.set_ylabel("tau (tokens per forward pass)")
         ax.set_title("Acceptance length against model size (greedy, float32)")
         ax.grid(alpha=0.3)
