@@ -15,17 +15,16 @@ shown over those folders' prompts (``exact`` says how many), and its
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from mlx_mtp.bench.runner import read_records
 
 
 def main(folders: list[str]) -> None:
     # (folder, prompt, method) -> record; a prompt is (qid, turn, repeat)
     by: dict[tuple[int, tuple, str], dict] = {}
     for i, d in enumerate(folders):
-        for line in (Path(d) / "records.jsonl").open():
-            r = json.loads(line)
+        for r in read_records(d):
             by[i, (r["qid"], r["turn"], r["repeat"]), r["method"]] = r
     missing = {(i, q) for i, q, _ in by} - {(i, q) for i, q, m in by if m == "ntp"}
     if missing:

@@ -31,6 +31,10 @@ import json
 import sys
 from pathlib import Path
 
+from mlx_mtp.bench.config import parse_methods
+from mlx_mtp.bench.runner import read_records
+from mlx_mtp.errors import InvalidArgumentError
+
 #: parameters of the real models of the test suite (embeddings included)
 PARAMS = {
     "smollm2-135m": 135e6,
@@ -59,8 +63,7 @@ def load(folder: Path) -> tuple[str, dict, list[dict]]:
             "give the folders that `mlx-mtp bench --out` wrote"
         )
     settings = json.loads(results.read_text())["settings"]
-    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-    return Path(str(settings["model"])).name, settings, rows
+    return Path(str(settings["model"])).name, settings, read_records(folder)
 
 
 def merge(folders: list[Path]) -> list[tuple[str, dict[str, float], dict[str, int], int]]:
@@ -106,16 +109,14 @@ def merge(folders: list[Path]) -> list[tuple[str, dict[str, float], dict[str, in
 
 
 def split_labels(text: str) -> list[str]:
-    """Method labels from a comma-separated list, as ``mlx-mtp bench
-    --methods`` reads it: a token with ``=`` and no ``:`` is one more setting
-    of the label before it (``hybrid:bc=30,recycle=1`` is one label)."""
-    labels: list[str] = []
-    for tok in (t.strip() for t in text.split(",")):
-        if tok and "=" in tok and ":" not in tok and labels:
-            labels[-1] += "," + tok
-        elif tok:
-            labels.append(tok)
-    return labels
+    """Method labels from a comma-separated list, read as ``mlx-mtp bench
+    --methods`` reads it (``hybrid:bc=30,recycle=1`` is one label), without
+    the ``ntp`` reference, which is not pooled."""
+    try:
+        specs = parse_methods(text)
+    except InvalidArgumentError as e:
+        raise SystemExit(str(e)) from None
+    return [s.label for s in specs if s.label != REFERENCE]
 
 
 def table(runs: list, methods: list[str]) -> list[str]:

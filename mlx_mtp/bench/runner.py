@@ -164,17 +164,29 @@ def recorded_outputs(
     Raises:
         InvalidArgumentError: the folder has no ``records.jsonl``.
     """
-    path = Path(out) / RECORDS
-    if not path.exists():
-        raise InvalidArgumentError(f"{path} does not exist: pass an `mlx-mtp bench --out` folder")
+    records = read_records(out)
     questions = {str(q["question_id"]): q for q in load_questions()}
     rows = []
-    for r in _read_records(path)[0]:
+    for r in records:
         if r["method"] != method or r["turn"] != 1 or str(r["qid"]) not in questions:
             continue
         msgs = [{"role": "user", "content": questions[str(r["qid"])]["turns"][0]}]
         rows.append((render_prompt(tokenizer, msgs), list(r["tokens"]), r))
     return rows
+
+
+def read_records(out: str | Path) -> list[dict[str, Any]]:
+    """The per-generation records of an ``mlx-mtp bench --out`` folder, read
+    as :meth:`ResultStore.load` reads them (a half-written last record is
+    skipped, a rerun entry counts once) without changing the folder.
+
+    Raises:
+        InvalidArgumentError: the folder has no ``records.jsonl``.
+    """
+    path = Path(out) / RECORDS
+    if not path.exists():
+        raise InvalidArgumentError(f"{path} does not exist: pass an `mlx-mtp bench --out` folder")
+    return _read_records(path)[0]
 
 
 # ------------------------------------------------------------------ storage
