@@ -23,7 +23,9 @@ bottom:
 3. If no prefix beats a plain step, the method enters *plain
    mode*: pipelined one-token steps exactly as ``ntp`` runs them
    (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
-   costs at most ``REPROBE_OVERHEAD`` of the time; a re-probe sends at least
+   costs at most ``REPROBE_OVERHEAD`` of the time, and waits while it would
+   cost the generation it falls in more than ``REPROBE_SHARE`` of that
+   generation's time so far (:func:`reprobe_fits`); a re-probe sends at least
    ``reprobe_items`` items whatever their estimates. A method whose drafts
    come from the pass before (probe's masks, clp's heads) declares
    ``primes``: after plain steps its first pass only makes candidates, and
@@ -69,6 +71,9 @@ if TYPE_CHECKING:
 REPROBE_OVERHEAD = 0.01
 #: bounds of the plain-mode interval (steps)
 MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 256
+#: share of one generation's time a re-probe may cost it: a due re-probe waits
+#: until the generation is long enough to carry it
+REPROBE_SHARE = 0.02
 #: weight of a new step in the averages of host and plain-step time
 HOST_RATE = 0.2
 
@@ -177,6 +182,8 @@ class Learned:
             pipelined one (None: none measured).
         ends: share of draft steps after which the pipeline starts again
             (a plain step follows; None: none measured).
+        reprobe_cost: the next re-probe's extra cost over plain steps, in
+            one-token forwards (:func:`reprobe_cost`).
     """
 
     acceptance: Acceptance
@@ -185,6 +192,7 @@ class Learned:
     plain_left: int = 0
     restart: float | None = None
     ends: float | None = None
+    reprobe_cost: float = 0.0
 
 
 def chain_offer(
@@ -337,6 +345,21 @@ def _average(old: float | None, sample: float) -> float:
     return sample if old is None else old + HOST_RATE * (sample - old)
 
 
+def reprobe_cost(
+    curve: CostCurve,
+    reprobe: Sequence[int],
+    host: float = 0.0,
+    plain: float = 1.0,
+    restart: float = 0.0,
+) -> float:
+    """The extra cost of a re-probe whose steps take ``reprobe`` slots over as
+    many plain steps, in one-token forwards: ``sum(c(s) + host - plain) +
+    restart`` (``host``: a draft step's host work, ``plain``: a plain step's
+    time, ``restart``: what the plain step after the re-probe takes beyond a
+    pipelined one, all in one-token forwards; each step's share at least 0)."""
+    return sum(max(curve(s) + host - plain, 0.0) for s in reprobe) + max(restart, 0.0)
+
+
 def plain_interval(
     curve: CostCurve,
     reprobe: Sequence[int],
@@ -345,14 +368,20 @@ def plain_interval(
     restart: float = 0.0,
 ) -> int:
     """Plain steps between re-probes whose steps take ``reprobe`` slots: their
-    extra cost ``sum(c(s) + host - plain) + restart`` (``host``: a draft
-    step's host work, ``plain``: a plain step's time, ``restart``: what the
-    plain step after the re-probe takes beyond a pipelined one, all in
-    one-token forwards) spread over the interval is ``REPROBE_OVERHEAD``,
-    within ``[MIN_PLAIN_STEPS, MAX_PLAIN_STEPS]``."""
-    extra = sum(max(curve(s) + host - plain, 0.0) for s in reprobe) + max(restart, 0.0)
+    extra cost (:func:`reprobe_cost`, same arguments) spread over the interval
+    is ``REPROBE_OVERHEAD``, within ``[MIN_PLAIN_STEPS, MAX_PLAIN_STEPS]``."""
+    extra = reprobe_cost(curve, reprobe, host, plain, restart)
     n = math.ceil(extra / REPROBE_OVERHEAD - 1e-9) if extra > 0 else MIN_PLAIN_STEPS
     return int(min(max(n, MIN_PLAIN_STEPS), MAX_PLAIN_STEPS))
+
+
+def reprobe_fits(cost: float, elapsed: float) -> bool:
+    """Whether a re-probe costing ``cost`` one-token forwards over plain steps
+    may run in a generation that has taken ``elapsed`` one-token forwards so
+    far: it then costs that generation at most ``REPROBE_SHARE`` of its time
+    (a short reply is not the one that pays for a re-probe; the interval's
+    ``REPROBE_OVERHEAD`` bounds the share over many)."""
+    return cost <= REPROBE_SHARE * (max(elapsed, 0.0) + cost)
 
 
 def cut_offer(
@@ -399,6 +428,8 @@ class Planner:
         plain_steps: one-token steps run instead of a draft so far (plain
             mode, and a step whose offer had nothing to send).
         reprobes: re-probes after plain mode so far.
+        reprobe_waits: plain steps a due re-probe waited for this generation
+            to be long enough to carry it (``REPROBE_SHARE``).
         plain_spells: times plain mode began because no prefix of an offer
             paid for its slots.
     """
@@ -427,6 +458,9 @@ class Planner:
         self.plain = PlainSteps(sampler, method.plain_topk)
         self.plain_steps = self.reprobes = self.plain_spells = 0
         self.plain_left = learned.plain_left  # plain mode goes on across generations
+        self.reprobe_cost = learned.reprobe_cost
+        self.steps = 0  # this generation's steps so far
+        self.reprobe_waits = 0
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
         # the whole step (docs/budget.md): the host work of this method's draft
@@ -449,6 +483,7 @@ class Planner:
         t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
         self._kind = ""
         out = self._step(root)
+        self.steps += 1
         if self.auto and self._kind != "last":  # a measurement of the curve at this step's slots
             device = clock.seconds - seconds
             if out.forwards == 1 and clock.slots > slots:  # the target's pass alone
@@ -521,6 +556,7 @@ class Planner:
                 self.plain_left,
                 self.restart,
                 self.ends,
+                self.reprobe_cost,
             )
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
@@ -565,6 +601,12 @@ class Planner:
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine
         if self.plain_left > 0:  # plain mode: pipelined one-token steps until the re-probe
+            if self.plain_left == 1 and not reprobe_fits(
+                self.reprobe_cost, self.steps * self.plain_cost
+            ):
+                # the re-probe waits until this generation can carry it
+                self.reprobe_waits += 1
+                return self._plain(root, queue_next=True)
             self.plain_left -= 1
             if self.plain_left == 0:
                 self.reprobes += 1
@@ -636,6 +678,7 @@ class Planner:
         # a re-probe pays its own host work and the restart after it, in full
         own = self.draft_host_cost + sunk
         self.plain_left = plain_interval(self.curve, slots, own, plain, self.restart_cost)
+        self.reprobe_cost = reprobe_cost(self.curve, slots, own, plain, self.restart_cost)
         self.plain_spells += 1
         return self._plain(root, queue_next=True, offer=offer)
 

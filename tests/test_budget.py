@@ -87,6 +87,57 @@ def test_plain_mode_interval_pays_for_the_reprobe():
     assert interval(GPU_CURVE, (3,)) == planner.MIN_PLAIN_STEPS
 
 
+def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
+    """A re-probe that comes due in a short generation waits (plain steps)
+    until it would cost that generation at most ``REPROBE_SHARE`` of its time;
+    the wait carries over to the next generation on the context, where the
+    re-probe runs once that generation is long enough. Here a re-probe's step
+    of 3 slots costs c(3) - 1 = 2 forwards over a plain step, so at 2% it
+    waits for 98 steps of its generation; exact vs ntp throughout."""
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.planner import chain_offer
+    from mlx_mtp.testing import decode
+
+    assert planner.reprobe_fits(2.0, 98.0) and not planner.reprobe_fits(2.0, 97.0)
+    assert planner.reprobe_fits(0.0, 0.0)
+
+    class WrongChain(DraftMethod):
+        """auto: a chain of wrong tokens (never accepted); logs each step's
+        kind in order."""
+
+        name, auto = "wrong-chain", True
+
+        def __init__(self):
+            self.kinds: list[str] = []
+
+        def propose(self, ctx, root):
+            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.kinds.append("plain" if draft is None else "draft")
+
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
+    monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)
+    assert planner.REPROBE_SHARE == 0.02
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ctx = Context(Engine(model), curves=STEEP_CURVE)
+    method = WrongChain()
+    out, stats = decode(ctx, method, prompt, 40)
+    assert out == decode(Engine(model), make_method("ntp"), prompt, 40)[0]
+    # no draft pays on this curve: plain mode from the first step; its
+    # re-probe is due at step 6 and waits to the end of this 40-token generation
+    assert set(method.kinds) == {"plain"} and stats.plain_spells == 1
+    assert stats.reprobes == 0 and ctx.learned[method.settings_key()].plain_left == 1
+    method.kinds.clear()
+    prompt2 = prompt + out
+    out2, stats2 = decode(ctx, method, prompt2, 150)
+    assert out2 == decode(Engine(model), make_method("ntp"), prompt2, 150)[0]
+    first = method.kinds.index("draft")
+    assert 97 <= first <= 100, first  # after 98 steps' worth of this generation
+    assert stats2.reprobes >= 5  # then every interval again
+
+
 # ---------------------------------------------- simulated memory-bound device
 def _synthetic_steps(steps: int = 600, seed: int = 0):
     """Calibrated synthetic mask distributions for probe's one-level tree
@@ -346,6 +397,7 @@ def test_auto_defaults_are_exact_on_smollm(
     from mlx_mtp.decoding import generate_steps
 
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)  # many plain <-> draft switches
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)  # re-probes in a short generation too
     ctx = Context(Engine(smollm.model), curves=curve)
     method = make_method(name)
     method.prepare(ctx)

@@ -154,6 +154,7 @@ def test_auto_plain_mode_on_a_steep_curve_drafts_on_a_flat_one(tmp_path, monkeyp
     from mlx_mtp.budget import CostCurve
 
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)  # several plain <-> draft switches
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)  # in a 40-token generation too
     model = make_tiny_model("llama", seed=0)
     _, folder = _tiny_heads(model, tmp_path)
     prompt = list(range(10, 22))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import run_method
 
+from mlx_mtp import planner
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.cache_view import SlidingKVCache
 from mlx_mtp.context import Context
@@ -206,6 +207,7 @@ def test_the_device_work_an_offer_took_counts_against_its_draft(monkeypatch):
     (the step the interval was sized for), not the four the cut would keep;
     the same drafts without that cost run every step."""
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)  # re-probes as soon as they are due
     model = make_tiny_model("llama", seed=3)
     n = 300
     ref = run_method(Engine(model), NTP(), PROMPT, n)
