@@ -25,7 +25,8 @@ bottom:
    (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
    costs at most ``REPROBE_OVERHEAD`` of the time, and waits while it would
    cost the generation it falls in more than ``REPROBE_SHARE`` of that
-   generation's time so far (:func:`reprobe_fits`); a re-probe sends at least
+   generation's decoding steps so far (:func:`reprobe_fits`) or the
+   generation has too few tokens left to run it; a re-probe sends at least
    ``reprobe_items`` items whatever their estimates. A method whose drafts
    come from the pass before (probe's masks, clp's heads) declares
    ``primes``: after plain steps its first pass only makes candidates, and
@@ -74,6 +75,8 @@ MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 256
 #: share of one generation's time a re-probe may cost it: a due re-probe waits
 #: until the generation is long enough to carry it
 REPROBE_SHARE = 0.02
+#: tokens a generation must have left for a re-probe to come due in it
+REPROBE_TOKENS = 4
 #: weight of a new step in the averages of host and plain-step time
 HOST_RATE = 0.2
 
@@ -428,8 +431,6 @@ class Planner:
         plain_steps: one-token steps run instead of a draft so far (plain
             mode, and a step whose offer had nothing to send).
         reprobes: re-probes after plain mode so far.
-        reprobe_waits: plain steps a due re-probe waited for this generation
-            to be long enough to carry it (``REPROBE_SHARE``).
         plain_spells: times plain mode began because no prefix of an offer
             paid for its slots.
     """
@@ -460,7 +461,6 @@ class Planner:
         self.plain_left = learned.plain_left  # plain mode goes on across generations
         self.reprobe_cost = learned.reprobe_cost
         self.steps = 0  # this generation's steps so far
-        self.reprobe_waits = 0
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
         # the whole step (docs/budget.md): the host work of this method's draft
@@ -601,11 +601,7 @@ class Planner:
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine
         if self.plain_left > 0:  # plain mode: pipelined one-token steps until the re-probe
-            if self.plain_left == 1 and not reprobe_fits(
-                self.reprobe_cost, self.steps * self.plain_cost
-            ):
-                # the re-probe waits until this generation can carry it
-                self.reprobe_waits += 1
+            if self.plain_left == 1 and not self._reprobe_now():
                 return self._plain(root, queue_next=True)
             self.plain_left -= 1
             if self.plain_left == 0:
@@ -681,6 +677,17 @@ class Planner:
         self.reprobe_cost = reprobe_cost(self.curve, slots, own, plain, self.restart_cost)
         self.plain_spells += 1
         return self._plain(root, queue_next=True, offer=offer)
+
+    def _reprobe_now(self) -> bool:
+        """Whether the due re-probe may come now: this generation is long
+        enough to carry it (:func:`reprobe_fits`, its decoding steps so far)
+        and has tokens left to run it (the queued plain step, a priming pass,
+        the draft step and a token after it); otherwise it waits, across
+        generations on the context too."""
+        left = self.ctx.left
+        if left is not None and left <= REPROBE_TOKENS:
+            return False
+        return reprobe_fits(self.reprobe_cost, self.steps * self.plain_cost)
 
     @staticmethod
     def _reprobe_slots(offer: Offer, items: list[Item]) -> tuple[int, ...]:

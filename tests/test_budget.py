@@ -133,9 +133,50 @@ def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
     prompt2 = prompt + out
     out2, stats2 = decode(ctx, method, prompt2, 150)
     assert out2 == decode(Engine(model), make_method("ntp"), prompt2, 150)[0]
-    first = method.kinds.index("draft")
-    assert 97 <= first <= 100, first  # after 98 steps' worth of this generation
+    # due once 98 steps have run (step 98 is plain and queues the next pass,
+    # step 99 finishes that pass), the re-probe's draft goes in at step 100
+    assert method.kinds.index("draft") == 100, method.kinds.index("draft")
     assert stats2.reprobes >= 5  # then every interval again
+
+
+def test_a_reprobe_never_comes_due_too_late_in_a_generation_to_run(monkeypatch):
+    """A re-probe whose wait ends with fewer than ``REPROBE_TOKENS`` + 1
+    tokens left in the generation waits on (it could not send its draft),
+    into the next generation on the context, where it runs; it is not
+    counted until it comes due."""
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.planner import chain_offer
+    from mlx_mtp.testing import decode
+
+    class WrongChain(DraftMethod):
+        name, auto = "wrong-chain", True
+
+        def __init__(self):
+            self.kinds: list[str] = []
+
+        def propose(self, ctx, root):
+            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.kinds.append("plain" if draft is None else "draft")
+
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
+    monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)
+    # a 2-forward re-probe fits once 38 steps have run: 2 tokens before the end
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 0.0505)
+    assert planner.reprobe_fits(2.0, 38.0) and not planner.reprobe_fits(2.0, 37.0)
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ctx = Context(Engine(model), curves=STEEP_CURVE)
+    method = WrongChain()
+    out, stats = decode(ctx, method, prompt, 40)
+    assert set(method.kinds) == {"plain"} and stats.reprobes == 0
+    assert ctx.learned[method.settings_key()].plain_left == 1
+    method.kinds.clear()
+    prompt2 = prompt + out
+    out2, stats2 = decode(ctx, method, prompt2, 50)
+    assert out2 == decode(Engine(model), make_method("ntp"), prompt2, 50)[0]
+    assert method.kinds.index("draft") == 40 and stats2.reprobes >= 1
 
 
 # ---------------------------------------------- simulated memory-bound device
