@@ -187,6 +187,9 @@ class Learned:
             (a plain step follows; None: none measured).
         reprobe_cost: the next re-probe's extra cost over plain steps, in
             one-token forwards (:func:`reprobe_cost`).
+        reprobe_seen: the extra cost of the last re-probes as measured, net
+            of the tokens they committed, in one-token forwards (None: none
+            measured).
     """
 
     acceptance: Acceptance
@@ -196,6 +199,7 @@ class Learned:
     restart: float | None = None
     ends: float | None = None
     reprobe_cost: float = 0.0
+    reprobe_seen: float | None = None
 
 
 def chain_offer(
@@ -459,7 +463,9 @@ class Planner:
         self.plain = PlainSteps(sampler, method.plain_topk)
         self.plain_steps = self.reprobes = self.plain_spells = 0
         self.plain_left = learned.plain_left  # plain mode goes on across generations
-        self.reprobe_cost = learned.reprobe_cost
+        self.reprobe_cost, self.reprobe_seen = learned.reprobe_cost, learned.reprobe_seen
+        #: the re-probe under way: (clock time it began, tokens, steps)
+        self._episode: tuple[float, int, int] | None = None
         self.steps = 0  # this generation's steps so far
         self._due = False  # this step is a re-probe
         self._primed = False  # the last step primed a re-probe
@@ -482,8 +488,12 @@ class Planner:
         clock, start = engine.clock, engine.offset
         t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
         self._kind = ""
+        if self._due and self._episode is None:  # a re-probe starts: time it
+            self._episode = (t0, 0, 0)
         out = self._step(root)
         self.steps += 1
+        if self._episode is not None:
+            self._time_reprobe(clock.now() - self._episode[0], len(out.tokens))
         if self.auto and self._kind != "last":  # a measurement of the curve at this step's slots
             device = clock.seconds - seconds
             if out.forwards == 1 and clock.slots > slots:  # the target's pass alone
@@ -512,6 +522,22 @@ class Planner:
                 self.plain_time = _average(self.plain_time, wall)
             self._last_kind = self._kind
         return out
+
+    def _time_reprobe(self, wall: float, tokens: int) -> None:
+        """Count a step of the re-probe under way (``wall``: seconds since it
+        began); when plain mode begins again (the step that restarts the
+        pipeline included), its measured extra cost over plain steps, net of
+        the tokens it committed, enters ``reprobe_seen``. A re-probe whose
+        drafts go on paying is no cost: after 8 steps it is no longer timed."""
+        t0, n, k = self._episode
+        self._episode = (t0, n + tokens, k + 1)
+        if self.plain_left > 0:
+            self._episode = None
+            if self.host_term and self.plain_time is not None and self.t1:
+                extra = max(wall - (n + tokens) * self.plain_time, 0.0) / self.t1
+                self.reprobe_seen = _average(self.reprobe_seen, extra)
+        elif k + 1 >= 8:
+            self._episode = None
 
     @property
     def host_cost(self) -> float:
@@ -557,6 +583,7 @@ class Planner:
                 self.restart,
                 self.ends,
                 self.reprobe_cost,
+                self.reprobe_seen,
             )
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
@@ -687,7 +714,10 @@ class Planner:
         left = self.ctx.left
         if left is not None and left <= REPROBE_TOKENS:
             return False
-        return reprobe_fits(self.reprobe_cost, self.steps * self.plain_cost)
+        # the cost as priced, or as the last re-probes took where that was more
+        # (finishing the queued step unpipelined, a priming pass's host work)
+        cost = max(self.reprobe_cost, self.reprobe_seen or 0.0)
+        return reprobe_fits(cost, self.steps * self.plain_cost)
 
     @staticmethod
     def _reprobe_slots(offer: Offer, items: list[Item]) -> tuple[int, ...]:

@@ -213,3 +213,44 @@ def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
     assert spaced[0.03] and set(spaced[0.03]) == {planner.MAX_PLAIN_STEPS}, spaced
     assert reprobes[0.03] <= 2 < 4 <= reprobes[0.0], reprobes
     assert max(spaced[0.0]) < planner.MAX_PLAIN_STEPS / 4, spaced
+
+
+def test_a_reprobes_cost_is_measured_whole(monkeypatch):
+    """The planner times each re-probe from the step it comes due to the
+    plain step that restarts the pipeline, net of the tokens it committed
+    (``reprobe_seen``), and waits for a generation long enough for the larger
+    of that and its priced cost. Here every proposal takes 30 ms of host work
+    (2.5 forwards of a 12 ms device); the priced cost counts it in the draft
+    step and the restart, the measured one also in the step that finishes
+    the queued pass before the draft goes in (30 ms beside a 12 ms pass
+    under way: 1.5 forwards more)."""
+    from mlx_mtp import planner
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.planner import chain_offer
+
+    class SlowWrongChain(DraftMethod):
+        name, auto = "slow-wrong-chain", True
+
+        def propose(self, ctx, root):
+            time.sleep(0.03)
+            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            pass
+
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
+    monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 10)
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ctx, method = Context(Engine(model)), SlowWrongChain()
+    out, stats = decode(ctx, method, prompt, 60)
+    assert out == decode(Engine(model), make_method("ntp"), prompt, 60)[0]
+    assert stats.reprobes >= 3
+    learned = ctx.learned[method.settings_key()]
+    assert learned.reprobe_seen is not None
+    assert learned.reprobe_seen > learned.reprobe_cost + 1.0, (
+        learned.reprobe_seen,
+        learned.reprobe_cost,
+    )
