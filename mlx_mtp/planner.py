@@ -77,6 +77,10 @@ MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 256
 REPROBE_SHARE = 0.02
 #: tokens a generation must have left for a re-probe to come due in it
 REPROBE_TOKENS = 4
+#: a re-probe's cost, until one was measured, in times its price: the price
+#: leaves out a cold draft step's extra host work (clp's first re-probe on a
+#: simulated 12 ms device: priced 0.6-1.0 forwards, measured 2.2)
+UNMEASURED_REPROBE = 2.0
 #: weight of a new step in the averages of host and plain-step time
 HOST_RATE = 0.2
 
@@ -714,10 +718,13 @@ class Planner:
         left = self.ctx.left
         if left is not None and left <= REPROBE_TOKENS:
             return False
-        # the cost as priced, or as the last re-probes took where that was more
-        # (finishing the queued step unpipelined, a priming pass's host work)
-        cost = max(self.reprobe_cost, self.reprobe_seen or 0.0)
-        return reprobe_fits(cost, self.steps * self.plain_cost)
+        # the cost as priced, or as the last re-probes took where that was
+        # more; with the host term, until one was measured, UNMEASURED_REPROBE
+        # times the price (without it the price leaves host work out anyway)
+        seen = self.reprobe_seen
+        if seen is None and self.host_term:
+            seen = UNMEASURED_REPROBE * self.reprobe_cost
+        return reprobe_fits(max(self.reprobe_cost, seen or 0.0), self.steps * self.plain_cost)
 
     @staticmethod
     def _reprobe_slots(offer: Offer, items: list[Item]) -> tuple[int, ...]:
