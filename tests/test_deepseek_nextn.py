@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_mtp import planner
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
@@ -186,6 +187,8 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
         return out
 
     monkeypatch.setattr(NativeDrafter, "draft", record)
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)  # re-probes in 14 tokens too
+    monkeypatch.setattr(planner, "REPROBE_TOKENS", 0)
     prompt = [5, 77, 140, 3, 9]
     # re-probes every 4 plain steps (c(3) = 1.03), drafts too dear to pay otherwise
     engine = _engine(deepseek, CostCurve([1, 3, 64], [1.0, 1.03, 2.0]))
