@@ -497,7 +497,7 @@ class Planner:
         out = self._step(root)
         self.steps += 1
         if self._episode is not None:
-            self._time_reprobe(clock.now() - self._episode[0], len(out.tokens))
+            self._time_reprobe(clock.now(), len(out.tokens))
         if self.auto and self._kind != "last":  # a measurement of the curve at this step's slots
             device = clock.seconds - seconds
             if out.forwards == 1 and clock.slots > slots:  # the target's pass alone
@@ -527,18 +527,19 @@ class Planner:
             self._last_kind = self._kind
         return out
 
-    def _time_reprobe(self, wall: float, tokens: int) -> None:
-        """Count a step of the re-probe under way (``wall``: seconds since it
-        began); when plain mode begins again (the step that restarts the
-        pipeline included), its measured extra cost over plain steps, net of
-        the tokens it committed, enters ``reprobe_seen``. A re-probe whose
+    def _time_reprobe(self, now: float, tokens: int) -> None:
+        """Count a step of the re-probe under way (``now``: the clock after
+        it, ``tokens``: what it committed); when plain mode begins again (the
+        step that restarts the pipeline included), the re-probe's measured
+        extra cost over plain steps, net of the tokens it committed, enters
+        ``reprobe_seen``. A re-probe whose
         drafts go on paying is no cost: after 8 steps it is no longer timed."""
         t0, n, k = self._episode
         self._episode = (t0, n + tokens, k + 1)
         if self.plain_left > 0:
             self._episode = None
             if self.host_term and self.plain_time is not None and self.t1:
-                extra = max(wall - (n + tokens) * self.plain_time, 0.0) / self.t1
+                extra = max(now - t0 - (n + tokens) * self.plain_time, 0.0) / self.t1
                 self.reprobe_seen = _average(self.reprobe_seen, extra)
         elif k + 1 >= 8:
             self._episode = None

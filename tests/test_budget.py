@@ -21,6 +21,8 @@ from mlx_mtp.costs import LiveCurves, curve_key, curve_path, device_curves, meas
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
+from mlx_mtp.methods.base import DraftMethod
+from mlx_mtp.planner import chain_offer
 from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.tree import build_tree
 
@@ -87,6 +89,22 @@ def test_plain_mode_interval_pays_for_the_reprobe():
     assert interval(GPU_CURVE, (3,)) == planner.MIN_PLAIN_STEPS
 
 
+class _WrongChain(DraftMethod):
+    """auto: a chain of wrong tokens (never accepted); logs each step's kind
+    in order."""
+
+    name, auto = "wrong-chain", True
+
+    def __init__(self):
+        self.kinds: list[str] = []
+
+    def propose(self, ctx, root):
+        return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
+
+    def observe(self, ctx, draft, result):
+        self.kinds.append("plain" if draft is None else "draft")
+
+
 def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
     """A re-probe that comes due in a short generation waits (plain steps)
     until it would cost that generation at most ``REPROBE_SHARE`` of its time;
@@ -94,27 +112,10 @@ def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
     re-probe runs once that generation is long enough. Here a re-probe's step
     of 3 slots costs c(3) - 1 = 2 forwards over a plain step, so at 2% it
     waits for 98 steps of its generation; exact vs ntp throughout."""
-    from mlx_mtp.methods.base import DraftMethod
-    from mlx_mtp.planner import chain_offer
     from mlx_mtp.testing import decode
 
     assert planner.reprobe_fits(2.0, 98.0) and not planner.reprobe_fits(2.0, 97.0)
     assert planner.reprobe_fits(0.0, 0.0)
-
-    class WrongChain(DraftMethod):
-        """auto: a chain of wrong tokens (never accepted); logs each step's
-        kind in order."""
-
-        name, auto = "wrong-chain", True
-
-        def __init__(self):
-            self.kinds: list[str] = []
-
-        def propose(self, ctx, root):
-            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
-
-        def observe(self, ctx, draft, result):
-            self.kinds.append("plain" if draft is None else "draft")
 
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)
@@ -122,7 +123,7 @@ def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
     model = make_tiny_model("llama", seed=0)
     prompt = [3, 5, 7, 9, 11, 13]
     ctx = Context(Engine(model), curves=STEEP_CURVE)
-    method = WrongChain()
+    method = _WrongChain()
     out, stats = decode(ctx, method, prompt, 40)
     assert out == decode(Engine(model), make_method("ntp"), prompt, 40)[0]
     # no draft pays on this curve: plain mode from the first step; its
@@ -144,21 +145,7 @@ def test_a_reprobe_never_comes_due_too_late_in_a_generation_to_run(monkeypatch):
     tokens left in the generation waits on (it could not send its draft),
     into the next generation on the context, where it runs; it is not
     counted until it comes due."""
-    from mlx_mtp.methods.base import DraftMethod
-    from mlx_mtp.planner import chain_offer
     from mlx_mtp.testing import decode
-
-    class WrongChain(DraftMethod):
-        name, auto = "wrong-chain", True
-
-        def __init__(self):
-            self.kinds: list[str] = []
-
-        def propose(self, ctx, root):
-            return chain_offer(root, [(root + 1) % 256] * 4, "oracle", ctx.acceptance)
-
-        def observe(self, ctx, draft, result):
-            self.kinds.append("plain" if draft is None else "draft")
 
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)
@@ -168,7 +155,7 @@ def test_a_reprobe_never_comes_due_too_late_in_a_generation_to_run(monkeypatch):
     model = make_tiny_model("llama", seed=0)
     prompt = [3, 5, 7, 9, 11, 13]
     ctx = Context(Engine(model), curves=STEEP_CURVE)
-    method = WrongChain()
+    method = _WrongChain()
     out, stats = decode(ctx, method, prompt, 40)
     assert set(method.kinds) == {"plain"} and stats.reprobes == 0
     assert ctx.learned[method.settings_key()].plain_left == 1
