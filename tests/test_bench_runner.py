@@ -306,7 +306,7 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         progress=False,
         plots=False,
     )
-    nap = 0.25
+    nap = 0.5  # long beside ntp's steps, even on a loaded machine
     real_propose = PLD.propose
 
     def slow_propose(self, ctx, root):  # every pld step proposes (the pinned curve is flat)
