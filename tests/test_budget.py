@@ -23,7 +23,7 @@ from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.planner import chain_offer
-from mlx_mtp.testing import make_tiny_model
+from mlx_mtp.testing import decode, make_tiny_model
 from mlx_mtp.tree import build_tree
 
 #: this CPU, SmolLM2-135M float32 (issue 22, engine tree forward, medians)
@@ -112,7 +112,6 @@ def test_a_reprobe_waits_for_a_generation_long_enough_to_carry_it(monkeypatch):
     re-probe runs once that generation is long enough. Here a re-probe's step
     of 3 slots costs c(3) - 1 = 2 forwards over a plain step, so at 2% it
     waits for 98 steps of its generation; exact vs ntp throughout."""
-    from mlx_mtp.testing import decode
 
     assert planner.reprobe_fits(2.0, 98.0) and not planner.reprobe_fits(2.0, 97.0)
     assert planner.reprobe_fits(0.0, 0.0)
@@ -145,7 +144,6 @@ def test_a_reprobe_never_comes_due_too_late_in_a_generation_to_run(monkeypatch):
     tokens left in the generation waits on (it could not send its draft),
     into the next generation on the context, where it runs; it is not
     counted until it comes due."""
-    from mlx_mtp.testing import decode
 
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 5)
@@ -360,7 +358,6 @@ def test_auto_plans_with_the_curve_of_the_current_context():
     """Free slots at a short context, a whole forward each at a long one:
     pld drafts every step on the short prompt and goes to one-token steps on
     the long one (same text at the end, so only the context differs)."""
-    from mlx_mtp.testing import decode
 
     model = make_tiny_model("llama", seed=2)
     text = [5, 6, 7, 8, 9] * 4
@@ -377,7 +374,6 @@ def test_auto_plans_with_the_curve_of_the_current_context():
 
 
 def test_curve_of_the_context_wins_then_the_pinned_one(counted, monkeypatch):
-    from mlx_mtp.testing import decode
 
     model = make_tiny_model("qwen3", seed=1)
     ctx = Context(_engine(model), curves=GPU_CURVE)
