@@ -72,8 +72,10 @@ if TYPE_CHECKING:
 REPROBE_OVERHEAD = 0.01
 #: bounds of the plain-mode interval (steps)
 MIN_PLAIN_STEPS, MAX_PLAIN_STEPS = 4, 256
-#: share of one generation's time a re-probe may cost it: a due re-probe waits
-#: until the generation is long enough to carry it
+#: share of one generation's time that drafting may lose in it: past it the
+#: generation goes on in plain mode (draft steps measured slower than plain
+#: steps, :attr:`Planner.loss`), and a due re-probe waits until the
+#: generation is long enough to carry it
 REPROBE_SHARE = 0.02
 #: tokens a generation must have left for a re-probe to come due in it
 REPROBE_TOKENS = 4
@@ -483,6 +485,10 @@ class Planner:
         self.host, self.plain_time = learned.host, learned.plain_time
         self.restart, self.ends = learned.restart, learned.ends
         self._kind = self._last_kind = ""
+        #: seconds this generation's drafting lost against plain steps (see
+        #: :attr:`losing`); negative while it gains
+        self.loss = 0.0
+        self._leaving = False  # this step finishes a queued pass to draft after it
 
     # ----------------------------------------------------------------- step
     def step(self, root: int) -> StepOutput:
@@ -491,7 +497,7 @@ class Planner:
         engine = self.ctx.engine
         clock, start = engine.clock, engine.offset
         t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
-        self._kind = ""
+        self._kind, self._leaving = "", False
         if self._due and self._episode is None:  # a re-probe starts: time it
             self._episode = (t0, 0, 0)
         out = self._step(root)
@@ -514,6 +520,13 @@ class Planner:
                 else:
                     priced = device
                 self.host = _average(self.host, wall - priced)
+            if self.host_term and (
+                self._kind == "draft" or self._last_kind == "draft" or self._leaving
+            ):
+                # what drafting cost this step beyond plain steps of its tokens:
+                # a draft step, the plain step that restarts the pipeline after
+                # one, a queued pass finished unpipelined to draft after it
+                self.loss += wall - len(out.tokens) * self.plain_cost * self.t1
             if self._last_kind == "draft":
                 # after a draft step: whether the pipeline starts again here
                 self.ends = _average(self.ends, float(self._kind == "plain"))
@@ -574,6 +587,19 @@ class Planner:
         if not self.host_term or self.restart is None:
             return 0.0
         return max(self.restart, 0.0) / self.t1
+
+    @property
+    def losing(self) -> bool:
+        """Whether drafting has lost this generation more than
+        ``REPROBE_SHARE`` of its time so far (measured with the host term:
+        each draft step's time, the pipeline restart after it and a queued
+        pass finished unpipelined before it, against plain steps of the
+        tokens they committed). The generation then goes on in plain mode:
+        estimates carried over from another text, or an optimistic prior,
+        cost a reply at most that share and the step that crossed it."""
+        if not self.host_term:
+            return False
+        return self.loss > REPROBE_SHARE * self.steps * self.plain_cost * self.t1
 
     def finish(self) -> None:
         """The generation ended: cache what the cost curve learned, keep what
@@ -667,6 +693,7 @@ class Planner:
                 # (a re-probe too) is offered again after its token (dropping
                 # the queued pass would waste a whole forward)
                 self._due, self._primed = reprobe, False
+                self._leaving = True
                 return self._plain(root, queue_next=False, offer=offer)
             return self._send(offer, items, n, forced)
 
@@ -676,6 +703,7 @@ class Planner:
         host, plain = self.host_cost + sunk, self.plain_cost
         items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
         slots = self._reprobe_slots(offer, items)
+        losing = not reprobe and self.losing
         if not items:
             # no candidates yet (after plain steps, at the start): this pass makes
             # them; right after a draft step, whose pass made them, an empty
@@ -684,6 +712,7 @@ class Planner:
             if (
                 offer.primes
                 and not primed
+                and not losing
                 and (reprobe or self._last_kind != "draft" or self._cheap(slots, sunk))
             ):
                 self._due = self._primed = reprobe
@@ -694,15 +723,15 @@ class Planner:
                 # nothing after this root, maybe after the next: a pipelined
                 # plain step, whose queued pass the next step uses or finishes
                 return self._plain(root, queue_next=True, offer=offer)
-        elif reprobe or self._cheap(slots, sunk):
+        elif reprobe or (self._cheap(slots, sunk) and not losing):
             # a re-probe, or a nearly free device: a few items whatever they are
             # worth; a re-probe whose best prefix does not pay sends only those,
             # the step its interval was sized for (a larger tree costs more host)
             few = min(len(items), offer.reprobe_items)
             n = few if reprobe and rate * plain <= 1.0 else max(n, few)
             return send(n, forced=reprobe)
-        elif offer.required or rate * plain > 1.0:  # beats a plain step's tokens per time
-            return send(n)
+        elif offer.required or (rate * plain > 1.0 and not losing):
+            return send(n)  # beats a plain step's tokens per time
         # a re-probe pays its own host work and the restart after it, in full
         own = self.draft_host_cost + sunk
         self.plain_left = plain_interval(self.curve, slots, own, plain, self.restart_cost)
@@ -725,7 +754,10 @@ class Planner:
         seen = self.reprobe_seen
         if seen is None and self.host_term:
             seen = UNMEASURED_REPROBE * self.reprobe_cost
-        return reprobe_fits(max(self.reprobe_cost, seen or 0.0), self.steps * self.plain_cost)
+        cost = max(self.reprobe_cost, seen or 0.0)
+        if self.host_term and self.t1:  # on top of what drafting lost already
+            cost += max(self.loss, 0.0) / self.t1
+        return reprobe_fits(cost, self.steps * self.plain_cost)
 
     @staticmethod
     def _reprobe_slots(offer: Offer, items: list[Item]) -> tuple[int, ...]:

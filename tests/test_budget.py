@@ -490,16 +490,21 @@ def test_host_work_counts_in_the_cut():
 def test_when_a_due_reprobe_may_come():
     """The cost a due re-probe is held to: its price, or its measured cost
     where that is more; with the host term and nothing measured yet,
-    ``UNMEASURED_REPROBE`` times its price; never with ``REPROBE_TOKENS``
-    tokens or fewer left."""
+    ``UNMEASURED_REPROBE`` times its price; on top of what drafting lost the
+    generation already; never with ``REPROBE_TOKENS`` tokens or fewer left."""
     from types import SimpleNamespace
 
     p = planner.Planner.__new__(planner.Planner)
     p.ctx, p.steps, p.plain_time = SimpleNamespace(left=None), 60, None
     p.host_term, p.reprobe_cost, p.reprobe_seen = True, 1.0, None
+    p.auto, p.curves, p.loss = True, SimpleNamespace(t1=0.012), 0.0
     assert planner.UNMEASURED_REPROBE == 2.0
     assert not p._reprobe_now()  # held to 2 forwards: 98 steps
     p.reprobe_seen = 0.5  # measured cheaper: the price holds (49 steps)
+    assert p._reprobe_now()
+    p.loss = 0.006  # drafting lost half a forward already: 74 steps
+    assert not p._reprobe_now()
+    p.loss = -0.05  # drafting gained: the price alone
     assert p._reprobe_now()
     p.reprobe_seen = 1.5  # measured dearer: 74 steps
     assert not p._reprobe_now()

@@ -177,6 +177,8 @@ def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
         return intervals[-1]
 
     monkeypatch.setattr(planner, "plain_interval", spy)
+    # the intervals alone: no share of the generation holds a re-probe back
+    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)
 
     class WrongChain(DraftMethod):
         """auto, written against propose/observe only: a chain of wrong
@@ -254,3 +256,64 @@ def test_a_reprobes_cost_is_measured_whole(monkeypatch):
         learned.reprobe_seen,
         learned.reprobe_cost,
     )
+
+
+def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch):
+    """Acceptance estimates carried over from a text the drafts copied (a
+    first generation on the context, every draft right) meet a text where
+    every draft is wrong: the planner measures each draft step, the restart
+    after it and the queued pass finished before it against plain steps of
+    the tokens they committed (``loss``), and once that is more than
+    ``REPROBE_SHARE`` of the generation's time it goes on in plain mode.
+    Without that bound the carried estimates keep it drafting, and losing."""
+    from mlx_mtp import planner
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.planner import chain_offer
+
+    class Oracle(DraftMethod):
+        """Drafts the reference continuation (``right``) or wrong tokens."""
+
+        name, auto = "oracle-chain", True
+
+        def __init__(self, refs):
+            super().__init__()
+            self.refs, self.right = refs, True
+
+        def begin(self, ctx, prompt, sampler):
+            self.seq = list(prompt)
+            self.ref = self.refs[tuple(prompt)]
+
+        def propose(self, ctx, root):
+            time.sleep(0.004)  # 4 ms of host work, as prompt lookup's here
+            n = len(self.seq)
+            guess = self.ref[n : n + 6] if self.right else [(root + 7) % 256] * 6
+            return chain_offer(root, guess, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.seq += result.tokens
+
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
+    model = make_tiny_model("llama", seed=0)
+    first, second = [3, 5, 7, 9, 11, 13], [40, 2, 17, 90, 33, 8]
+    refs = {}
+    for p in (first, second):
+        refs[tuple(p)] = p + decode(Engine(model), make_method("ntp"), p, 48)[0]
+
+    def run():
+        ctx, method = Context(Engine(model)), Oracle(refs)
+        out, stats = decode(ctx, method, first, 48)
+        assert out == refs[tuple(first)][len(first) :]
+        assert stats.drafted > 0 and stats.accepted > 0.8 * stats.drafted
+        method.right = False
+        out, stats = decode(ctx, method, second, 48)
+        assert out == refs[tuple(second)][len(second) :]
+        return stats, ctx.learned[method.settings_key()]
+
+    bounded, learned = run()
+    drafting = bounded.steps - bounded.plain_steps
+    assert bounded.accepted == 0 and drafting <= 2, (drafting, bounded.drafted)
+    monkeypatch.setattr(planner.Planner, "losing", property(lambda self: False))
+    unbounded, _ = run()
+    assert unbounded.steps - unbounded.plain_steps > drafting
+    assert unbounded.drafted > bounded.drafted
