@@ -22,7 +22,9 @@ bottom:
    the host out).
 3. If no prefix beats a plain step, the method enters *plain
    mode*: pipelined one-token steps exactly as ``ntp`` runs them
-   (:class:`PlainSteps`), for an interval sized so that the next *re-probe*
+   (:class:`PlainSteps`); so does one whose drafting has lost the
+   generation more than ``REPROBE_SHARE`` of its time (:attr:`Planner.losing`).
+   Plain mode lasts for an interval sized so that the next *re-probe*
    costs at most ``REPROBE_OVERHEAD`` of the time, and waits while it would
    cost the generation it falls in more than ``REPROBE_SHARE`` of that
    generation's decoding steps so far (:func:`reprobe_fits`) or the
@@ -443,6 +445,9 @@ class Planner:
         reprobes: re-probes after plain mode so far.
         plain_spells: times plain mode began because no prefix of an offer
             paid for its slots.
+        loss: seconds this generation's drafting lost against plain steps
+            of the same tokens (with the host term; negative while it gains):
+            :attr:`losing`.
     """
 
     def __init__(
@@ -485,8 +490,6 @@ class Planner:
         self.host, self.plain_time = learned.host, learned.plain_time
         self.restart, self.ends = learned.restart, learned.ends
         self._kind = self._last_kind = ""
-        #: seconds this generation's drafting lost against plain steps (see
-        #: :attr:`losing`); negative while it gains
         self.loss = 0.0
         self._leaving = False  # this step finishes a queued pass to draft after it
 
