@@ -227,3 +227,10 @@ class Acceptance:
         """Forget every per-depth observation."""
         for d in self.depths.values():
             d.reset()
+
+    def soften(self, weight: float) -> None:
+        """Weigh every observation so far ``weight`` (0..1): what one text
+        taught counts less once another begins."""
+        for d in self.depths.values():
+            d.acc *= weight
+            d.tried *= weight

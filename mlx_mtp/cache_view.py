@@ -483,3 +483,76 @@ def install_positional_rope(model: nn.Module) -> int:
         return found
 
     return walk(model)
+
+
+class LazyView:
+    """A view over one layer's plain ``KVCache`` for a forward pass whose cache
+    length is a lazy array (a pipelined step, :mod:`mlx_mtp.pipeline`: the
+    length after the step before is not read by the host yet).
+
+    The pass's keys and values are written at row ``at`` of the cache's
+    buffers (``mx.slice_update`` at an array offset, so that the graph never
+    holds the length as a Python int); attention runs over the first ``rows``
+    rows (a bound the host knows) with the pass's mask, which hides the rows
+    past the cached tokens. RoPE positions come per token, as in
+    :class:`TreeCacheView` (:class:`PositionalRoPE`).
+
+    Args:
+        cache: the layer's real ``KVCache``; its ``offset`` (a Python int) is
+            not read or changed here: the caller sets it once the length is
+            known.
+        at: scalar int32 array, the cache row of the pass's first slot.
+        offsets: (N,) int32 per-token RoPE offsets (``position_i - i``).
+        mask: ``mask(window_size)`` -> (N, rows) bool attention mask.
+        rows: key rows attended (at least ``at + N``).
+    """
+
+    def __init__(self, cache: Any, at: mx.array, offsets: mx.array, mask: Any, rows: int):
+        object.__setattr__(self, "_cache", cache)
+        self._at, self._offsets, self._mask, self._rows = at, offsets, mask, rows
+        #: (keys, values) of this pass's slots, (1, KV heads, N, head dim) each
+        self.new: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self._offsets
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self._mask(window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        c = self._cache
+        reserve(c, self._rows, keys, values)
+        c.keys = mx.slice_update(c.keys, keys, self._at, axes=(2,))
+        c.values = mx.slice_update(c.values, values, self._at, axes=(2,))
+        self.new = (keys, values)
+        rows = self._rows
+        return c.keys[..., :rows, :], c.values[..., :rows, :]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name == "new":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._cache, name, value)
+
+
+def reserve(cache: Any, rows: int, keys: mx.array, values: mx.array) -> None:
+    """Grow a plain ``KVCache``'s buffers to at least ``rows`` rows (in steps of
+    its ``step``, 256, as mlx-lm grows them), shaped like ``keys``/``values``
+    (B, KV heads, n, head dim); the rows already there are kept."""
+    have = 0 if cache.keys is None else cache.keys.shape[2]
+    if have >= rows:
+        return
+    step = getattr(cache, "step", 256)
+    size = -(-rows // step) * step
+    B, H, _, Dk = keys.shape
+    grow_k = mx.zeros((B, H, size - have, Dk), keys.dtype)
+    grow_v = mx.zeros((B, H, size - have, values.shape[3]), values.dtype)
+    if cache.keys is None:
+        cache.keys, cache.values = grow_k, grow_v
+    else:
+        cache.keys = mx.concatenate([cache.keys, grow_k], axis=2)
+        cache.values = mx.concatenate([cache.values, grow_v], axis=2)

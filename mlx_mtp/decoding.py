@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from .budget import as_curves
 from .context import Context
-from .costs import device_curves
+from .costs import LiveCurves, device_curves
 from .engine import PREFILL_STEP, Engine
 from .errors import InvalidArgumentError
 from .methods.base import DraftMethod, Method
+from .pipeline import pipeline_for
 from .planner import Planner
 from .verify import Sampler
 
@@ -226,7 +228,12 @@ def generate_steps(
             curves = ctx.curves
             if method.auto and curves is None:
                 curves = device_curves(engine)
-            planner = Planner(ctx, method, sampler, curves)
+            if curves is not None and not isinstance(curves, LiveCurves):
+                curves = LiveCurves(as_curves(curves), learn=False)
+            # pipelined steps where the method drafts on the device, else the planner
+            planner = pipeline_for(ctx, method, sampler, curves)
+            if planner is None:
+                planner = Planner(ctx, method, sampler, curves)
         t0 = clock.now()
         method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
         stats.prefill_time += clock.now() - t0
@@ -276,7 +283,7 @@ def generate_steps(
         # cache = prompt + generated tokens but the last one
         expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)
         wired.__exit__(None, None, None)
-        if engine.offset > expected:
-            engine.trim_to(expected)
         if planner is not None:
             planner.finish()
+        if engine.offset > expected:
+            engine.trim_to(expected)

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from . import memory
-from .cache_view import DEFAULT_ROOM, SlidingKVCache, TreeCacheView
+from .cache_view import DEFAULT_ROOM, LazyView, SlidingKVCache, TreeCacheView
 from .errors import CacheNotTrimmableError, UnsupportedModelError
 from .families import model_parts
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
@@ -595,6 +595,99 @@ class Engine:
         self.cached.extend(slot_tokens)
         self.count_forward(n)
         return self._tree_outputs(h, t0, hidden, logit_rows, wait, n)
+
+    # ------------------------------------------------------- lazy-offset passes
+    def lazy_ready(self) -> bool:
+        """Whether passes at a lazy cache length (:meth:`forward_at`) can run
+        here: every layer keeps a plain ``KVCache`` (no window, no
+        quantization, no recurrent state) and the model splits into backbone
+        and head."""
+        return self.backbone is not None and all(type(c) is KVCache for c in self.cache)
+
+    def forward_at(
+        self,
+        tokens: mx.array,
+        at: mx.array,
+        rows: int,
+        anc: mx.array | None = None,
+        depth: np.ndarray | None = None,
+        embeddings: mx.array | None = None,
+    ) -> tuple[mx.array, list[Any]]:
+        """The lazy graph of one forward pass of N slots written at cache row
+        ``at``, a scalar int32 array the host need not know (a pipelined
+        step: :mod:`mlx_mtp.pipeline`). Nothing is evaluated, counted or
+        recorded in ``cached``; the layer caches' ``offset`` is left as it
+        was (the caller sets it, :meth:`settle_at`).
+
+        Slot i sits at position ``at + depth[i]`` and attends to the cached
+        rows before ``at`` and to the slots ``anc[i]`` marks (its ancestors
+        and itself); a chain (``anc`` None) is a plain causal block.
+
+        Args:
+            tokens: (N,) int32 token ids (lazy or not).
+            at: scalar int32: the cache length before the pass.
+            rows: an upper bound on ``at + N`` known to the host: the key rows
+                attended (the buffers grow to hold them).
+            anc: (N, N) bool, slot j is slot i or one of its ancestors; None
+                for a chain.
+            depth: (N,) depth of each slot (the root 0); None for a chain.
+            embeddings: (N, D) input embeddings (mask vectors), or None.
+
+        Returns:
+            ``(logits (N, V), views)``: the views keep each layer's new keys
+            and values (``view.new``) for :meth:`move_rows_at`.
+        """
+        n = tokens.shape[0]
+        at = at.astype(mx.int32).reshape(())
+        dep = mx.arange(n, dtype=mx.int32) if depth is None else mx.array(depth, dtype=mx.int32)
+        positions = at + dep
+        # RoPE offsets: a chain's is the length itself; a tree's one per token
+        # (:class:`~mlx_mtp.cache_view.PositionalRoPE` applies them)
+        offsets = at if anc is None else positions - mx.arange(n, dtype=mx.int32)
+        j = mx.arange(rows, dtype=mx.int32)
+        rel = j - at
+        inside = (rel >= 0) & (rel < n)
+        if anc is None:
+            key_pos = j
+            base = j[None, :] <= positions[:, None]
+        else:
+            slot = mx.clip(rel, 0, n - 1)
+            key_pos = mx.where(inside, at + mx.take(dep, slot), j)
+            base = (j < at)[None, :] | (mx.take(anc, slot, axis=1) & inside[None, :])
+        masks: dict[Any, mx.array] = {}
+
+        def mask(window: int | None) -> mx.array:
+            if window not in masks:
+                m = base
+                if window is not None:
+                    m = m & (key_pos[None, :] > positions[:, None] - int(window))
+                masks[window] = m
+            return masks[window]
+
+        views = [LazyView(c, at, offsets, mask, rows) for c in self.cache]
+        ids = tokens.astype(mx.int32)[None]
+        emb = None if embeddings is None else embeddings[None]
+        h = self.backbone(ids, cache=views, input_embeddings=emb)[0]
+        return self.lm_head(h), views
+
+    def move_rows_at(self, views: list[Any], slots: mx.array, at: mx.array) -> None:
+        """After :meth:`forward_at`, write the pass's slots ``slots`` (lazy
+        (K,) int32) at cache rows ``at, at+1, ...`` (lazy): the accepted path of
+        a tree, taken from the pass's own keys and values (the cache buffer
+        is then the update's only input, updated in place)."""
+        for c, v in zip(self.cache, views):
+            k, val = (mx.take(a, slots, axis=2) for a in v.new)
+            c.keys = mx.slice_update(c.keys, k, at, axes=(2,))
+            c.values = mx.slice_update(c.values, val, at, axes=(2,))
+
+    def settle_at(self, tokens: Sequence[int]) -> None:
+        """End a run of lazy-offset passes: the cache holds exactly ``tokens``
+        (the committed ones; rows past them are stale and overwritten later),
+        as every other call of the engine expects."""
+        self._tree_rows = None
+        self.cached = [int(t) for t in tokens]
+        for c in self.cache:
+            c.offset = len(self.cached)
 
     def keep(self, start: int, slots: list[int]) -> None:
         """After a tree forward that began at cache offset ``start``, keep only the

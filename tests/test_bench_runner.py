@@ -298,7 +298,7 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from mlx_mtp.cli import app
-    from mlx_mtp.methods.pld import PLD
+    from mlx_mtp.sources.lookup import LookupDrafter
 
     runner.run_bench(
         _cfg(tmp_path, methods=parse_methods("ntp,pld"), out=str(tmp_path / "plain")),
@@ -307,13 +307,13 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         plots=False,
     )
     nap = 0.5  # long beside ntp's steps, even on a loaded machine
-    real_propose = PLD.propose
+    real_learn = LookupDrafter.learn
 
-    def slow_propose(self, ctx, root):  # every pld step proposes (the pinned curve is flat)
+    def slow_learn(self, *args):  # every pipelined pld step learns once
         _time.sleep(nap)
-        return real_propose(self, ctx, root)
+        return real_learn(self, *args)
 
-    monkeypatch.setattr(PLD, "propose", slow_propose)
+    monkeypatch.setattr(LookupDrafter, "learn", slow_learn)
     cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"), interleave=True)
     res = runner.run_bench(cfg, smollm, progress=False, plots=False)
     out = tmp_path / "out"

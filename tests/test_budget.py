@@ -433,8 +433,8 @@ def test_auto_defaults_are_exact_on_smollm(
     assert out == greedy_reference(prompt, 32), (name, method.describe())
     if curve is GPU_CURVE:
         assert stats.drafted > 0  # the memory-bound device does draft
-    else:
-        assert stats.plain_steps > 0 and stats.reprobes > 0
+    else:  # pld's pipelined steps go plain without re-probes (mlx_mtp.pipeline)
+        assert stats.plain_steps > 0 and (stats.reprobes > 0 or name == "pld")
 
 
 # ------------------------------------------------- keys, steps, the whole step

@@ -98,6 +98,7 @@ def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch):
     from mlx_mtp.methods.pld import PLD
 
     monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    monkeypatch.setenv("MLX_MTP_PIPELINE", "0")  # the planner's steps
     real = PLD.propose
 
     def slow(self, ctx, root):

@@ -15,7 +15,7 @@ Two kinds of method:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..acceptance import AcceptanceModel
 from ..context import Context
@@ -24,6 +24,9 @@ from ..families import check_tree_support
 from ..planner import Offer, PlainResult, PlainSteps, StepOutput
 from ..speculative import Draft, Verified
 from ..verify import Sampler
+
+if TYPE_CHECKING:
+    from ..pipeline import DeviceDrafter
 
 
 class Method:
@@ -101,6 +104,23 @@ class DraftMethod(Method):
         learned for the next (:class:`~mlx_mtp.planner.Learned`); default
         :meth:`describe`, which must then not change between generations."""
         return self.describe()
+
+    @property
+    def max_width(self) -> int:
+        """The most draft nodes one step may send (BC - 1)."""
+        return self.block_complexity - 1
+
+    def device_drafter(self, ctx: Context) -> DeviceDrafter | None:
+        """The method's drafts chosen on the device, for pipelined steps
+        (:mod:`mlx_mtp.pipeline`: the next pass launched before the host reads
+        the one in flight); None (default): every step goes through the
+        planner."""
+        return None
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        """The :class:`~mlx_mtp.acceptance.AcceptanceModel` of the pipelined
+        steps' estimates (default: :meth:`acceptance_model`)."""
+        return self.acceptance_model()
 
     def propose(self, ctx: Context, root: int) -> Offer:
         """This step's offer after ``root`` (the last committed token, not yet

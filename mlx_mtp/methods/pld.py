@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..acceptance import AcceptanceModel
 from ..context import Context
 from ..planner import Offer, chain_offer
-from ..sources.lookup import PromptLookup
+from ..sources.lookup import LookupDrafter, PromptLookup
 from .base import DraftMethod, parse_int
 
 
@@ -51,6 +52,23 @@ class PLD(DraftMethod):
     def describe(self) -> str:
         md = f"auto<={self.max_draft}" if self.auto else str(self.max_draft)
         return f"pld(window={self.window}, max_draft={md})"
+
+    #: pipelined steps' estimates, per the n-gram length matched at the root
+    #: before (``pld/0``: no match): acceptance of depth 1, then of deeper
+    #: depths given the one before accepted
+    PIPELINE_ACCEPTANCE = AcceptanceModel(
+        priors={"pld/0": (0.02, 0.3), "pld/1": (0.15, 0.5), "pld/2": (0.35, 0.6)},
+        default_prior=0.6,
+        weight=2.0,
+        decay=0.9,
+        max_depth=AUTO_MAX_DRAFT,
+    )
+
+    def device_drafter(self, ctx: Context) -> LookupDrafter:
+        return LookupDrafter(self.window, self.max_draft)
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        return self.PIPELINE_ACCEPTANCE
 
     def propose(self, ctx: Context, root: int) -> Offer:
         cands = self.lookup.candidates(ctx, root, self.max_draft)

@@ -4,9 +4,13 @@ found earlier in the context, the training-free source of ``pld`` and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 import numpy as np
+
+from ..acceptance import Acceptance, chain_values
+from ..pipeline import DeviceDrafter, DeviceState, Template
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -71,3 +75,123 @@ class PromptLookup:
             return []
         context = np.array(ctx.history(root), dtype=np.int64)
         return lookup_candidates(context, self.window, max_draft, self.matches)
+
+
+def device_lookup(history: mx.array, length: mx.array, window: int, width: int) -> mx.array:
+    """:func:`lookup_candidates` (one continuation) as lazy array operations,
+    for a pipelined step whose context the host has not read yet.
+
+    Args:
+        history: (C,) int32 token ids; the first ``length`` are the context.
+        length: scalar int32, the context's length T (>= 1).
+        window: longest n-gram matched.
+        width: tokens to return.
+
+    Returns:
+        (width,) int32: the continuation of the most recent match of the
+        longest suffix n-gram (n <= window), as :func:`lookup_candidates`
+        returns it, then 0 where it ends (or everywhere without a match). A
+        filler token is only a poor guess: verification decides what is kept.
+    """
+    C = history.shape[0]
+    idx = mx.arange(C, dtype=mx.int32)
+    T = length.astype(mx.int32)
+    last = mx.take(history, mx.maximum(T - 1, 0))
+    match = (history == last) & (idx <= T - 2)
+    best = mx.max(mx.where(match, idx, -1))
+    for j in range(1, window):
+        want = mx.take(history, mx.maximum(T - 1 - j, 0))
+        shifted = mx.concatenate([mx.full((j,), -1, dtype=history.dtype), history[: C - j]])
+        match = match & (shifted == want) & (T - 1 - j >= 0)
+        e = mx.max(mx.where(match, idx, -1))
+        best = mx.where(e >= 0, e, best)
+    pos = best + 1 + mx.arange(width, dtype=mx.int32)
+    ok = (best >= 0) & (pos <= T - 1)
+    return mx.where(ok, mx.take(history, mx.clip(pos, 0, C - 1)), 0)
+
+
+def match_length(context: np.ndarray, window: int) -> int:
+    """The length n (<= window) of the longest suffix n-gram of ``context``
+    found earlier in it (0: the last token occurs nowhere before)."""
+    T = len(context)
+    if T < 2:
+        return 0
+    e = np.flatnonzero(context[: T - 1] == context[T - 1])
+    n = 1 if len(e) else 0
+    for j in range(1, min(window, T - 1)):
+        e = e[e >= j]
+        e = e[context[e - j] == context[T - 1 - j]]
+        if not len(e):
+            break
+        n = j + 1
+    return n
+
+
+class LookupDrafter(DeviceDrafter):
+    """Prompt lookup on the device, for :mod:`mlx_mtp.pipeline`: each step's
+    drafts are :func:`device_lookup` after the lazy root.
+
+    Learning costs no device work: after every step the host runs the same
+    lookup (:func:`lookup_candidates`) at each root read and scores its
+    continuation against the tokens committed after it, exactly as
+    verification would have scored it, whether or not the step drafted. The
+    estimates are kept per *signal*: the n-gram length the lookup matched at
+    the newest root the host knows (that of the step in flight), which is
+    what a width is chosen from (source names ``pld/0`` .. ``pld/window``).
+
+    Args:
+        window: longest n-gram matched.
+        most: the longest continuation scored.
+    """
+
+    name = "pld"
+
+    def __init__(self, window: int, most: int):
+        self.window, self.most = window, most
+        self.begin(None, [])
+
+    def begin(self, ctx: Any, prompt: list[int]) -> None:
+        # (root position, continuation, signal when it was drafted) of lookups
+        # whose outcome is not known yet; the last root looked up; the signal
+        self._pending: list[tuple[int, list[int], int]] = []
+        self._last = -1
+        self._signal = 0
+
+    def draft(self, state: DeviceState, tpl: Template) -> mx.array:
+        return device_lookup(state.history, state.at + 1, self.window, tpl.n - 1)
+
+    def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
+        return chain_values(acceptance.qs(f"{self.name}/{signal or 0}", most))
+
+    def learn(self, acceptance: Acceptance, history: list[int], steps: list[Any]) -> int:
+        ctx = np.asarray(history, dtype=np.int64)
+        T = len(ctx)
+        # every root once: those of the steps read, and the newest (the root of
+        # the step in flight); each continuation is tagged with the signal known
+        # when its step's width was chosen (the match at the root before)
+        for r in [*(s.start for s in steps), T - 1]:
+            if r <= self._last:
+                continue
+            self._last = r
+            cands = lookup_candidates(ctx[: r + 1], self.window, self.most)
+            cont = cands[0] if cands else []
+            self._pending.append((r, cont, self._signal))
+            self._signal = match_length(ctx[: r + 1], self.window) if cont else 0
+        keep = []
+        for r, cont, sig in self._pending:
+            known = ctx[r + 1 : r + 1 + max(len(cont), 1)]
+            if not len(known):
+                keep.append((r, cont, sig))
+                continue
+            est = acceptance.source(f"{self.name}/{sig}")
+            m = 0
+            while m < min(len(known), len(cont)) and known[m] == cont[m]:
+                m += 1
+            if not cont:  # no match: a filler draft, rejected
+                est.record(1, 0)
+            elif m < len(known) or len(known) == len(cont):
+                est.record(len(cont), m)
+            else:
+                keep.append((r, cont, sig))
+        self._pending = keep
+        return self._signal

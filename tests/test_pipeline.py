@@ -1,0 +1,180 @@
+"""Pipelined draft steps (mlx_mtp.pipeline): the next pass launched before the
+host reads the one in flight, drafts chosen on the device, exact greedy output."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import assert_exact, memoised_greedy
+
+from mlx_mtp.budget import CostCurve
+from mlx_mtp.context import Context
+from mlx_mtp.decoding import generate_steps
+from mlx_mtp.engine import Engine, ancestors
+from mlx_mtp.methods import make_method
+from mlx_mtp.pipeline import Template, device_walk
+from mlx_mtp.sources.lookup import device_lookup, lookup_candidates, match_length
+from mlx_mtp.testing import make_tiny_model
+from mlx_mtp.verify import walk_tree
+
+FLAT = CostCurve.flat()  # a memory-bound device: wide drafts pay
+STEEP = CostCurve.linear(1.0)  # every slot a whole forward: nothing pays
+
+
+def _decode(ctx, method, prompt, n, eos=frozenset()):
+    out, stats = [], None
+    for step in generate_steps(ctx, method, prompt, max_tokens=n, eos_ids=eos):
+        out.extend(step.tokens)
+        stats = step.stats
+    return out, stats
+
+
+# ----------------------------------------------------------- pure pieces
+def test_device_lookup_is_the_host_lookup():
+    """The lazy prompt lookup proposes what the host's proposes (then fillers)."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        T = int(rng.integers(1, 60))
+        ctx = rng.integers(0, int(rng.integers(2, 9)), size=T)  # small vocab: many matches
+        window, width = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        C = T + int(rng.integers(0, 20))
+        buf = np.concatenate([ctx, rng.integers(0, 9, size=C - T)]).astype(np.int32)
+        got = np.array(device_lookup(mx.array(buf), mx.array(T), window, width)).tolist()
+        cands = lookup_candidates(ctx, window, width)
+        want = cands[0] if cands else []
+        assert got[: len(want)] == want, (trial, ctx.tolist(), window)
+        assert got[len(want) :] == [0] * (width - len(want))
+        assert (match_length(ctx, window) > 0) == bool(want)
+
+
+def test_device_walk_is_the_host_walk():
+    """The device walk commits what verify.walk_tree commits, on random trees
+    with distinct sibling tokens."""
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        n = int(rng.integers(1, 24))
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        tokens = np.zeros(n, dtype=np.int64)
+        for i in range(1, n):  # siblings distinct: one matching child at most
+            used = {int(tokens[j]) for j in range(1, i) if parents[j] == parents[i]}
+            tokens[i] = rng.choice([t for t in range(12) if t not in used])
+        targets = rng.integers(0, 12, size=n)
+        tpl = Template.of(parents)
+        a, path, committed = device_walk(
+            mx.array(tokens.astype(np.int32)), mx.array(targets.astype(np.int32)), tpl
+        )
+        want_path, bonus = walk_tree(np.array(parents), tokens, dict(enumerate(targets.tolist())))
+        a = int(a)
+        assert a == len(want_path), trial
+        assert np.array(path)[1 : a + 1].tolist() == want_path
+        want = [int(tokens[s]) for s in want_path] + [int(bonus)]
+        assert np.array(committed)[: a + 1].tolist() == want
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_pass_at_a_lazy_length_equals_the_engines_passes(family):
+    """Logits of a chain and of a tree written at a lazy cache length equal
+    those of forward_chain / forward_tree (head dim 64, grouped KV heads);
+    after settle_at the cache decodes on as if nothing else ran."""
+    from mlx_mtp.families import check_tree_support
+
+    model = make_tiny_model(family, seed=2)
+    check_tree_support(model, "probe")
+    eng = Engine(model)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(1, 200, size=37)]
+    eng.sync(prompt)
+    L = eng.offset
+    toks = [5, 77, 120, 8, 99]
+    ref, _ = eng.forward_chain(toks)
+    eng.trim_to(L)
+    got, _ = eng.forward_at(mx.array(toks), mx.array(L), rows=L + len(toks) + 9)
+    assert mx.allclose(got, ref, atol=1e-5).item()
+    eng.settle_at(prompt)
+    parents = np.array([-1, 0, 0, 1, 2, 1])
+    toks = [5, 77, 120, 8, 99, 31]
+    ref, _ = eng.forward_tree(eng.embed_tokens(toks), parents, toks)
+    eng.trim_to(L)
+    anc, depth = ancestors(parents)
+    got, _ = eng.forward_at(mx.array(toks), mx.array(L), L + 6 + 3, mx.array(anc), depth)
+    assert mx.allclose(got, ref, atol=1e-5).item()
+    eng.settle_at(prompt)
+    a, _ = eng.forward_chain([42])
+    fresh = Engine(model)
+    fresh.sync(prompt)
+    b, _ = fresh.forward_chain([42])
+    assert mx.array_equal(a, b).item()
+
+
+# ------------------------------------------------------------ real models
+@pytest.mark.parametrize("opts", [{"max_draft": 4}, {"max_draft": 10}, {}])
+def test_pipelined_pld_is_exact(smollm, short_spec_prompts, greedy_reference, opts):
+    """pld's pipelined steps reproduce plain greedy decoding in float32 on
+    six Spec-Bench prompts (one per task), at fixed widths and at auto on a
+    memory-bound curve (wide drafts, every step pipelined)."""
+    eng = Engine(smollm.model)
+    ctx = Context(eng, curves=FLAT)
+    for i, p in enumerate(short_spec_prompts[:6]):
+        m = make_method("pld", **opts)
+        m.prepare(ctx)
+        out, stats = _decode(ctx, m, p, 48)
+        assert out == greedy_reference(p, 48), (opts, i)
+        assert stats.drafted > 0
+
+
+def test_pipelined_pld_is_exact_on_qwen(qwen, spec_prompts):
+    """The same on Qwen2.5-Coder-0.5B (qwen2: q/k/v biases, untied head)."""
+    tok = qwen.tokenizer
+    from mlx_mtp.data import load_questions
+
+    qs = [q for q in load_questions() if q["task"] in ("summarization", "mt_bench")][:1]
+    qs += [q for q in load_questions() if q["task"] == "summarization"][:1]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
+        )
+        for q in qs
+    ]
+    eng = Engine(qwen.model)
+    assert_exact(eng, memoised_greedy(Engine(qwen.model)), prompts, "pld", {"max_draft": 6}, 32)
+
+
+def test_auto_drafts_on_a_copy_and_not_where_slots_are_dear(smollm, spec_prompts):
+    """At auto, a summarization prompt (whose answer copies its source)
+    drafts on a flat curve, from estimates learned at every step, plain ones
+    included; on a steep curve (every slot a whole forward) every step is
+    plain. Both exact."""
+    summaries = spec_prompts[2::6]  # round-robin over the tasks: summarization
+    prompt = min(summaries, key=len)
+    ref = memoised_greedy(Engine(smollm.model))(prompt, 64)
+    runs = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        ctx = Context(Engine(smollm.model), curves=curve)
+        m = make_method("pld")
+        m.prepare(ctx)
+        out, runs[name] = _decode(ctx, m, prompt, 64)
+        assert out == ref, name
+    assert runs["flat"].tau > 1.3 and runs["flat"].accepted > 10
+    assert runs["steep"].drafted == 0 and runs["steep"].plain_steps == runs["steep"].steps
+
+
+def test_pipeline_ends_clean_for_the_next_turn(smollm, short_spec_prompts):
+    """A generation cut by max_tokens and by an EOS inside an accepted block
+    leaves the cache holding exactly the prompt and the tokens but the last,
+    with a step still in flight dropped: the next turn equals a cold start."""
+    p = short_spec_prompts[4]
+    ref = memoised_greedy(Engine(smollm.model))
+    eng = Engine(smollm.model)
+    ctx = Context(eng, curves=FLAT)
+    m = make_method("pld", max_draft=8)
+    m.prepare(ctx)
+    out, _ = _decode(ctx, m, p, 17)
+    assert out == ref(p, 17) and len(out) == 17
+    assert eng.cached == p + out[:-1]
+    assert all(c.offset == len(eng.cached) for c in eng.cache)
+    eos = out[9]
+    out2, _ = _decode(ctx, m, p, 40, eos=frozenset({eos}))
+    assert out2 == ref(p, 40)[: out.index(eos) + 1]
+    turn2 = p + out2 + p[-5:]
+    got, _ = _decode(ctx, m, turn2, 20)
+    assert got == ref(turn2, 20)
