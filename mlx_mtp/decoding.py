@@ -70,6 +70,10 @@ class GenerationStats:
     cost_8: float = 0.0
     #: the largest forward pass sent (slots per pass of one step)
     max_slots: int = 0
+    #: seconds of decode_time the device sat idle waiting for the host: the
+    #: host work on the critical path (known on a simulated device only;
+    #: None on a real one)
+    idle_time: float | None = None
     accept_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -93,6 +97,14 @@ class GenerationStats:
         return 1000 * (self.decode_time - self.forward_time) / self.steps if self.steps else 0.0
 
     @property
+    def idle_ms_per_step(self) -> float | None:
+        """Milliseconds per step the device sat idle waiting for the host
+        (``idle_time``; None but on a simulated device)."""
+        if self.idle_time is None or not self.steps:
+            return None
+        return 1000 * self.idle_time / self.steps
+
+    @property
     def slots_per_forward(self) -> float:
         return self.slots / self.forward_passes if self.forward_passes else 0.0
 
@@ -103,13 +115,15 @@ class GenerationStats:
     def summary(self) -> str:
         """A human-readable stats line; where the planner ran one-token steps
         instead of drafts, a second line says how many and why."""
+        idle = self.idle_ms_per_step
         line = (
             f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
             f"tau {self.tau:.2f} ({self.slots_per_forward:.1f} slots/forward, largest pass "
             f"{self.max_slots} of BC {self.block_complexity}), "
             f"drafted {self.drafted} / accepted {self.accepted}, "
             f"{self.forward_passes} forwards, host {self.host_ms_per_step:.2f} ms/step, "
-            f"prefill {self.prefill_tokens} tok "
+            + ("" if idle is None else f"device idle {idle:.2f} ms/step, ")
+            + f"prefill {self.prefill_tokens} tok "
             f"@ {self.prefill_tps:.0f} tok/s, peak {self.peak_memory_gb:.2f} GB"
         )
         if not self.plain_steps:
@@ -132,6 +146,7 @@ class GenerationStats:
             prefill_tps=self.prefill_tps,
             decode_tps=self.decode_tps,
             host_ms_per_step=self.host_ms_per_step,
+            idle_ms_per_step=self.idle_ms_per_step,
             slots_per_forward=self.slots_per_forward,
         )
         return d
@@ -241,6 +256,8 @@ def generate_steps(
         f0, s0 = engine.forward_seconds, engine.forward_slots
         cleared = 0
         t0 = clock.now()
+        clock.start_idle_count()
+        i0 = clock.idle
         while finish is None:
             if should_stop is not None and should_stop():
                 yield Step([], stats, "cancelled")
@@ -268,6 +285,8 @@ def generate_steps(
             stats.decode_time = clock.now() - t0
             stats.forward_time = engine.forward_seconds - f0
             stats.slots = engine.forward_slots - s0
+            if clock.simulated:
+                stats.idle_time = clock.idle - i0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             passes = max(out.forwards, 1)
             stats.max_slots = max(stats.max_slots, -(-(engine.forward_slots - slots0) // passes))

@@ -665,7 +665,7 @@ class Engine:
             return masks[window]
 
         views = [LazyView(c, at, offsets, mask, rows) for c in self.cache]
-        ids = tokens.astype(mx.int32)[None]
+        ids = mx.maximum(tokens.astype(mx.int32), 0)[None]  # mask slots (-1) as 0
         emb = None if embeddings is None else embeddings[None]
         h = self.backbone(ids, cache=views, input_embeddings=emb)[0]
         return self.lm_head(h), views

@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 HISTORY_STEP = 1024
 #: a read that waited longer than this (seconds) found the device still busy
 WAITED = 2e-4
+#: the share of decoding time a probe of a drafter that learns only from its
+#: drafts may cost (:class:`WidthPolicy`)
+EPSILON = 0.02
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class Template:
             i, padded with i (D: the deepest depth).
         chain: every slot is the child of the one before (no tree mask, no
             cache rows to move).
+        anc: (N, N) bool ancestor-or-self relation (None for a chain).
+        nodes: the first ``nodes`` slots are tokens; the rest are ESP mask
+            slots (:meth:`with_masks`), never accepted.
+        masks: mask slots after every token slot (k).
     """
 
     parents: np.ndarray
@@ -81,6 +88,8 @@ class Template:
     paths: np.ndarray
     chain: bool
     anc: np.ndarray | None = None
+    nodes: int = 0
+    masks: int = 0
     _mx: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -99,7 +108,24 @@ class Template:
             path = path[::-1]
             paths[i, : len(path)] = path
             paths[i, len(path) :] = i
-        return cls(par, depth, paths, chain, None if chain else anc)
+        return cls(par, depth, paths, chain, None if chain else anc, n)
+
+    def with_masks(self, k: int) -> Template:
+        """This template with ``k`` ESP mask slots after every token slot
+        (Goel et al., §3.2): mask j after slot v sits at v's position + j + 1
+        and sees v's path and the masks before it in its set (its parent is
+        the one before). Slot ``nodes + v * k + j`` is mask j after slot v."""
+        if k < 1:
+            return self
+        parents = list(self.parents)
+        for v in range(self.n):
+            up = v
+            for _ in range(k):
+                parents.append(up)
+                up = len(parents) - 1
+        t = Template.of(parents)
+        anc = t.anc if t.anc is not None else ancestors(t.parents)[0]
+        return Template(t.parents, t.depth, t.paths, False, anc, self.n, k)
 
     @classmethod
     def chain_of(cls, width: int) -> Template:
@@ -181,36 +207,89 @@ def device_walk(
     return a, path, mx.take(targets, path)
 
 
+@dataclass
+class Pass:
+    """One pipelined step's pass as lazy arrays, for a drafter's
+    :meth:`DeviceDrafter.update` and :meth:`DeviceDrafter.read`.
+
+    Attributes:
+        state: the state before the step (``state.root`` is slot 0).
+        tpl: the template of the token slots (the first ``tpl.n`` slots;
+            mask slots follow them, if any).
+        tokens: (N,) int32 slot tokens (-1 for mask slots).
+        logits: (N, V) logits.
+        path: (D + 1,) the accepted slots from the root (padded).
+        accepted: scalar int32, the drafts accepted.
+    """
+
+    state: DeviceState
+    tpl: Template
+    tokens: mx.array
+    logits: mx.array
+    path: mx.array
+    accepted: mx.array
+
+
 class DeviceDrafter:
     """A draft source whose drafts are chosen on the device (see the module
-    doc). Subclasses implement :meth:`template`, :meth:`draft` and, to
-    learn, :meth:`learn` (host, after the next step was launched) and
-    :meth:`update` (lazy state updates inside a step's graph)."""
+    doc). Subclasses implement :meth:`draft` and, as they need,
+    :meth:`template` and :meth:`values` (the shape of a step and what its
+    nodes are worth), :meth:`update` (lazy state updates inside a step's
+    graph), :meth:`read` (arrays the host reads with the step) and
+    :meth:`learn` (host learning, after the next step was launched)."""
 
     #: the acceptance statistics' source name
     name = ""
+    #: slots each item of :meth:`values` adds to the pass
+    item_slots = 1
+    #: what each item costs besides its slots, in one-token forwards (a
+    #: draft model's pass per depth)
+    item_cost = 0.0
+    #: whether the drafter learns at plain steps too (else the width policy
+    #: probes now and then while the cut says no: :class:`WidthPolicy`)
+    learns_free = True
+    #: ESP mask slots after every token slot of every step (a
+    #: :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
+    masks: Any = None
+
+    def __init__(self) -> None:
+        #: device work :meth:`draft` queued beside the target's pass, as
+        #: ``(arrays to evaluate, its time in one-token target forwards)``;
+        #: the pipeline launches it before the pass and empties the list
+        self.aside: list[tuple[list[mx.array], float]] = []
 
     def begin(self, ctx: Context, prompt: list[int]) -> None:
-        """A generation starts after ``prompt``."""
+        """A generation starts after ``prompt`` (all but its last token cached)."""
 
-    def template(self, width: int) -> Template:
-        """The pass of ``width`` draft nodes (0: a plain step)."""
-        return Template.chain_of(width)
+    def end(self, cached: list[int]) -> None:
+        """The generation ended with the target's cache holding ``cached``
+        (the state the host keeps is brought back)."""
 
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
-        """Expected accepted tokens of each of the first ``most`` template
-        nodes, best first, for the width policy (``signal``: what
-        :meth:`learn` returned last, a hint about the next draft)."""
+        """Expected accepted tokens of each of the first ``most`` nodes of
+        the drafter's best-first layout, for the width policy (``signal``:
+        what :meth:`learn` returned last, a hint about the next draft);
+        :meth:`template` then lays out a prefix of them."""
         return chain_values(acceptance.qs(self.name, most))
 
-    def draft(self, state: DeviceState, tpl: Template) -> mx.array:
+    def template(self, width: int) -> Template:
+        """The pass of the first ``width`` nodes (0: a plain step)."""
+        return Template.chain_of(width)
+
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
         """The (N - 1,) int32 lazy draft tokens of ``tpl``'s nodes after
-        ``state.root``."""
+        ``state.root`` (``rows``: a bound on ``state.at + N`` the host knows)."""
         raise NotImplementedError
 
-    def update(self, state: DeviceState, tokens: mx.array, logits: mx.array, tpl: Template) -> None:
-        """Lazy updates of the drafter's device state from a pass (``tokens``
-        (N,), ``logits`` (N, V)); none by default."""
+    def update(self, step: Pass) -> list[mx.array]:
+        """Lazy updates of the drafter's device state from a pass; returns
+        the arrays to evaluate with the step (none by default)."""
+        return []
+
+    def read(self, step: Pass) -> dict[str, mx.array]:
+        """Lazy (n,) int32 arrays the host reads with the step
+        (:attr:`StepRecord.extra`); none by default."""
+        return {}
 
     def learn(self, acceptance: Acceptance, history: list[int], steps: list[StepRecord]) -> Any:
         """Host learning once steps were read (``history``: the committed
@@ -228,19 +307,146 @@ class StepRecord:
         width: draft nodes sent.
         accepted: drafts accepted.
         tokens: committed tokens (accepted drafts, then the bonus token).
+        tpl: the step's template.
+        path: the accepted slots from the root (root included).
+        extra: what the drafter's :meth:`DeviceDrafter.read` asked for.
     """
 
     start: int
     width: int
     accepted: int
     tokens: list[int]
+    tpl: Template | None = None
+    path: list[int] = field(default_factory=list)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class CompositeDrafter(DeviceDrafter):
+    """Several device drafters in one tree under the root: their best-first
+    items merged by value (each list falls, so parents stay first), each
+    part's nodes laid out as its own template, side by side (``hybrid``:
+    prompt lookup beside a table of the model's own predictions).
+
+    Where parts propose the same token under the root, the walk takes the
+    deeper branch; each part learns from its own nodes, a node accepted
+    when its tokens from the root are the committed ones.
+
+    Args:
+        parts: drafters whose items take one slot and cost nothing else.
+    """
+
+    def __init__(self, parts: Sequence[DeviceDrafter]):
+        super().__init__()
+        self.parts = list(parts)
+        self.learns_free = all(p.learns_free for p in self.parts)
+        self.masks = next((p.masks for p in self.parts if p.masks is not None), None)
+        self._order: list[int] = []  # the part of each merged item, best first
+        # composite template -> (sub-templates, first composite slot of each)
+        self._subs: dict[int, tuple[list[Template], list[int]]] = {}
+        self._tpls: dict[tuple[int, ...], Template] = {}
+
+    def begin(self, ctx: Context, prompt: list[int]) -> None:
+        for p in self.parts:
+            p.begin(ctx, prompt)
+
+    def end(self, cached: list[int]) -> None:
+        for p in self.parts:
+            p.end(cached)
+
+    def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
+        sigs = signal if isinstance(signal, tuple) else (None,) * len(self.parts)
+        lists = [p.values(acceptance, most, g) for p, g in zip(self.parts, sigs)]
+        at = [0] * len(lists)
+        order, out = [], []
+        while len(out) < most:
+            best = max(
+                (i for i in range(len(lists)) if at[i] < len(lists[i])),
+                key=lambda i: lists[i][at[i]],
+                default=None,
+            )
+            if best is None:
+                break
+            out.append(lists[best][at[best]])
+            order.append(best)
+            at[best] += 1
+        self._order = order
+        return out
+
+    def template(self, width: int) -> Template:
+        counts = tuple(self._order[:width].count(i) for i in range(len(self.parts)))
+        tpl = self._tpls.get(counts)
+        if tpl is None:
+            subs = [p.template(c) for p, c in zip(self.parts, counts)]
+            parents, starts = [-1], []
+            for sub in subs:
+                base = len(parents) - 1  # composite slot of the sub's slot s: base + s
+                starts.append(base)
+                parents += [0 if q == 0 else base + int(q) for q in sub.parents[1:]]
+            tpl = self._tpls[counts] = Template.of(parents)
+            self._subs[id(tpl)] = (subs, starts)
+        return tpl
+
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
+        subs, _ = self._subs[id(tpl)]
+        out = []
+        for p, sub in zip(self.parts, subs):
+            if sub.n > 1:
+                out.append(p.draft(state, sub, rows).astype(mx.int32))
+                self.aside += p.aside
+                p.aside = []
+        return mx.concatenate(out)
+
+    def update(self, step: Pass) -> list[mx.array]:
+        return [a for p in self.parts for a in p.update(step)]
+
+    def read(self, step: Pass) -> dict[str, mx.array]:
+        out = {"tokens": step.tokens}
+        for i, p in enumerate(self.parts):
+            out.update({f"{i}:{k}": v for k, v in p.read(step).items()})
+        return out
+
+    def learn(self, acceptance: Acceptance, history: list[int], steps: list[StepRecord]) -> Any:
+        per: list[list[StepRecord]] = [[] for _ in self.parts]
+        for s in steps:
+            if s.tpl is None or id(s.tpl) not in self._subs:
+                continue
+            subs, starts = self._subs[id(s.tpl)]
+            slots = s.extra.get("tokens")
+            for i, (sub, base) in enumerate(zip(subs, starts)):
+                extra = {k.split(":", 1)[1]: v for k, v in s.extra.items() if k.startswith(f"{i}:")}
+                sub_tokens = (
+                    [] if slots is None else [int(slots[base + j]) for j in range(1, sub.n)]
+                )
+                path = accepted_path(sub, sub_tokens, s.tokens)
+                per[i].append(
+                    StepRecord(s.start, sub.n - 1, len(path) - 1, s.tokens, sub, path, extra)
+                )
+        return tuple(p.learn(acceptance, history, r) for p, r in zip(self.parts, per))
+
+
+def accepted_path(tpl: Template, nodes: Sequence[int], committed: Sequence[int]) -> list[int]:
+    """The slots of ``tpl`` (root first) whose tokens from the root are the
+    committed ones: ``nodes`` the tokens of slots 1.., ``committed`` the
+    step's committed tokens; the deepest such branch (the first of equal
+    depth)."""
+    ok = [True] + [False] * (tpl.n - 1)
+    best = 0
+    for s in range(1, tpl.n):
+        d = int(tpl.depth[s])
+        if ok[int(tpl.parents[s])] and d <= len(committed) and nodes[s - 1] == committed[d - 1]:
+            ok[s] = True
+            if d > int(tpl.depth[best]):
+                best = s
+    return [int(x) for x in tpl.paths[best][: int(tpl.depth[best]) + 1]]
 
 
 @dataclass
 class _Launched:
-    tpl: Template
+    tpl: Template  # the pass's (mask slots included)
+    base: Template  # its token slots
     width: int
-    out: mx.array  # (D + 2,) int32: [accepted, committed tokens...]
+    out: mx.array  # int32: [accepted, committed (D + 1), path (D + 1), extras...]
+    extra: list[tuple[str, int]]  # the extras' names and lengths
     done: float
     slots: int
 
@@ -295,35 +501,52 @@ class Pipeline:
         """Build step k+1 on the lazy state after step k and start it."""
         engine, st = self.engine, self.state
         tpl = self.drafter.template(width)
-        n = tpl.n
+        layer = self.drafter.masks
+        n = tpl.n * (1 + (layer.k if layer is not None else 0))
         rows = self.bound + n
         hist = st.history
-        need = rows + tpl.deepest + 2
+        need = rows + n + 2
         if hist.shape[0] < need:
             grow = _round_up(need, HISTORY_STEP) - hist.shape[0]
             hist = mx.concatenate([hist, mx.zeros((grow,), dtype=mx.int32)])
         st = DeviceState(st.at, st.root, hist)
-        if n > 1:
-            drafts = self.drafter.draft(st, tpl).astype(mx.int32)
+        if tpl.n > 1:
+            drafts = self.drafter.draft(st, tpl, rows).astype(mx.int32)
             tokens = mx.concatenate([st.root.reshape(1), drafts])
+            for arrays, cost in self.drafter.aside:  # a draft model's passes first
+                engine.clock.launch(arrays, 1, cost)
+            self.drafter.aside = []
         else:
             tokens = st.root.reshape(1)
+        emb, base = None, tpl
+        if layer is not None:  # mask slots after every token slot: vectors, never accepted
+            tpl = tpl.with_masks(layer.k)
+            emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
+            tokens = mx.concatenate([tokens, mx.full((tpl.n - base.n,), -1, dtype=mx.int32)])
         anc = tpl.arrays().get("anc")
         logits, views = engine.forward_at(
-            tokens, st.at, rows, anc, None if tpl.chain else tpl.depth
+            tokens, st.at, rows, anc, None if tpl.chain else tpl.depth, emb
         )
         targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         a, path, committed = device_walk(tokens, targets, tpl)
         if not tpl.chain:
             engine.move_rows_at(views, path[1:], st.at + 1)
-        self.drafter.update(st, tokens, logits, tpl)
+        step = Pass(st, base, tokens, logits, path, a)
+        extras = self.drafter.read(step)  # before the update: the state drafted from
+        kept = self.drafter.update(step)
+        if layer is not None:
+            kept += layer.after(engine, step, committed)
+            extras["masked"] = layer.cands
         history = mx.slice_update(hist, committed, (st.at + 1).reshape(1), axes=(0,))
         bonus = mx.take(committed, a)
         self.state = DeviceState(st.at + a + 1, bonus, history)
-        out = mx.concatenate([a.reshape(1), committed])
+        parts = [a.reshape(1), committed, path.astype(mx.int32)]
+        parts += [x.reshape(-1).astype(mx.int32) for x in extras.values()]
+        out = mx.concatenate(parts)
+        sizes = [(k, int(np.prod(x.shape))) for k, x in extras.items()]
         state = [self.state.at, self.state.root, self.state.history]
-        done = engine.clock.launch([out, *state, *_cache_arrays(engine)], n)
-        self.inflight.append(_Launched(tpl, width, out, done, n))
+        done = engine.clock.launch([out, *state, *kept, *_cache_arrays(engine)], n)
+        self.inflight.append(_Launched(tpl, base, width, out, sizes, done, n))
         self.bound += n
 
     def step(self, root: int) -> StepOutput:
@@ -368,7 +591,13 @@ class Pipeline:
         out = engine.clock.block(lambda: np.array(step.out), step.done)
         waited = engine.clock.now() - t0
         a = int(out[0])
+        d = step.tpl.deepest + 1
         tokens = [int(t) for t in out[1 : a + 2]]
+        path = [int(t) for t in out[1 + d : 1 + d + a + 1]]
+        extra, at = {}, 1 + 2 * d
+        for name, size in step.extra:
+            extra[name] = out[at : at + size]
+            at += size
         start = len(self.history) - 1
         engine.count_forward(step.slots)
         # the cache now holds the root and the accepted drafts
@@ -376,7 +605,7 @@ class Pipeline:
         engine.cached.extend(tokens[:-1])
         self.history.extend(tokens)
         self.bound -= step.slots - (a + 1)
-        self.unread.append(StepRecord(start, step.width, a, tokens))
+        self.unread.append(StepRecord(start, step.width, a, tokens, step.base, path, extra))
         self.signal = self.drafter.learn(self.policy.acceptance, self.history, self.unread)
         self.unread = []
         return StepOutput(tokens, step.width, a, 1), waited, step.slots
@@ -386,6 +615,7 @@ class Pipeline:
         the cache holds exactly the committed tokens (``engine.cached``)."""
         self.inflight.clear()
         self.engine.settle_at(self.engine.cached)
+        self.drafter.end(self.engine.cached)
 
 
 class WidthPolicy:
@@ -409,15 +639,29 @@ class WidthPolicy:
     ):
         self.most, self.auto, self.acceptance, self.curves = most, auto, acceptance, curves
         self.curve: CostCurve | None = None
+        self._idle = 0  # plain steps since the last draft (probes)
 
     def width(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> int:
         """The width of the next step launched."""
-        if not self.auto:
-            return self.most
-        self.curve = self.curves.at(ctx.engine.offset)
         values = drafter.values(self.acceptance, self.most, signal)
-        n, _ = best_prefix(self.curve, values, 1)
-        return n
+        if not self.auto:
+            return min(self.most, len(values))
+        self.curve = curve = self.curves.at(ctx.engine.offset)
+        k = 1 + (drafter.masks.k if drafter.masks is not None else 0)  # masks after each slot
+        n, _ = best_prefix(
+            curve, values, drafter.item_slots * k, base_slots=k, item_cost=drafter.item_cost
+        )
+        if n or drafter.learns_free or not values:
+            self._idle = 0
+            return n
+        # a drafter that learns only from its drafts probes now and then: one
+        # item, once the steps since the last cost EPSILON of them in all
+        self._idle += 1
+        loss = curve(k * (1 + drafter.item_slots)) + drafter.item_cost - curve(k)
+        if self._idle * EPSILON >= loss:
+            self._idle = 0
+            return 1
+        return 0
 
 
 def _round_up(n: int, step: int) -> int:
@@ -432,15 +676,28 @@ def _cache_arrays(engine: Engine) -> list[mx.array]:
     return out
 
 
+def overlaps(engine: Engine) -> bool:
+    """Whether pipelined steps pay on this device: its passes run while the
+    host goes on (a GPU, or the simulated one). MLX's CPU backend evaluates
+    a pass inside ``mx.async_eval``, so on a CPU nothing overlaps, and the
+    planner's steps, which size each pass from drafts the host has read,
+    send fewer slots. ``MLX_MTP_PIPELINE=1`` / ``0`` forces either way."""
+    forced = os.environ.get("MLX_MTP_PIPELINE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return engine.clock.simulated or mx.default_device().type == mx.gpu
+
+
 def pipeline_for(
     ctx: Context, method: Any, sampler: Any, curves: LiveCurves | None
 ) -> Pipeline | None:
     """The :class:`Pipeline` of a generation of ``method`` on ``ctx``, or None
     where its steps run through the planner instead: a method without a
-    device drafter, sampling (temperature > 0), a cache that is not plain
-    (sliding windows, quantized or recurrent layers), a model sharded over
-    several ranks, or ``MLX_MTP_PIPELINE=0``."""
-    if sampler is not None or os.environ.get("MLX_MTP_PIPELINE") == "0":
+    device drafter, a device whose passes do not overlap the host
+    (:func:`overlaps`), sampling (temperature > 0), a cache that is not
+    plain (sliding windows, quantized or recurrent layers), or a model
+    sharded over several ranks."""
+    if sampler is not None or not overlaps(ctx.engine):
         return None
     if distributed.size() > 1 or not ctx.engine.lazy_ready():
         return None

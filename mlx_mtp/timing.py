@@ -44,6 +44,9 @@ class DeviceClock:
     """
 
     simulated = False
+    #: seconds the device sat idle waiting for the host (known on a
+    #: simulated device only: :class:`SimulatedClock`)
+    idle = 0.0
 
     def __init__(self) -> None:
         self.passes = 0
@@ -61,9 +64,11 @@ class DeviceClock:
         self.passes += 1
         self.slots += int(slots)
 
-    def launch(self, outputs: list[mx.array], slots: int) -> float:
+    def launch(self, outputs: list[mx.array], slots: int, cost: float | None = None) -> float:
         """Start a pass of ``slots`` slots (``mx.async_eval``); returns when
-        it will be done on this clock (0: not known, a real device)."""
+        it will be done on this clock (0: not known, a real device).
+        ``cost``: other device work instead, of that many one-token passes'
+        time (a draft model's pass; used by a simulated device)."""
         mx.async_eval(*outputs)
         return 0.0
 
@@ -112,6 +117,9 @@ class DeviceClock:
     def sync(self) -> None:
         """Wait until the device has finished everything queued."""
         mx.synchronize()
+
+    def start_idle_count(self) -> None:
+        """Decoding starts (the idle time is not known here)."""
 
     def add(self, seconds: float) -> None:
         """Count ``seconds`` of device time (a pipelined step, timed whole)."""
@@ -191,19 +199,25 @@ class SimulatedClock(DeviceClock):
         self.offset = 0.0  # virtual - real time
         self.free = 0.0  # when the simulated device finishes its queue
         self.paused: float | None = None  # virtual time stopped at (pause)
+        #: seconds the simulated device sat idle, its queue empty, before a
+        #: pass was launched: the host work on the critical path
+        self.idle = 0.0
 
     def now(self) -> float:
         return time.perf_counter() + self.offset
 
-    def launch(self, outputs: list[mx.array], slots: int) -> float:
+    def launch(self, outputs: list[mx.array], slots: int, cost: float | None = None) -> float:
         # computed here and now, its time left out: this machine's compute must
         # not run beside the host work that the virtual clock measures (on a
         # CPU it would share the cores and slow that work down)
         r0 = time.perf_counter()
         mx.eval(*outputs)
         self.offset -= time.perf_counter() - r0
-        start = max(self.now(), self.free)
-        self.free = start + self.seconds_per_token * self.curve(slots)
+        now = self.now()
+        if self.free:  # a gap since the last pass ended (none before the first)
+            self.idle += max(now - self.free, 0.0)
+        start = max(now, self.free)
+        self.free = start + self.seconds_per_token * (self.curve(slots) if cost is None else cost)
         return self.free
 
     def block(self, read: Callable[[], Any], done: float = 0.0) -> Any:
@@ -219,6 +233,11 @@ class SimulatedClock(DeviceClock):
     def _shift(self, seconds: float) -> None:
         self.offset += seconds
         self.free = max(self.free, self.now())  # the other's passes held the device
+
+    def start_idle_count(self) -> None:
+        """Decoding starts: the device's idle time counts from now on (a gap
+        before, such as a prefill, is not the decoding steps' host work)."""
+        self.free = max(self.free, self.now())
 
     def pause(self) -> None:
         """Stop virtual time (another engine's steps run meanwhile: an

@@ -307,6 +307,7 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         plots=False,
     )
     nap = 0.5  # long beside ntp's steps, even on a loaded machine
+    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")  # pld's pipelined steps, on any device
     real_learn = LookupDrafter.learn
 
     def slow_learn(self, *args):  # every pipelined pld step learns once

@@ -18,6 +18,14 @@ from mlx_mtp.sources.lookup import device_lookup, lookup_candidates, match_lengt
 from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.verify import walk_tree
 
+
+@pytest.fixture(autouse=True)
+def pipelined(monkeypatch):
+    """Pipelined steps on this CPU too (by default only where passes overlap
+    the host: a GPU, a simulated device)."""
+    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")
+
+
 FLAT = CostCurve.flat()  # a memory-bound device: wide drafts pay
 STEEP = CostCurve.linear(1.0)  # every slot a whole forward: nothing pays
 
@@ -107,36 +115,64 @@ def test_a_pass_at_a_lazy_length_equals_the_engines_passes(family):
 
 
 # ------------------------------------------------------------ real models
-@pytest.mark.parametrize("opts", [{"max_draft": 4}, {"max_draft": 10}, {}])
-def test_pipelined_pld_is_exact(smollm, short_spec_prompts, greedy_reference, opts):
-    """pld's pipelined steps reproduce plain greedy decoding in float32 on
-    six Spec-Bench prompts (one per task), at fixed widths and at auto on a
-    memory-bound curve (wide drafts, every step pipelined)."""
-    eng = Engine(smollm.model)
-    ctx = Context(eng, curves=FLAT)
-    for i, p in enumerate(short_spec_prompts[:6]):
-        m = make_method("pld", **opts)
-        m.prepare(ctx)
-        out, stats = _decode(ctx, m, p, 48)
-        assert out == greedy_reference(p, 48), (opts, i)
-        assert stats.drafted > 0
+METHODS = [
+    ("pld", {}),
+    ("pld", {"max_draft": 10}),
+    ("recycle", {}),
+    ("recycle", {"bc": 30}),
+    ("probe", {}),
+    ("probe", {"bc": 30, "masks": 2}),
+    ("hybrid", {}),
+    ("hybrid", {"bc": 30, "recycle": 1}),
+]
 
 
-def test_pipelined_pld_is_exact_on_qwen(qwen, spec_prompts):
-    """The same on Qwen2.5-Coder-0.5B (qwen2: q/k/v biases, untied head)."""
-    tok = qwen.tokenizer
-    from mlx_mtp.data import load_questions
+def _ids(settings):
+    return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
 
-    qs = [q for q in load_questions() if q["task"] in ("summarization", "mt_bench")][:1]
-    qs += [q for q in load_questions() if q["task"] == "summarization"][:1]
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
-        )
-        for q in qs
-    ]
-    eng = Engine(qwen.model)
-    assert_exact(eng, memoised_greedy(Engine(qwen.model)), prompts, "pld", {"max_draft": 6}, 32)
+
+@pytest.mark.parametrize("name,opts", METHODS, ids=_ids(METHODS))
+def test_pipelined_methods_are_exact(smollm, short_spec_prompts, greedy_reference, name, opts):
+    """Every pipelined method reproduces plain greedy decoding in float32 on
+    four Spec-Bench prompts (four tasks), at auto and at a fixed setting, on
+    a memory-bound curve (wide drafts): chains (pld), trees whose accepted
+    path moves cache rows (recycle's table), ESP's mask slots (probe), and
+    all of them in one tree (hybrid); each drafts and gets drafts accepted.
+    One method object serves every prompt, as a chat or a server does."""
+    ctx = Context(Engine(smollm.model), curves=FLAT)
+    m = make_method(name, **opts)
+    m.prepare(ctx)
+    drafted = accepted = 0
+    for i, p in enumerate(short_spec_prompts[:4]):
+        out, stats = _decode(ctx, m, p, 32)
+        assert out == greedy_reference(p, 32), (name, opts, i)
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert drafted > 0 and accepted > 0
+
+
+SWEEP = [
+    *METHODS,
+    ("pld", {"max_draft": 4}),
+    ("recycle", {"bc": 10}),
+    ("probe", {"bc": 10}),
+    ("hybrid", {"bc": 10}),
+    ("hybrid", {"bc": 30}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,opts", SWEEP, ids=_ids(SWEEP))
+def test_pipelined_methods_are_exact_on_many_prompts(
+    smollm, short_spec_prompts, greedy_reference, name, opts
+):
+    """The same on 24 prompts x 64 tokens (``-m slow``)."""
+    ctx = Context(Engine(smollm.model), curves=FLAT)
+    m = make_method(name, **opts)
+    m.prepare(ctx)
+    for i, p in enumerate(short_spec_prompts[:24]):
+        out, _ = _decode(ctx, m, p, 64)
+        assert out == greedy_reference(p, 64), (name, opts, i)
 
 
 def test_auto_drafts_on_a_copy_and_not_where_slots_are_dear(smollm, spec_prompts):
@@ -178,3 +214,32 @@ def test_pipeline_ends_clean_for_the_next_turn(smollm, short_spec_prompts):
     turn2 = p + out2 + p[-5:]
     got, _ = _decode(ctx, m, turn2, 20)
     assert got == ref(turn2, 20)
+
+
+def test_pipelined_draft_model_is_exact(qwen_large, qwen):
+    """The draft model's passes queued ahead of the target's on the lazy
+    state (Qwen2.5-Coder-1.5B drafted by 0.5B: qwen2, q/k/v biases, untied
+    head), chain and tree, equal plain greedy decoding; a second turn reuses
+    both caches. Also prompt lookup on the 0.5B model alone."""
+    from mlx_mtp.data import load_questions
+
+    qs = [q for q in load_questions() if q["task"] in ("math_reasoning", "summarization")]
+    texts = [qs[0]["turns"][0], min((q["turns"][0] for q in qs[1:]), key=len)]
+    tok = qwen_large.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts
+    ]
+    ref = memoised_greedy(Engine(qwen_large.model))
+    ctx = Context(Engine(qwen_large.model), loaded=qwen_large, curves=FLAT)
+    for opts in ({"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}):
+        m = make_method("draft", draft_model=qwen, **opts)
+        m.prepare(ctx)
+        out, stats = _decode(ctx, m, prompts[0], 20)
+        assert out == ref(prompts[0], 20), opts
+        assert stats.accepted > 0
+    turn2 = prompts[0] + out + prompts[0][-4:]
+    out, _ = _decode(ctx, m, turn2, 10)
+    assert out == ref(turn2, 10)
+    small = memoised_greedy(Engine(qwen.model))
+    assert_exact(Engine(qwen.model), small, prompts[1:], "pld", {"max_draft": 6}, 24)

@@ -155,7 +155,10 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         ``speedup`` (None without ``ref``), ``peak_memory_gb``,
         ``repetition_rate``, ``drafted``, ``accepted``, ``host_ms_per_step``
         (decode time outside the device work, per decoding step; None when
-        records lack ``forward_time``), ``slots_per_forward`` (mean input
+        records lack ``forward_time``), ``idle_ms_per_step`` (the device's
+        idle time waiting for the host per step: the host work on the
+        critical path, known on a simulated device; None when records lack
+        ``idle_time``), ``slots_per_forward`` (mean input
         slots per forward pass; None when records lack ``slots``) and, when
         records carry it, ``accuracy``.
     """
@@ -178,6 +181,7 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         "drafted": sum(r.get("drafted", 0) for r in records),
         "accepted": sum(r.get("accepted", 0) for r in records),
         "host_ms_per_step": None,
+        "idle_ms_per_step": None,
         "slots_per_forward": None,
     }
     if records and all("slots" in r for r in records) and fwd:
@@ -185,6 +189,9 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
     if records and all("forward_time" in r and r.get("steps") for r in records):
         host = sum(r["decode_time"] - r["forward_time"] for r in records)
         out["host_ms_per_step"] = 1000 * host / sum(r["steps"] for r in records)
+    if records and all(r.get("idle_time") is not None and r.get("steps") for r in records):
+        idle = sum(r["idle_time"] for r in records)
+        out["idle_ms_per_step"] = 1000 * idle / sum(r["steps"] for r in records)
     if ref is not None:
         pairs = [(ref[record_key(r)], r) for r in records if record_key(r) in ref]
         if pairs:

@@ -564,6 +564,7 @@ def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[s
         "accepted": s.accepted,
         "decode_time": s.decode_time,
         "forward_time": s.forward_time,
+        "idle_time": s.idle_time,
         "slots": s.slots,
         "decode_tps": s.decode_tps,
         "tau": s.tau,

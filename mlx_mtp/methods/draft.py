@@ -21,7 +21,7 @@ from ..allocate import Allocator, CandidateChildren, merge_chains
 from ..context import Context
 from ..errors import InvalidArgumentError
 from ..planner import Item, Offer
-from ..sources.draft import DraftModel, parse_width
+from ..sources.draft import DraftModel, DraftModelDrafter, parse_width
 from ..speculative import Draft
 from .base import SourceMethod, parse_int
 
@@ -86,9 +86,27 @@ class DraftModelMethod(SourceMethod):
         self.width = 1 if shape == "chain" else parse_width(TREE_WIDTH if width is None else width)
         self.source = DraftModel(draft_model, self.width)
 
+    #: pipelined steps' estimates: per depth the chain's token given the one
+    #: before accepted, and that an alternative is accepted where it is not
+    PIPELINE_ACCEPTANCE = AcceptanceModel(
+        priors={"draft": 0.7, "draft_alt": 0.3}, weight=2.0, decay=0.9, max_depth=32
+    )
+
     @property
     def block_complexity(self) -> int:
         return 1 + self.depth * self.width
+
+    @property
+    def max_width(self) -> int:
+        return self.depth  # an item of a pipelined step is one depth
+
+    def device_drafter(self, ctx: Context) -> DraftModelDrafter | None:
+        if not self.source.engine.lazy_ready():
+            return None
+        return DraftModelDrafter(self.source, self.width)
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        return self.PIPELINE_ACCEPTANCE
 
     def describe(self) -> str:
         n = f"auto<={self.depth}" if self.auto else str(self.depth)

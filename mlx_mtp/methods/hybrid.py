@@ -44,16 +44,26 @@ from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
 from ..native_mtp import has_native_mtp
+from ..pipeline import CompositeDrafter
 from ..planner import Item, Offer, PlainResult
 from ..sources.draft import DraftModel, parse_width
-from ..sources.lookup import PromptLookup
-from ..sources.masks import MaskVectors, candidate_lists, mask_candidates, top_candidates
+from ..sources.lookup import LookupDrafter, PromptLookup
+from ..sources.masks import (
+    MaskDrafter,
+    MaskLayer,
+    MaskVectors,
+    candidate_lists,
+    mask_candidates,
+    top_candidates,
+)
 from ..sources.native import NativeDrafter
 from ..sources.pool import PredictionPool
-from ..sources.recycle import RANK_PRIORS, RecycleTable
+from ..sources.recycle import RANK_PRIORS, RecycleDrafter, RecycleTable
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
+from .pld import PLD
+from .probe import Probe
 
 #: prior conditional acceptance rate per chain source (Beta prior mean)
 PRIORS = {"pld": 0.5, "pld_alt": 0.3, "pool": 0.3, "mtp": 0.5}
@@ -176,6 +186,7 @@ class Hybrid(DraftMethod):
         self.plain_topk = self.recycle.k if self.recycle is not None else 0
         drafting = draft_model not in (None, "")
         self.draft = DraftModel(draft_model, parse_width(draft_width)) if drafting else None
+        self._pool_table: RecycleTable | None = None  # the pool's, for pipelined steps
 
     @property
     def block_complexity(self) -> int:
@@ -224,6 +235,44 @@ class Hybrid(DraftMethod):
         for source in (self.draft, self.recycle):  # tables and models of their own
             if source is not None:
                 source.prepare(ctx)
+
+    def device_drafter(self, ctx: Context) -> CompositeDrafter | None:
+        """Pipelined steps (:mod:`mlx_mtp.pipeline`) draft from prompt lookup
+        and a table of the model's own predictions (token recycling's with
+        ``recycle=1``, else one prediction per token, which stands in for the
+        pool); a hybrid with mask slots, an MTP layer or a draft model runs
+        the planner's steps."""
+        if self.drafter is not None or self.draft is not None or self.chain:
+            return None
+        most = self.max_width
+        parts: list[Any] = [LookupDrafter(self.lookup.window, most)]
+        if self.recycle is not None or self.use_pool:
+            if self.recycle is None and self._pool_table is None:
+                self._pool_table = RecycleTable(k=1)
+            table = self.recycle if self.recycle is not None else self._pool_table
+            table.prepare(ctx)
+            parts.append(RecycleDrafter(table))
+        if self.masks:
+            parts.append(MaskDrafter(MaskLayer(self.vectors, top=min(most, 16))))
+        return CompositeDrafter(parts)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.bc // (self.masks + 1) - 1, 1)
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        k = self.recycle.k if self.recycle is not None else 1
+        return AcceptanceModel(
+            priors={
+                **PLD.PIPELINE_ACCEPTANCE.priors,
+                **Probe.PIPELINE_ACCEPTANCE.priors,
+                "recycle": RANK_PRIORS[:k],
+            },
+            default_prior=0.6,
+            weight=2.0,
+            decay=0.95,
+            max_depth=max(MAX_STAT_DEPTH, k),
+        )
 
     @property
     def learned(self) -> mx.array | None:

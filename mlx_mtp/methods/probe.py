@@ -33,7 +33,15 @@ from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
 from ..planner import Item, Offer, PlainResult, chain_offer
-from ..sources.masks import MaskVectors, candidate_lists, mask_candidates, top_candidates
+from ..sources.masks import (
+    PROBE_RANK_PRIORS,
+    MaskDrafter,
+    MaskLayer,
+    MaskVectors,
+    candidate_lists,
+    mask_candidates,
+    top_candidates,
+)
 from ..speculative import Draft, Verified
 from ..tree import block_complexity, build_tree, heavy_path_order, reorder_tree
 from ..verify import Sampler
@@ -151,6 +159,34 @@ class Probe(DraftMethod):
                 )
         self.vectors = MaskVectors(self.masks, lam, mask_init)
         self.mask_init = mask_init
+
+    #: pipelined steps' estimates: per depth d of the next tree (mask d), the
+    #: acceptance of the candidate of each rank given its parent accepted
+    PIPELINE_ACCEPTANCE = AcceptanceModel(
+        priors={
+            "probe/1": PROBE_RANK_PRIORS,
+            "probe/2": tuple(0.6 * p for p in PROBE_RANK_PRIORS),
+            "probe/3": tuple(0.4 * p for p in PROBE_RANK_PRIORS),
+        },
+        default_prior=0.01,
+        weight=2.0,
+        decay=0.95,
+        max_depth=16,
+    )
+
+    @property
+    def max_width(self) -> int:
+        return self.nodes
+
+    def device_drafter(self, ctx: Context) -> MaskDrafter | None:
+        """ESP's tree on pipelined steps (:mod:`mlx_mtp.pipeline`); a fixed
+        ``--tree`` template and ``shape=chain`` run the planner's steps."""
+        if self.template is not None or self.shape != "tree" or self.nodes < 1:
+            return None
+        return MaskDrafter(MaskLayer(self.vectors, top=min(self.nodes, 16)))
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        return self.PIPELINE_ACCEPTANCE
 
     @property
     def block_complexity(self) -> int:

@@ -21,7 +21,7 @@ from ..acceptance import AcceptanceModel, CalibrationModel
 from ..allocate import Allocator
 from ..context import Context
 from ..planner import Offer, PlainResult
-from ..sources.recycle import RANK_PRIORS, SOURCE, RecycleTable
+from ..sources.recycle import RANK_PRIORS, SOURCE, RecycleDrafter, RecycleTable
 from ..speculative import Draft, Verified
 from .base import SourceMethod, parse_bc, parse_int
 
@@ -73,6 +73,9 @@ class Recycle(SourceMethod):
     def acceptance_model(self) -> AcceptanceModel:
         k = self.source.k
         return replace(self.ACCEPTANCE, priors={SOURCE: RANK_PRIORS[:k]}, max_depth=k)
+
+    def device_drafter(self, ctx: Context) -> RecycleDrafter:
+        return RecycleDrafter(self.source)
 
     def propose(self, ctx: Context, root: int) -> Offer:
         kids = self.source.children(ctx.acceptance)

@@ -38,6 +38,8 @@ from ..budget import PrefixBound
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..pipeline import DeviceDrafter, DeviceState, Template
+from ..verify import top_tokens
 from .masks import candidate_lists, top_candidates
 
 #: texts whose token ids the target and draft tokenizers must agree on
@@ -305,3 +307,95 @@ def parse_width(value: Any) -> int:
     if isinstance(value, bool) or not 1 <= w <= 16 or str(value).strip() != str(w):
         raise InvalidArgumentError(f"option width must be an integer in [1, 16], got {value!r}")
     return w
+
+
+class DraftModelDrafter(DeviceDrafter):
+    """The draft model on the device, for :mod:`mlx_mtp.pipeline`: its passes
+    are built on the lazy state of the step before and queued ahead of the
+    target's pass, with no read in between.
+
+    Each step feeds the draft model the committed token before the root and
+    the root, at the lazy cache length (the first is already in its cache
+    unless the step before accepted every draft: rewriting its row changes
+    nothing), then its argmax depth by depth (the chain); with ``width`` > 1
+    its next ``width - 1`` most probable tokens at every depth hang beside
+    the chain's token as leaves (:class:`DraftModel`'s tree). An item of the
+    width policy is one depth: ``width`` slots and one draft pass.
+
+    Args:
+        source: the method's prepared :class:`DraftModel` (its engine holds
+            the prompt: :meth:`DraftModel.begin`).
+        width: candidates per depth.
+    """
+
+    name = "draft"
+    learns_free = False
+
+    def __init__(self, source: DraftModel, width: int):
+        super().__init__()
+        self.source, self.width = source, width
+        self.item_slots = width
+        self.item_cost = source.draft_cost
+        self._tpls: dict[int, Template] = {}
+
+    def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
+        qs = acceptance.qs("draft", most)
+        alt = acceptance.q("draft_alt", 1) if self.width > 1 else 0.0
+        out, path = [], 1.0
+        for q in qs:
+            out.append(path * (q + (1.0 - q) * alt))
+            path *= q
+        return out
+
+    def template(self, width: int) -> Template:
+        tpl = self._tpls.get(width)
+        if tpl is None:
+            parents, w = [-1], self.width
+            for d in range(1, width + 1):
+                up = 0 if d == 1 else (d - 2) * w + 1  # the chain's node one depth up
+                parents += [up] * w
+            tpl = self._tpls[width] = Template.of(parents)
+        return tpl
+
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
+        eng, w = self.source.engine, self.width
+        depth = (tpl.n - 1) // w
+        at = state.at
+        p0 = mx.maximum(at - 1, 0)
+        feed = mx.concatenate([mx.take(state.history, p0).reshape(1), state.root.reshape(1)])
+        logits, _ = eng.forward_at(feed, p0, rows)
+        nodes: list[mx.array] = []
+        for d in range(1, depth + 1):
+            row = self.source._row(logits)
+            tok = mx.argmax(row, axis=-1).astype(mx.int32)
+            nodes.append(tok)
+            if w > 1:
+                nodes.append(top_tokens(row, w)[0, 1:].astype(mx.int32))
+            if d < depth:
+                logits, _ = eng.forward_at(tok, at + d, rows)
+        out = mx.concatenate(nodes)
+        arrays = [out, *(a for c in eng.cache if c.keys is not None for a in (c.keys, c.values))]
+        self.aside.append((arrays, depth * self.source.draft_cost))
+        return out
+
+    def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> None:
+        w = self.width
+        for s in steps:
+            if s.width == 0:
+                continue
+            on = set(s.path)
+            for d in range(1, s.width + 1):
+                up = 0 if d == 1 else (d - 2) * w + 1
+                if up not in on:
+                    break
+                chain = (d - 1) * w + 1
+                acceptance.source("draft").add(d, chain in on)
+                if w > 1 and chain not in on:
+                    alts = range(chain + 1, chain + w)
+                    acceptance.source("draft_alt").add(1, any(a in on for a in alts))
+        return None
+
+    def end(self, cached: list[int]) -> None:
+        # rows before the last committed token's are certain; the in-flight
+        # step may have rewritten the two after with the same tokens
+        self.source.engine.settle_at(cached[: max(len(cached) - 1, 0)])

@@ -147,6 +147,7 @@ class LookupDrafter(DeviceDrafter):
     name = "pld"
 
     def __init__(self, window: int, most: int):
+        super().__init__()
         self.window, self.most = window, most
         self.begin(None, [])
 
@@ -157,7 +158,7 @@ class LookupDrafter(DeviceDrafter):
         self._last = -1
         self._signal = 0
 
-    def draft(self, state: DeviceState, tpl: Template) -> mx.array:
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
         return device_lookup(state.history, state.at + 1, self.window, tpl.n - 1)
 
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:

@@ -9,6 +9,7 @@ Used by ``probe`` (the paper's tree) and ``hybrid`` (one source among others).
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +18,8 @@ import numpy as np
 from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..learned_masks import load_learned_masks
+from ..pipeline import DeviceDrafter, Template
+from ..verify import top_tokens
 
 
 def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -142,3 +145,146 @@ class MaskVectors:
     def sets(self, count: int, dtype: mx.Dtype) -> mx.array:
         """``count`` mask sets, one after another: (count * slots, D)."""
         return mx.tile(self.embedding.astype(dtype), (count, 1))
+
+
+class MaskLayer:
+    """ESP's mask slots in pipelined steps (:mod:`mlx_mtp.pipeline`): ``k``
+    mask slots after every token slot of every step, their vectors and the
+    candidates they predict kept as lazy arrays (Goel et al., §3.1-3.2).
+
+    After each step, the masks after its deepest accepted slot give the next
+    step's candidates: the ``top`` best tokens of mask j for depth j + 1
+    (:attr:`cands`), and the vectors move towards each committed token
+    (``m <- m + lam (e - m)``, as :meth:`MaskVectors.update`; learned vectors
+    stay fixed), all inside the step's graph.
+
+    Args:
+        vectors: the method's :class:`MaskVectors` (prepared).
+        top: candidates kept per depth.
+    """
+
+    def __init__(self, vectors: MaskVectors, top: int):
+        self.vectors, self.k, self.top = vectors, vectors.slots, max(int(top), 1)
+        #: (k, top) int32 lazy, best first; None before the first step
+        self.cands: mx.array | None = None
+        self.vec: mx.array | None = None
+
+    def begin(self, engine: Engine, prompt: list[int]) -> None:
+        """A generation starts: the vectors from the prompt (or learned)."""
+        self.vectors.begin(engine, prompt)
+        self.vec = self.vectors.embedding
+        self.cands = None
+
+    def slots(self, nodes: int) -> mx.array:
+        """(nodes * k, D) input embeddings of the mask slots after ``nodes``
+        token slots, in slot order."""
+        return mx.tile(self.vec, (nodes, 1))
+
+    def after(self, engine: Engine, step: Any, committed: mx.array) -> list[mx.array]:
+        """Lazy: the next candidates from the masks after ``step``'s deepest
+        accepted slot, and the vectors after its committed tokens (the first
+        ``step.accepted + 1`` of ``committed``); returns them to evaluate."""
+        n, k = step.tpl.n, self.k
+        deepest = step.path[-1]
+        rows = mx.take(step.logits, n + deepest * k + mx.arange(k), axis=0)
+        self.cands = top_tokens(rows, self.top).astype(mx.int32)
+        if self.vectors.learned is None:
+            lam = self.vectors.lam
+            count = (step.accepted + 1).astype(mx.float32)
+            i = mx.arange(committed.shape[0], dtype=mx.float32)
+            w = mx.where(i < count, lam * mx.power(1.0 - lam, count - 1.0 - i), 0.0)
+            e = engine.embed(committed)
+            self.vec = mx.power(1.0 - lam, count) * self.vec + (w.astype(e.dtype) @ e)[None]
+        return [self.cands, self.vec]
+
+
+#: prior acceptance of the rank-1.. candidates of mask 1, given the root
+PROBE_RANK_PRIORS = (0.3, 0.08, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01)
+
+
+class MaskDrafter(DeviceDrafter):
+    """ESP's draft tree in pipelined steps: the candidates of the masks after
+    the last step's deepest accepted slot (:class:`MaskLayer`), depth d from
+    mask d, hung under every node of the depth before (ESP §3.2). The tree's
+    shape is the best-first expansion of (depth, rank) paths, a node worth
+    the product of the estimates ``q(probe/d, rank)`` along its path (the
+    tokens are on the device; their probabilities are not read).
+
+    Learning costs nothing: the candidates every step's masks made are read
+    back and scored against the tokens committed after that step, at every
+    step, as verification would score a tree of all of them.
+
+    Args:
+        layer: the mask slots.
+    """
+
+    name = "probe"
+
+    def __init__(self, layer: MaskLayer):
+        super().__init__()
+        self.masks = layer
+        self._plan: tuple[list[int], list[int]] = ([-1], [0])
+        self._tpls: dict[tuple[int, ...], Template] = {}
+        self._index: dict[int, mx.array] = {}
+        self._pending: list[tuple[int, np.ndarray]] = []
+
+    def begin(self, ctx: Any, prompt: list[int]) -> None:
+        self.masks.begin(ctx.engine, prompt)
+        self._pending = []
+
+    def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
+        if self.masks.cands is None:  # no masks read yet: the first step primes
+            self._plan = ([-1], [0])
+            return []
+        k, top = self.masks.k, self.masks.top
+        qs = [acceptance.qs(f"probe/{d}", top) for d in range(1, k + 1)]
+        parents, flat, values = [-1], [0], []
+        heap = [(-qs[0][r], 0, 1, r) for r in range(top)]  # (-value, parent, depth, rank)
+        heapq.heapify(heap)
+        while heap and len(values) < most:
+            v, parent, d, r = heapq.heappop(heap)
+            slot = len(parents)
+            parents.append(parent)
+            flat.append((d - 1) * top + r)
+            values.append(-v)
+            if d < k:
+                for r2 in range(top):
+                    heapq.heappush(heap, (v * qs[d][r2], slot, d + 1, r2))
+        self._plan = (parents, flat)
+        return values
+
+    def template(self, width: int) -> Template:
+        parents, flat = self._plan
+        key = tuple(parents[: width + 1]) + tuple(flat[: width + 1])
+        tpl = self._tpls.get(key)
+        if tpl is None:
+            if len(self._tpls) > 256:
+                self._tpls.clear()
+                self._index.clear()
+            tpl = self._tpls[key] = Template.of(parents[: width + 1])
+            self._index[id(tpl)] = mx.array(np.array(flat[1 : width + 1], dtype=np.int32))
+        return tpl
+
+    def draft(self, state: Any, tpl: Template, rows: int) -> mx.array:
+        return mx.take(self.masks.cands.reshape(-1), self._index[id(tpl)])
+
+    def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> None:
+        k, top = self.masks.k, self.masks.top
+        for s in steps:
+            cands = s.extra.get("masked")
+            if cands is not None:  # they guess the tokens after the next root
+                self._pending.append((s.start + len(s.tokens), cands.reshape(k, top)))
+        keep = []
+        for r, cands in self._pending:
+            known = history[r + 1 : r + 1 + k]
+            if len(known) < k and r + 1 + len(known) >= len(history):
+                keep.append((r, cands))  # wait for the tokens they guess
+                continue
+            for d in range(1, len(known) + 1):
+                if d > 1 and known[d - 2] not in cands[d - 2]:
+                    break  # no candidate path reaches depth d
+                est = acceptance.source(f"probe/{d}")
+                for rank, t in enumerate(cands[d - 1].tolist()):
+                    est.add(rank + 1, t == known[d - 1])
+        self._pending = keep
+        return None

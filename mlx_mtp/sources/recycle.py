@@ -32,6 +32,7 @@ no draft model and no training. Read top to bottom:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ import numpy as np
 from ..acceptance import Acceptance
 from ..allocate import Child
 from ..errors import InvalidArgumentError
+from ..pipeline import DeviceDrafter, DeviceState, Pass, Template
 from ..verify import top_tokens
 
 if TYPE_CHECKING:
@@ -161,3 +163,141 @@ class RecycleTable:
         _, first = np.unique(tokens[::-1], return_index=True)
         last = len(tokens) - 1 - first
         self.table[tokens[last]] = top[last, : self.k]
+
+
+class RecycleDrafter(DeviceDrafter):
+    """Token recycling on the device, for :mod:`mlx_mtp.pipeline`: the
+    table is a (V, k) int32 device array, refilled inside every pass's graph
+    from the top-k of its slots (rows of the root and the accepted path
+    written last), and the draft tree is read from it by rank.
+
+    The tree's shape depends only on the per-rank estimates: the best-first
+    expansion of rank paths (a node worth the product of ``q(rank)`` along
+    its path, as :meth:`RecycleTable.children` values it, without the
+    tokens), laid out best first; its tokens are gathered from the table
+    depth by depth on the device. A plain step's root row is read back, so
+    the estimates learn at every step, as verification would score a tree
+    of the root's children.
+
+    Args:
+        table: the method's :class:`RecycleTable` (kept across generations;
+            the device table starts from it and is copied back at the end).
+    """
+
+    name = SOURCE
+
+    def __init__(self, table: RecycleTable):
+        super().__init__()
+        self.source = table
+        self.table: mx.array | None = None
+        # templates by (parents, ranks), and the rank of every slot of each
+        self._plans: dict[tuple, Template] = {}
+        self._ranks: dict[int, np.ndarray] = {}
+        self._plan: tuple[list[int], list[int]] = ([], [])
+
+    def begin(self, ctx: Any, prompt: list[int]) -> None:
+        host = self.source.table
+        rows = max(self.source.rows, 0 if host is None else len(host))
+        t = np.full((max(rows, 1), self.source.k), -1, dtype=np.int32)
+        if host is not None:
+            t[: len(host)] = host
+        self.table = mx.array(t)
+
+    def end(self, cached: list[int]) -> None:
+        if self.table is not None:
+            self.source.table = np.array(self.table)
+        self.table = None
+
+    def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
+        k = self.source.k
+        qs = acceptance.qs(SOURCE, k)
+        parents: list[int] = [-1]
+        ranks: list[int] = [0]
+        values: list[float] = []
+        heap = [(-qs[r], 0, r) for r in range(k)]  # (-value, parent slot, rank)
+        heapq.heapify(heap)
+        while heap and len(values) < most:
+            v, parent, r = heapq.heappop(heap)
+            slot = len(parents)
+            parents.append(parent)
+            ranks.append(r)
+            values.append(-v)
+            for r2 in range(k):
+                heapq.heappush(heap, (v * qs[r2], slot, r2))
+        self._plan = (parents, ranks)
+        return values
+
+    def template(self, width: int) -> Template:
+        parents, ranks = self._plan
+        key = (tuple(parents[: width + 1]), tuple(ranks[: width + 1]))
+        tpl = self._plans.get(key)
+        if tpl is None:
+            if len(self._plans) > 256:
+                self._plans.clear()
+                self._ranks.clear()
+            tpl = self._plans[key] = Template.of(key[0])
+            self._ranks[id(tpl)] = np.array(key[1], dtype=np.int32)
+        return tpl
+
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
+        ranks = self._ranks[id(tpl)]
+        k = self.source.k
+        flat = self.table.reshape(-1)
+        rows = self.table.shape[0]
+        depth, parents = tpl.depth, tpl.parents
+        levels = [state.root.reshape(1)]
+        where = {0: (0, 0)}  # slot -> (depth, index in its level)
+        order = [0]
+        for d in range(1, tpl.deepest + 1):
+            nodes = np.flatnonzero(depth == d)
+            for i, s in enumerate(nodes):
+                where[int(s)] = (d, i)
+            pos = np.array([where[int(parents[s])][1] for s in nodes], dtype=np.int32)
+            ptok = mx.take(levels[d - 1], mx.array(pos))
+            ok = (ptok >= 0) & (ptok < rows)
+            idx = mx.where(ok, ptok, 0) * k + mx.array(ranks[nodes])
+            levels.append(mx.where(ok, mx.take(flat, idx), -1))
+            order.extend(int(s) for s in nodes)
+        tokens = mx.concatenate(levels)  # depth order
+        inverse = np.argsort(np.array(order))
+        tokens = mx.take(tokens, mx.array(inverse[1:].astype(np.int32)))
+        return mx.maximum(tokens, 0)
+
+    def update(self, step: Pass) -> list[mx.array]:
+        n = step.tpl.n  # the token slots (mask slots after them predict further on)
+        top = top_tokens(step.logits[:n], self.source.k).astype(mx.int32)
+        rows = self.table.shape[0]
+        tokens = mx.clip(step.tokens[:n], 0, rows - 1)
+        table = self.table
+        table[tokens] = top
+        path_tok = mx.take(tokens, step.path)
+        table[path_tok] = mx.take(top, step.path, axis=0)
+        self.table = table
+        return [table]
+
+    def read(self, step: Pass) -> dict[str, mx.array]:
+        out = {"tokens": step.tokens}
+        if step.tpl.n == 1:  # a plain step: the root's row, scored against its token
+            out["row"] = mx.take(
+                self.table, mx.clip(step.state.root, 0, self.table.shape[0] - 1), axis=0
+            )
+        return out
+
+    def learn(self, acceptance: Acceptance, history: list[int], steps: list[Any]) -> None:
+        est = acceptance.source(SOURCE)
+        for s in steps:
+            if s.width == 0:
+                row = s.extra.get("row")
+                if row is None:
+                    continue
+                for r, t in enumerate(row.tolist()):
+                    if t >= 0:
+                        est.add(r + 1, t == s.tokens[0])
+                continue
+            ranks = self._ranks[id(s.tpl)]
+            on_path = set(s.path)
+            parents = s.tpl.parents
+            for slot in range(1, s.tpl.n):
+                if int(parents[slot]) in on_path:
+                    est.add(int(ranks[slot]) + 1, slot in on_path)
+        return None
