@@ -251,6 +251,10 @@ class DeviceDrafter:
     #: ESP mask slots after every token slot of every step (a
     #: :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
     masks: Any = None
+    #: set by the pipeline: no step is in flight when a width is chosen, so
+    #: the signal :meth:`learn` returns describes the step about to launch
+    #: (else the one in flight before it)
+    fresh = False
 
     def __init__(self) -> None:
         #: device work :meth:`draft` queued beside the target's pass, as
@@ -468,8 +472,16 @@ class Pipeline:
         curve: the cost curve the policy plans with (None at a fixed width).
     """
 
-    def __init__(self, ctx: Context, drafter: DeviceDrafter, policy: WidthPolicy):
+    def __init__(
+        self, ctx: Context, drafter: DeviceDrafter, policy: WidthPolicy, overlap: bool = True
+    ):
         self.ctx, self.drafter, self.policy = ctx, drafter, policy
+        #: launch step k+1 before reading step k (else after: a device whose
+        #: passes do not overlap the host, where the width is then chosen
+        #: knowing step k's outcome)
+        self.overlap = overlap
+        for d in [drafter, *getattr(drafter, "parts", [])]:
+            d.fresh = not overlap
         self.engine: Engine = ctx.engine
         self.plain_steps = self.reprobes = self.plain_spells = 0
         self.state: DeviceState | None = None
@@ -559,7 +571,7 @@ class Pipeline:
         if not self.inflight:
             self._launch(self._width())
         left = self.ctx.left
-        if left is None or left > 1:  # a generation that goes on: the next step first
+        if self.overlap and (left is None or left > 1):  # the next step first
             self._launch(self._width())
         out, waited, slots = self._read(root)
         # device time, as for pipelined plain steps: the whole step but the host
@@ -683,7 +695,7 @@ def overlaps(engine: Engine) -> bool:
     planner's steps, which size each pass from drafts the host has read,
     send fewer slots. ``MLX_MTP_PIPELINE=1`` / ``0`` forces either way."""
     forced = os.environ.get("MLX_MTP_PIPELINE")
-    if forced in ("0", "1"):
+    if forced in ("0", "1", "sync"):
         return forced == "1"
     return engine.clock.simulated or mx.default_device().type == mx.gpu
 
@@ -697,7 +709,8 @@ def pipeline_for(
     (:func:`overlaps`), sampling (temperature > 0), a cache that is not
     plain (sliding windows, quantized or recurrent layers), or a model
     sharded over several ranks."""
-    if sampler is not None or not overlaps(ctx.engine):
+    overlap = overlaps(ctx.engine)
+    if sampler is not None or not (overlap or os.environ.get("MLX_MTP_PIPELINE") == "sync"):
         return None
     if distributed.size() > 1 or not ctx.engine.lazy_ready():
         return None
@@ -711,7 +724,7 @@ def pipeline_for(
     else:
         acceptance.soften(CARRY_WEIGHT)
     policy = WidthPolicy(method.max_width, method.auto, acceptance, curves)
-    return Pipeline(ctx, drafter, policy)
+    return Pipeline(ctx, drafter, policy, overlap)
 
 
 #: weight of what one generation learned when the next one on the context starts

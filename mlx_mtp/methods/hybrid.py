@@ -58,7 +58,7 @@ from ..sources.masks import (
 )
 from ..sources.native import NativeDrafter
 from ..sources.pool import PredictionPool
-from ..sources.recycle import RANK_PRIORS, RecycleDrafter, RecycleTable
+from ..sources.recycle import DEEP, DEEP_PRIORS, RANK_PRIORS, RecycleDrafter, RecycleTable
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
@@ -267,6 +267,7 @@ class Hybrid(DraftMethod):
                 **PLD.PIPELINE_ACCEPTANCE.priors,
                 **Probe.PIPELINE_ACCEPTANCE.priors,
                 "recycle": RANK_PRIORS[:k],
+                DEEP: DEEP_PRIORS[:k],
             },
             default_prior=0.6,
             weight=2.0,

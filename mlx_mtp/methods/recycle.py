@@ -21,7 +21,14 @@ from ..acceptance import AcceptanceModel, CalibrationModel
 from ..allocate import Allocator
 from ..context import Context
 from ..planner import Offer, PlainResult
-from ..sources.recycle import RANK_PRIORS, SOURCE, RecycleDrafter, RecycleTable
+from ..sources.recycle import (
+    DEEP,
+    DEEP_PRIORS,
+    RANK_PRIORS,
+    SOURCE,
+    RecycleDrafter,
+    RecycleTable,
+)
 from ..speculative import Draft, Verified
 from .base import SourceMethod, parse_bc, parse_int
 
@@ -72,7 +79,9 @@ class Recycle(SourceMethod):
 
     def acceptance_model(self) -> AcceptanceModel:
         k = self.source.k
-        return replace(self.ACCEPTANCE, priors={SOURCE: RANK_PRIORS[:k]}, max_depth=k)
+        return replace(
+            self.ACCEPTANCE, priors={SOURCE: RANK_PRIORS[:k], DEEP: DEEP_PRIORS[:k]}, max_depth=k
+        )
 
     def device_drafter(self, ctx: Context) -> RecycleDrafter:
         return RecycleDrafter(self.source)

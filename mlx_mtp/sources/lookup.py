@@ -136,8 +136,10 @@ class LookupDrafter(DeviceDrafter):
     continuation against the tokens committed after it, exactly as
     verification would have scored it, whether or not the step drafted. The
     estimates are kept per *signal*: the n-gram length the lookup matched at
-    the newest root the host knows (that of the step in flight), which is
-    what a width is chosen from (source names ``pld/0`` .. ``pld/window``).
+    the newest root the host knows, which is what a width is chosen from
+    (source names ``pld/0`` .. ``pld/window``): the root of the step in
+    flight, or with no step in flight (``fresh``) the root of the step
+    about to launch, whose continuation then also caps the width.
 
     Args:
         window: longest n-gram matched.
@@ -156,15 +158,20 @@ class LookupDrafter(DeviceDrafter):
         # whose outcome is not known yet; the last root looked up; the signal
         self._pending: list[tuple[int, list[int], int]] = []
         self._last = -1
-        self._signal = 0
+        self._signal = (0, 0)
 
     def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
         return device_lookup(state.history, state.at + 1, self.window, tpl.n - 1)
 
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
-        return chain_values(acceptance.qs(f"{self.name}/{signal or 0}", most))
+        m, length = signal if signal else (0, most)
+        if self.fresh:  # the lookup of the step to launch: no filler tokens
+            most = min(most, length)
+        return chain_values(acceptance.qs(f"{self.name}/{m}", most))
 
-    def learn(self, acceptance: Acceptance, history: list[int], steps: list[Any]) -> int:
+    def learn(
+        self, acceptance: Acceptance, history: list[int], steps: list[Any]
+    ) -> tuple[int, int]:
         ctx = np.asarray(history, dtype=np.int64)
         T = len(ctx)
         # every root once: those of the steps read, and the newest (the root of
@@ -176,8 +183,11 @@ class LookupDrafter(DeviceDrafter):
             self._last = r
             cands = lookup_candidates(ctx[: r + 1], self.window, self.most)
             cont = cands[0] if cands else []
-            self._pending.append((r, cont, self._signal))
-            self._signal = match_length(ctx[: r + 1], self.window) if cont else 0
+            m = match_length(ctx[: r + 1], self.window) if cont else 0
+            # tagged with the signal its width was chosen from: its own match
+            # (fresh), or the match at the root before (the step in flight's)
+            self._pending.append((r, cont, m if self.fresh else self._signal[0]))
+            self._signal = (m, len(cont))
         keep = []
         for r, cont, sig in self._pending:
             known = ctx[r + 1 : r + 1 + max(len(cont), 1)]

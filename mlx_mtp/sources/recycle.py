@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 SOURCE = "recycle"
 #: prior acceptance of the rank-1..8 candidates given their parent accepted
 RANK_PRIORS = (0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
+#: pipelined steps' estimates of the candidates below a draft node (not the
+#: root), and their priors
+DEEP = "recycle/deep"
+DEEP_PRIORS = (0.6, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
 #: when the table starts afresh (see the module doc)
 RESETS = ("never", "conversation", "turn")
 
@@ -210,11 +214,13 @@ class RecycleDrafter(DeviceDrafter):
 
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
         k = self.source.k
-        qs = acceptance.qs(SOURCE, k)
+        # under the root, and deeper (given the parent accepted, a child is
+        # likelier right there than at the root: a continuation under way)
+        first, deep = acceptance.qs(SOURCE, k), acceptance.qs(DEEP, k)
         parents: list[int] = [-1]
         ranks: list[int] = [0]
         values: list[float] = []
-        heap = [(-qs[r], 0, r) for r in range(k)]  # (-value, parent slot, rank)
+        heap = [(-first[r], 0, r) for r in range(k)]  # (-value, parent slot, rank)
         heapq.heapify(heap)
         while heap and len(values) < most:
             v, parent, r = heapq.heappop(heap)
@@ -223,7 +229,7 @@ class RecycleDrafter(DeviceDrafter):
             ranks.append(r)
             values.append(-v)
             for r2 in range(k):
-                heapq.heappush(heap, (v * qs[r2], slot, r2))
+                heapq.heappush(heap, (v * deep[r2], slot, r2))
         self._plan = (parents, ranks)
         return values
 
@@ -284,7 +290,7 @@ class RecycleDrafter(DeviceDrafter):
         return out
 
     def learn(self, acceptance: Acceptance, history: list[int], steps: list[Any]) -> None:
-        est = acceptance.source(SOURCE)
+        est, deep = acceptance.source(SOURCE), acceptance.source(DEEP)
         for s in steps:
             if s.width == 0:
                 row = s.extra.get("row")
@@ -299,5 +305,5 @@ class RecycleDrafter(DeviceDrafter):
             parents = s.tpl.parents
             for slot in range(1, s.tpl.n):
                 if int(parents[slot]) in on_path:
-                    est.add(int(ranks[slot]) + 1, slot in on_path)
+                    (est if parents[slot] == 0 else deep).add(int(ranks[slot]) + 1, slot in on_path)
         return None
