@@ -28,9 +28,15 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from . import memory
-from .cache_view import DEFAULT_ROOM, LazyView, SlidingKVCache, TreeCacheView
+from .cache_view import (
+    DEFAULT_ROOM,
+    LazyView,
+    SlidingKVCache,
+    TreeCacheView,
+    install_positional_rope,
+)
 from .errors import CacheNotTrimmableError, UnsupportedModelError
-from .families import model_parts
+from .families import TREE, family_support, model_parts
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
 from .timing import make_clock
 
@@ -599,10 +605,16 @@ class Engine:
     # ------------------------------------------------------- lazy-offset passes
     def lazy_ready(self) -> bool:
         """Whether passes at a lazy cache length (:meth:`forward_at`) can run
-        here: every layer keeps a plain ``KVCache`` (no window, no
-        quantization, no recurrent state) and the model splits into backbone
-        and head."""
-        return self.backbone is not None and all(type(c) is KVCache for c in self.cache)
+        here: a model type whose tree pass is verified (positions and mask
+        taken from the cache view; its RoPE is wrapped for per-token
+        positions here), every layer keeping a plain ``KVCache`` (no window,
+        no quantization, no recurrent state), and a backbone and head."""
+        if self.backbone is None or not all(type(c) is KVCache for c in self.cache):
+            return False
+        if family_support(getattr(self.model, "model_type", ""))[0] != TREE:
+            return False
+        install_positional_rope(self.model)
+        return True
 
     def forward_at(
         self,
@@ -641,9 +653,9 @@ class Engine:
         at = at.astype(mx.int32).reshape(())
         dep = mx.arange(n, dtype=mx.int32) if depth is None else mx.array(depth, dtype=mx.int32)
         positions = at + dep
-        # RoPE offsets: a chain's is the length itself; a tree's one per token
-        # (:class:`~mlx_mtp.cache_view.PositionalRoPE` applies them)
-        offsets = at if anc is None else positions - mx.arange(n, dtype=mx.int32)
+        # one RoPE offset per token, as a tree pass's (the model's RoPE modules
+        # wrapped by install_positional_rope apply them)
+        offsets = positions - mx.arange(n, dtype=mx.int32)
         j = mx.arange(rows, dtype=mx.int32)
         rel = j - at
         inside = (rel >= 0) & (rel < n)

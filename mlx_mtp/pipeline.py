@@ -449,7 +449,7 @@ class _Launched:
     tpl: Template  # the pass's (mask slots included)
     base: Template  # its token slots
     width: int
-    out: mx.array  # int32: [accepted, committed (D + 1), path (D + 1), extras...]
+    out: mx.array  # int32: [accepted, committed (D + 1), path (D + 1), extras...], read at once
     extra: list[tuple[str, int]]  # the extras' names and lengths
     done: float
     slots: int
@@ -463,11 +463,13 @@ class Pipeline:
     Args:
         ctx: the method's context.
         drafter: the device drafter.
-        policy: the width of each step.
-        acceptance: the acceptance estimates the drafter learns into.
+        policy: the width of each step (and the estimates the drafter
+            learns into).
+        overlap: launch each step before reading the one in flight (else
+            after it).
 
     Attributes:
-        plain_steps: steps of width 0 so far.
+        plain_steps: steps of width 0 read so far.
         reprobes, plain_spells: 0 (the decoding loop's statistics ask).
         curve: the cost curve the policy plans with (None at a fixed width).
     """
@@ -488,7 +490,6 @@ class Pipeline:
         self.inflight: list[_Launched] = []
         self.bound = 0  # the most tokens the cache can hold after the steps in flight
         self.history: list[int] = []
-        self.unread: list[StepRecord] = []
         self.signal: Any = None
         drafter.begin(ctx, list(self.engine.cached))
 
@@ -591,10 +592,7 @@ class Pipeline:
         return t1 * self.curve(slots) if t1 and self.curve is not None else 0.0
 
     def _width(self) -> int:
-        width = self.policy.width(self.drafter, self.signal, self.ctx)
-        if width == 0:
-            self.plain_steps += 1
-        return width
+        return self.policy.width(self.drafter, self.signal, self.ctx)
 
     def _read(self, root: int) -> tuple[StepOutput, float, int]:
         engine = self.engine
@@ -617,9 +615,9 @@ class Pipeline:
         engine.cached.extend(tokens[:-1])
         self.history.extend(tokens)
         self.bound -= step.slots - (a + 1)
-        self.unread.append(StepRecord(start, step.width, a, tokens, step.base, path, extra))
-        self.signal = self.drafter.learn(self.policy.acceptance, self.history, self.unread)
-        self.unread = []
+        self.plain_steps += step.width == 0
+        record = StepRecord(start, step.width, a, tokens, step.base, path, extra)
+        self.signal = self.drafter.learn(self.policy.acceptance, self.history, [record])
         return StepOutput(tokens, step.width, a, 1), waited, step.slots
 
     def finish(self) -> None:
