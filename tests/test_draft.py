@@ -1,12 +1,12 @@
 """Draft-model speculative decoding (``--method draft``, and the draft model as
 a source of ``hybrid``): exact vs plain greedy decoding in float32 on pairs
 made for the test (tiny random models with one tokenizer), the tokenizer check,
-multi-turn cache reuse, sampling, and the real Qwen2.5-Coder pair."""
+multi-turn cache reuse, and the real Qwen2.5-Coder pair (sampling through the
+shared verification: tests/test_speculative.py)."""
 
 from __future__ import annotations
 
 import types
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -281,36 +281,6 @@ def test_draft_cache_stays_in_step_across_turns(pair):
     assert m.source.engine.cached[: len(turn2) - 1] == turn2[:-1]
     ref, _ = decode(Context(Engine(target.model)), make_method("ntp"), turn2, 20)
     assert out2 == ref
-
-
-def test_sampling_keeps_the_target_distribution():
-    """At temperature 0.8 / top-p 0.9 (the suite's sampling case: a tiny model
-    with flattened logits), tokens committed through the draft tree follow
-    plain sampling's distribution (chi-square on tokens 1-2 jointly and on
-    token 3), with draft tokens accepted."""
-    import mlx.core as mx
-    from conftest import chi2_same, sampling_case
-
-    from mlx_mtp.decoding import generate_steps
-
-    n = 600
-    model, prompt, sampler, plain = sampling_case("llama", n, 3)
-    loaded = _loaded(model, "tiny32", ByteTokenizer(vocab=32))
-    ctx = Context(Engine(model), loaded, curves=CostCurve.flat(16, 0.003))
-    m = make_method("draft", draft_model=_loaded(model, "same", ByteTokenizer(vocab=32)))
-    m.prepare(ctx)
-    mx.random.seed(1)
-    seqs, accepted = [], 0
-    for _ in range(n):
-        ctx.engine.reset()
-        out = []
-        for step in generate_steps(ctx, m, prompt, max_tokens=3, sampler=sampler):
-            out.extend(step.tokens)
-        accepted += step.stats.accepted
-        seqs.append(tuple(out))
-    assert accepted > n // 2
-    assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
-    assert chi2_same(Counter(s[2] for s in plain), Counter(s[2] for s in seqs), n)
 
 
 # ------------------------------------------------------------ the real pair
