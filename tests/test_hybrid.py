@@ -243,11 +243,13 @@ def test_allocate_attaches_masks_where_the_path_likely_ends():
     assert a.mask_anchors == [] and isinstance(a, Allocation)
 
 
-def test_chain_depth_floor_and_per_depth_estimates():
-    from mlx_mtp.methods.hybrid import CHAIN_FLOOR, MAX_STAT_DEPTH, _worth
+def test_chain_depth_floor_and_per_depth_estimates(monkeypatch):
+    from mlx_mtp.methods import hybrid
+    from mlx_mtp.methods.hybrid import MAX_STAT_DEPTH, _worth
 
-    # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: nine nodes are offered
-    assert CHAIN_FLOOR == 1e-3 and _worth([0.5] * 40) == 9
+    # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: at a floor of 1e-3 nine nodes are offered
+    monkeypatch.setattr(hybrid, "CHAIN_FLOOR", 1e-3)
+    assert _worth([0.5] * 40) == 9
     assert _worth([0.99] * 40) == 40 and _worth([]) == 0 and _worth([1e-4, 1.0]) == 0
     st = Acceptance(Hybrid.ACCEPTANCE)
     st.record([("pld", MAX_STAT_DEPTH, 1.0)], True)
