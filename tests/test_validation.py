@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from mlx_mtp import cli
 from mlx_mtp.errors import (
@@ -164,19 +165,6 @@ OTHER_CASES: list[tuple[list[str], str]] = [
     (["convert", "mtp-checkpoint", "no-such-dir", "out", "--quantize", "3"], "--quantize"),
     (["convert", "clp-heads"], "'src'"),
 ]
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """Run the console entry point in this process: (exit code, stderr)."""
-    old = sys.argv
-    sys.argv = ["mlx-mtp", *argv]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            cli.main()
-    finally:
-        sys.argv = old
-    err = capsys.readouterr().err
-    return exc.value.code, err
 
 
 def snapshot(*roots: Path) -> set[str]:
