@@ -374,14 +374,13 @@ def test_hybrid_exact_float32_long(smollm, spec_prompts):
     _check_exact(smollm, spec_prompts[:30], 64)
 
 
-def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, short_spec_prompts):
+def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm_case):
     """The next step's probe candidates are the top-k of the deepest accepted
     node's mask rows, whichever way they are computed: the first mask set's
     top-k built during the pass, or another set's hidden rows through the LM
     head after it (the pass computes logits only for token slots and the
     first mask set)."""
     from mlx_mtp.decoding import generate_steps
-    from mlx_mtp.engine import Engine
     from mlx_mtp.methods import make_method
 
     meth = make_method("hybrid", bc=30, masks=2)
@@ -406,9 +405,8 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, shor
             np.testing.assert_allclose(ps, np.exp(row[toks]), rtol=1e-4, atol=1e-6)
 
     meth.observe = checked
-    for prompt in short_spec_prompts[:3]:
-        e = Engine(smollm.model)
+    for (prompt, n), e in zip(smollm_case.prompts, smollm_case.engines):
         meth.prepare(Context(e))
-        for _ in generate_steps(e, meth, prompt, max_tokens=32):
+        for _ in generate_steps(e, meth, prompt, max_tokens=n):
             pass
     assert seen["first"] > 0 and seen["other"] > 0, seen

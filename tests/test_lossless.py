@@ -40,12 +40,10 @@ from mlx_mtp.methods import make_method
 SETTINGS = [
     ("smollm", "pld", {}),
     ("smollm", "probe", {"bc": 10}),
-    ("smollm", "probe", {"bc": 60, "masks": 2, "mask_init": "learned"}),
-    ("smollm", "probe", {}),
+    ("smollm", "probe", {"bc": 30, "masks": 2, "mask_init": "learned"}),
+    ("smollm", "probe", {}),  # auto: up to 64 slots on the suite's memory-bound curve
     ("smollm", "hybrid", {}),
-    ("smollm", "hybrid", {"bc": 10}),
     ("smollm", "hybrid", {"bc": 30, "masks": 2, "mask_init": "learned", "recycle": 1}),
-    ("smollm", "recycle", {"bc": 30}),
     ("smollm", "recycle", {}),
     ("smollm", "lookahead", {}),
     ("smollm", "clp", {}),  # the shipped heads, found by fingerprint
