@@ -36,12 +36,21 @@ import numpy as np
 from mlx_mtp.allocate import Child
 from mlx_mtp.context import Context
 from mlx_mtp.data import TASKS, load_questions
+from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.loading import load_model
 from mlx_mtp.methods import make_method
 from mlx_mtp.planner import PlainSteps
 from mlx_mtp.sources.recycle import SOURCE, RecycleTable
-from mlx_mtp.testing import decode
+
+
+def decode(ctx, method, prompt, max_tokens):
+    """(tokens, final statistics) of one generation."""
+    out, stats = [], None
+    for step in generate_steps(ctx, method, prompt, max_tokens=max_tokens):
+        out += step.tokens
+        stats = step.stats
+    return out, stats
 
 
 class DeviceTable(RecycleTable):

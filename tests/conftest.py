@@ -300,6 +300,26 @@ def run_cli(argv: list[str], capsys, stdin: str | None = None) -> tuple[int, str
     return code, capsys.readouterr().err
 
 
+def assert_one_pass_equals_steps(layer: Any, hidden: Any, embeds: Any, atol: float) -> None:
+    """Check that an MTP layer (``layer(h, e, cache)``, :mod:`mlx_mtp.native_mtp`)
+    gives the same output for ``hidden`` (1, n, D) and ``embeds`` (1, n, D) in
+    one pass as fed one position at a time through its own cache (float32,
+    rtol 1e-4).
+
+    Raises:
+        AssertionError: where they differ.
+    """
+    import mlx.core as mx
+
+    whole = layer(hidden, embeds, layer.make_cache())
+    cache = layer.make_cache()
+    n = hidden.shape[1]
+    steps = mx.concatenate(
+        [layer(hidden[:, i : i + 1], embeds[:, i : i + 1], cache) for i in range(n)], 1
+    )
+    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=atol)
+
+
 def chi2_same(a, b, n: int) -> bool:
     """Two-sample chi-square homogeneity test (bins with >= 10 counts, rest
     pooled) at roughly the 99.9% quantile: True if the samples may share one

@@ -10,6 +10,8 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import decode
+from tiny_models import make_tiny_model
 
 import mlx_mtp.budget as budget
 import mlx_mtp.costs as costs
@@ -23,7 +25,6 @@ from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.planner import chain_offer
-from mlx_mtp.testing import decode, make_tiny_model
 from mlx_mtp.tree import build_tree
 
 #: this CPU, SmolLM2-135M float32 (issue 22, engine tree forward, medians)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.clp_format import (
     ASSETS,
@@ -33,7 +34,6 @@ from mlx_mtp.errors import (
     ModelNotFoundError,
 )
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import make_tiny_model
 
 SHIPPED = ASSETS / "smollm2-135m"
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
@@ -24,7 +25,6 @@ from mlx_mtp.methods.confadapt import (
     MissingMaskTokenError,
     confadapt_length,
 )
-from mlx_mtp.testing import make_tiny_model
 
 MASK_ID = 255  # last row of the tiny models' 256-token vocabulary
 PROMPT = [3, 17, 42, 9, 100, 7, 12]

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import decode
+from tiny_models import make_tiny_model
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError, UnsupportedModelError
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import decode, make_tiny_model
 
 
 class ByteTokenizer:

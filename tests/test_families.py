@@ -1,5 +1,5 @@
 """Every mlx-lm model family: the families table and, per family, a tiny
-random model of its shapes and layer pattern (mlx_mtp.testing.FAMILY_CONFIGS).
+random model of its shapes and layer pattern (tests/tiny_models.py: FAMILY_CONFIGS).
 
 - The table (mlx_mtp.families) lists every model type of the installed
   mlx-lm, and docs/families.md is its current text.
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_method
+from tiny_models import FAMILY_CONFIGS, make_tiny_model
 
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
@@ -45,7 +46,6 @@ from mlx_mtp.families import (
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.selfcheck import OneTokenDecoding, check_keep, check_pass, path_to
-from mlx_mtp.testing import FAMILY_CONFIGS, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 9, 10])

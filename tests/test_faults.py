@@ -20,12 +20,12 @@ from conftest import run_cli
 from test_clp_converters import _loaded, _medusa_repo
 from test_confadapt_checkpoint import make_checkpoint, tokenizer_dirs  # noqa: F401 (fixture)
 from test_gguf import write_tiny_gguf
+from tiny_models import make_tiny_model
 
 from mlx_mtp.artifacts import atomic_folder, atomic_write, check_writable, find_artifact
 from mlx_mtp.clp_format import CLPHeads, base_config, load_heads, save_heads
 from mlx_mtp.errors import InvalidArgumentError, MTPError
 from mlx_mtp.fingerprint import model_fingerprint
-from mlx_mtp.testing import make_tiny_model
 
 
 # ------------------------------------------------------------------ helpers
@@ -237,7 +237,7 @@ _TIMED_RUNS = """
 import mlx_mtp
 from mlx_mtp import costs
 from mlx_mtp.engine import Engine
-from mlx_mtp.testing import make_tiny_model
+from tiny_models import make_tiny_model
 
 timed = []
 measure = costs.measure_cost_curve
@@ -262,6 +262,7 @@ def test_read_only_home_is_one_line_and_timed_once(read_only):
         text=True,
         timeout=300,
         env={**env, "MLX_MTP_HOME": str(read_only)},
+        cwd=Path(__file__).parent,  # tiny_models.py
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1"]

@@ -305,10 +305,11 @@ def test_options():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_hybrid_tiny_model_exact_and_drafting(family):
     """Plumbing on a random model: same tokens as ntp, and real drafting."""
+    from tiny_models import make_tiny_model
+
     from mlx_mtp.decoding import generate_steps
     from mlx_mtp.engine import Engine
     from mlx_mtp.methods import make_method
-    from mlx_mtp.testing import make_tiny_model
 
     m = make_tiny_model(family, seed=0)
     prompt = [int(x) for x in np.random.RandomState(1).randint(0, 256, 10)] * 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.context import Context
 from mlx_mtp.errors import CheckpointMismatchError, InvalidArgumentError
@@ -16,7 +17,6 @@ from mlx_mtp.learned_masks import (
     load_learned_masks,
     save_learned_masks,
 )
-from mlx_mtp.testing import make_tiny_model
 
 
 @pytest.fixture()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
@@ -16,7 +17,6 @@ from mlx_mtp.methods import make_method
 from mlx_mtp.methods.lookahead import Lookahead, lookahead_parents
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.sources.pool import NGramPool, build_trie
-from mlx_mtp.testing import make_tiny_model
 
 
 def _generate(engine: Engine, method, prompt: list[int], n: int) -> tuple[list[int], object]:

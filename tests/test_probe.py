@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import run_method
+from tiny_models import make_tiny_model
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
@@ -20,7 +21,6 @@ from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.sources.lookup import lookup_candidates
-from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.tree import (
     block_complexity,
     build_tree,
@@ -249,8 +249,6 @@ def test_exact_on_tiny_models(family):
 
 
 def test_unsupported_model_is_refused():
-    from mlx_mtp.testing import TINY_CONFIGS  # noqa: F401
-
     model = make_tiny_model("llama")
     model.model_type = "mamba"
     with pytest.raises(UnsupportedModelError, match="mamba"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import decode
+from tiny_models import make_tiny_model
 
 from mlx_mtp.acceptance import Acceptance
 from mlx_mtp.context import Context
@@ -19,7 +21,6 @@ from mlx_mtp.methods.recycle import Recycle
 from mlx_mtp.planner import PlainResult, PlainSteps
 from mlx_mtp.sources.recycle import RANK_PRIORS, RecycleTable
 from mlx_mtp.speculative import Draft, Verified
-from mlx_mtp.testing import decode, make_tiny_model
 from mlx_mtp.verify import top_tokens
 
 
@@ -243,9 +244,9 @@ def test_hybrid_recycle_on_a_recurrent_model_runs_chains(tmp_path):
     """On a hybrid recurrent model hybrid drafts chains; the table fills from
     them (chain passes) and its drafts are accepted, output exact."""
     from mlx_lm.utils import load_model
+    from tiny_models import write_tiny_hybrid
 
     from mlx_mtp.budget import CostCurve
-    from mlx_mtp.testing import write_tiny_hybrid
 
     write_tiny_hybrid(tmp_path, "qwen3_5", seed=1)
     model, _ = load_model(tmp_path)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_method
+from conftest import decode, run_method
+from tiny_models import make_tiny_model
 
 from mlx_mtp import planner
 from mlx_mtp.budget import CostCurve
@@ -24,7 +25,6 @@ from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.planner import Item, Offer, chain_offer
 from mlx_mtp.speculative import Draft, speculative_step
-from mlx_mtp.testing import decode, make_tiny_model
 
 PROMPT = [3, 17, 42, 9, 100, 7, 12]
 
