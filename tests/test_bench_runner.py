@@ -90,6 +90,29 @@ def test_results_schema_report_and_plots(smollm, tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_without_the_plotting_extra_runs_and_says_how_to_get_plots(
+    tmp_path, capsys, monkeypatch
+):
+    """matplotlib is the optional ``bench`` extra: without it ``mlx-mtp bench``
+    still writes results.json and report.md, and one line says how to get
+    the plots."""
+    import sys
+
+    from conftest import run_cli
+
+    from mlx_mtp.bench.plots import PLOT_FILES
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    out = tmp_path / "out"
+    argv = ["bench", "--methods", "ntp", "--categories", "qa", "--limit", "1", "-n", "2"]
+    code, err = run_cli([*argv, "--out", str(out)], capsys)
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if "matplotlib" in ln]
+    assert len(lines) == 1 and "pip install 'mlx-mtp[bench]'" in lines[0], err
+    assert (out / "results.json").exists() and (out / "report.md").exists()
+    assert not [p for p in PLOT_FILES if (out / p).exists()]
+
+
 def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
     runner.run_bench(cfg, smollm, progress=False, plots=False)
