@@ -61,11 +61,8 @@ from tiny_models import HYBRID_FAMILIES, write_tiny_deepseek, write_tiny_hybrid 
 
 def run(engine, method, prompt, n):
     """(tokens, final statistics) of one generation."""
-    out, stats = [], None
-    for step in generate_steps(engine, method, prompt, max_tokens=n):
-        out += step.tokens
-        stats = step.stats
-    return out, stats
+    steps = list(generate_steps(engine, method, prompt, max_tokens=n))
+    return [t for s in steps for t in s.tokens], steps[-1].stats
 
 
 def full_reforward_ms(model, prompt, m, repeats=5):

@@ -44,15 +44,6 @@ from mlx_mtp.planner import PlainSteps
 from mlx_mtp.sources.recycle import SOURCE, RecycleTable
 
 
-def decode(ctx, method, prompt, max_tokens):
-    """(tokens, final statistics) of one generation."""
-    out, stats = [], None
-    for step in generate_steps(ctx, method, prompt, max_tokens=max_tokens):
-        out += step.tokens
-        stats = step.stats
-    return out, stats
-
-
 class DeviceTable(RecycleTable):
     """The table as a (V, k) int32 ``mx.array``: written lazily on the device,
     read row by row for drafting (see the module doc)."""
@@ -125,12 +116,13 @@ def run_recycle(lm, prompts, n, table_cls, opts):
     eng = Engine(lm.model)
     ctx = Context(eng, lm)
     m.prepare(ctx)
-    decode(ctx, m, prompts[0][:16], 8)  # warm-up
+    list(generate_steps(ctx, m, prompts[0][:16], max_tokens=8))  # warm-up
     host = steps = toks = passes = 0.0
     outs = []
     for p in prompts:
         eng.reset()
-        out, st = decode(ctx, m, p, n)
+        gen = list(generate_steps(ctx, m, p, max_tokens=n))
+        out, st = [t for g in gen for t in g.tokens], gen[-1].stats
         outs.append(out)
         host += st.decode_time - st.forward_time
         steps, toks, passes = (
