@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from .. import _blas, distributed
 from ..api import Result
+from ..artifacts import check_writable
 from ..data import DATA_SETS, TASKS, data_set_path, load_questions, render_prompt
 from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
@@ -309,6 +310,8 @@ def run_bench(
     methods = {s.label: _make(s, config) for s in config.methods}
     prompts, groups = select_prompts(config)
     out = Path(config.out)
+    if generate:  # a file or a read-only folder, before the model is imported or loaded
+        check_writable(out, "--out")
     if not generate and not (out / RECORDS).exists():
         raise InvalidArgumentError(f"{out} holds no finished generations to report on.")
     if generate and loaded is None:
