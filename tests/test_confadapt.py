@@ -193,7 +193,7 @@ def test_shipped_adapter_for_embedded_model(smollm):
     explicitly, it decodes without modifying the caller's model. It is gated,
     so every block's first token is the base model's greedy token: with tau > 1
     (or static k = 1) the output is plain greedy decoding of the base model,
-    token for token, on several prompts."""
+    token for token, on a math prompt and another."""
     import mlx.core as mx
 
     from mlx_mtp.fingerprint import model_fingerprint
@@ -221,12 +221,7 @@ def test_shipped_adapter_for_embedded_model(smollm):
             st = s.stats
         return toks, st, engine
 
-    questions = [
-        "What is 12 + 30?",
-        "Tom has 3 apples and buys 5 more. How many apples does he have?",
-        "Name three colours.",
-        "Translate 'good morning' into French.",
-    ]
+    questions = ["What is 12 + 30?", "Name three colours."]  # a math task and another
     for q in questions:
         ref, _, _ = run(make_method("ntp"), q)
         one, _, eng = run(ConfAdapt(k=1, mode="static", adapter=shipped), q)

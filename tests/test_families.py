@@ -10,7 +10,7 @@ random model of its shapes and layer pattern (tests/tiny_models.py: FAMILY_CONFI
   one-token decoding; ``keep`` of a branch then gives the next token's logits
   of that run. This is ``mlx-mtp doctor``'s self-check (mlx_mtp.selfcheck).
 - Lossless methods (pld, probe, hybrid, lookahead at their defaults) equal
-  plain decoding over 64 tokens on a prompt that repeats itself (so drafts get
+  plain decoding over 48 tokens on a prompt that repeats itself (so drafts get
   accepted), crossing the window, on one tree family per mechanism the tree
   pass must get right (:data:`DECODE_FAMILIES`); what else a family can get
   wrong is in its forward pass, which the check above proves for every one.
@@ -162,12 +162,12 @@ def _repeating_prompt(n: int = 30) -> list[int]:
 
 def _lossless_equal_ntp(model, family: str) -> None:
     prompt = _repeating_prompt()
-    ref = run_method(Engine(model), NTP(), prompt, 64)
+    ref = run_method(Engine(model), NTP(), prompt, 48)
     for spec in ("pld", "probe", "hybrid", "lookahead"):
         method = make_method(spec)
         eng = Engine(model, slots=method.block_complexity)
-        assert run_method(eng, method, prompt, 64) == ref, (family, spec)
-        assert eng.offset == len(prompt) - 1 + 64
+        assert run_method(eng, method, prompt, 48) == ref, (family, spec)
+        assert eng.offset == len(prompt) - 1 + 48
 
 
 @pytest.mark.parametrize("family", DECODE_FAMILIES)

@@ -287,18 +287,18 @@ def test_table_kept_across_turns_and_exact(smollm, short_spec_prompts):
     first = short_spec_prompts[0]
     ntp_ctx = Context(Engine(smollm.model), smollm)
     ntp = make_method("ntp")
-    out1 = decode(ntp_ctx, ntp, first, 24, eos_ids=eos)[0]
+    out1 = decode(ntp_ctx, ntp, first, 16, eos_ids=eos)[0]
     second = first + out1 + smollm.tokenizer.encode("\nSay it again, shorter.\n")
-    ref2 = decode(ntp_ctx, ntp, second, 24, eos_ids=eos)[0]
+    ref2 = decode(ntp_ctx, ntp, second, 16, eos_ids=eos)[0]
     for reset in ("never", "turn"):
         ctx = Context(Engine(smollm.model), smollm)
         m = make_method("recycle", bc=16, reset=reset)
         m.prepare(ctx)
-        assert decode(ctx, m, first, 24, eos_ids=eos)[0] == out1
+        assert decode(ctx, m, first, 16, eos_ids=eos)[0] == out1
         after_first = m.source.table.copy()
         assert (after_first >= 0).any(axis=1).sum() > 20  # rows from every pass
         at_begin = _tables_at_begin(m.source)
-        out2, st = decode(ctx, m, second, 24, eos_ids=eos)
+        out2, st = decode(ctx, m, second, 16, eos_ids=eos)
         assert out2 == ref2, reset
         if reset == "never":
             assert at_begin[0] is m.source.table and st.accepted > 0
