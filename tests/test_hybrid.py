@@ -406,7 +406,7 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm_case)
             np.testing.assert_allclose(ps, np.exp(row[toks]), rtol=1e-4, atol=1e-6)
 
     meth.observe = checked
-    for (prompt, n), e in zip(smollm_case.prompts, smollm_case.engines):
+    for (prompt, n), e in list(zip(smollm_case.prompts, smollm_case.engines))[:2]:
         meth.prepare(Context(e))
         for _ in generate_steps(e, meth, prompt, max_tokens=n):
             pass

@@ -66,7 +66,7 @@ def test_positional_sampler_distribution_and_filters():
 
 @pytest.fixture(scope="module")
 def seeded_runs(smollm):
-    """Seeded samples (temp 0.9, top-p 0.95, seed 5, 20 tokens) of several
+    """Seeded samples (temp 0.9, top-p 0.95, seed 5, 12 tokens) of several
     methods and tree sizes: {label: (tokens, accepted drafts)}."""
     runs = {}
     settings = {
@@ -77,7 +77,7 @@ def seeded_runs(smollm):
     }
     for label, (name, opts) in settings.items():
         m = MTPModel(smollm, make_method(name, **opts))
-        r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
+        r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=5)
         runs[label] = (r.tokens, r.stats.accepted)
     return runs
 
@@ -98,7 +98,7 @@ def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
     for cost in (0.0, 0.4):
         m = MTPModel(smollm, make_method(method, bc="auto", max_bc=24))
         m.ctx.curves = CostCurve.linear(cost)  # what the cost curve would have timed
-        r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
+        r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=5)
         outs.append(r.tokens)
         slots.append(r.stats.slots_per_forward)
     assert slots[0] > slots[1] + 1, slots  # the trees differed in size
@@ -107,7 +107,7 @@ def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
 
 def test_other_seed_other_text(smollm, seeded_runs):
     m = MTPModel(smollm, make_method("ntp"))
-    r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=6)
+    r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=6)
     assert r.tokens != seeded_runs["ntp"][0]
 
 
