@@ -365,12 +365,19 @@ def share_target(loaded: LoadedModel, options: dict[str, Any]) -> dict[str, Any]
         return options
     if not same:
         return options
-    logging.getLogger("mlx_mtp").warning(
-        "mlx-mtp: --draft-model %s is the target model itself: it drafts with the target's "
-        "weights (loaded once); every draft is right, but each costs a whole forward pass.",
-        spec,
-    )
+    if (spec, id(loaded)) not in _SHARED:  # said once per target and spec
+        _SHARED.add((spec, id(loaded)))
+        logging.getLogger("mlx_mtp").warning(
+            "mlx-mtp: --draft-model %s is the target model itself: it drafts with the "
+            "target's weights (loaded once); every draft is right, but each costs a whole "
+            "forward pass.",
+            spec,
+        )
     return {**options, "draft_model": loaded}
+
+
+#: (draft model spec, id of the target) pairs :func:`share_target` has reported
+_SHARED: set[tuple[str, int]] = set()
 
 
 def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> LoadedModel:

@@ -284,11 +284,14 @@ def test_convert_gguf_onto_an_existing_folder_names_the_flag(capsys, tmp_path, m
     assert snapshot(tmp_path) == before
 
 
-def test_a_draft_model_equal_to_the_target_shares_its_weights(smollm, caplog):
+def test_a_draft_model_equal_to_the_target_shares_its_weights(smollm, caplog, monkeypatch):
     """``--draft-model`` naming the target itself drafts with the target's
     weights (one copy in memory, not two) and says so in one line."""
     import logging
 
+    from mlx_mtp import loading
+
+    monkeypatch.setattr(loading, "_SHARED", set())  # not yet said in this process
     with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
         m = smollm.bind("draft", draft_model="smollm2-135m", num_draft_tokens=2)
     assert m.method.source.loaded is smollm
