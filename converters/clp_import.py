@@ -131,6 +131,29 @@ def detect(folder: Path) -> str:
     )
 
 
+def check_source(
+    src: str | Path, dst: str | Path, source: str = "auto", overwrite: bool = False
+) -> tuple[Path, str]:
+    """Everything about a conversion that needs no base model: the ``--from``
+    name, ``dst`` (free unless ``overwrite``), and the source heads folder and
+    its layout. Run before the base model loads, so that a bad source or
+    destination is refused before anything is loaded or written.
+
+    Returns:
+        (the local source folder, its layout: ``clp``, ``medusa``, ...).
+
+    Raises:
+        HeadConversionError, FileExistsError, ModelNotFoundError: see :func:`convert`.
+    """
+    if source not in SOURCES:
+        raise HeadConversionError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass --overwrite to replace it.")
+    folder = resolve_heads(src)
+    return folder, detect(folder) if source == "auto" else source
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -155,13 +178,8 @@ def convert(
         HeadConversionError, CheckpointMismatchError, ModelLoadError,
         ModelNotFoundError: see the module docstring.
     """
-    if source not in SOURCES:
-        raise HeadConversionError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
+    folder, kind = check_source(src, dst, source, overwrite)
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} exists; pass --overwrite to replace it.")
-    folder = resolve_heads(src)
-    kind = detect(folder) if source == "auto" else source
     if kind == "clp":
         config, _ = read_heads(folder)
         check_compatible(config, loaded.model, str(folder))

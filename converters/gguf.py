@@ -723,7 +723,9 @@ def convert_gguf(
     info = inspect_gguf(gguf_path)
     reader, arch = info["reader"], info["architecture"]
     if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it.")
+        raise FileExistsError(
+            f"{out_dir} already exists; pass --overwrite (overwrite=True in Python) to replace it."
+        )
     # everything that can be refused is checked before the weights are read
     tok_files = _tokenizer_files(reader, gguf_path.name, arch)
     weights, rope_freqs, quantization = _read_weights(info, gguf_path, dtype, quantize)

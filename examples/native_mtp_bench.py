@@ -1,7 +1,7 @@
 """Native MTP drafting and recurrent-state restore on tiny hybrid models (issue 23).
 
 For each family (tiny random ``qwen3_next`` with MoE MLPs, tiny random dense
-``qwen3_5``; :func:`mlx_mtp.testing.write_tiny_hybrid`, float32), on random
+``qwen3_5``; ``tests/tiny_models.py``'s ``write_tiny_hybrid``, float32), on random
 token prompts, side by side in one process:
 
 * ``ntp``, ``--method mtp`` at depth 1..K and at ``depth=auto`` (the default:
@@ -12,7 +12,7 @@ token prompts, side by side in one process:
   acceptance per draft depth, and a check that every output equals ``ntp``'s
   token for token.
 * The same on a tiny random ``deepseek_v3`` (61 layers, MLA, a MoE nextn layer;
-  :func:`mlx_mtp.testing.write_tiny_deepseek`), ``--deepseek-prompts``
+  ``write_tiny_deepseek``), ``--deepseek-prompts``
   prompts (a 61-layer forward is slow on a CPU).
 * The cost of the recurrent-state restore: wall time of
   :meth:`~mlx_mtp.recurrent.RecurrentRollback.rewind` per rejected step
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import types
@@ -47,14 +48,21 @@ from tqdm import tqdm
 
 from mlx_mtp.budget import parse_curve
 from mlx_mtp.context import Context
+from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.families import check_cache_support
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import HYBRID_FAMILIES, decode, write_tiny_deepseek, write_tiny_hybrid
+
+# the tiny checkpoint writers are test scaffolding, not part of the package:
+# they live in the repository's tests/ folder (run this from a clone)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_models import HYBRID_FAMILIES, write_tiny_deepseek, write_tiny_hybrid  # noqa: E402
 
 
 def run(engine, method, prompt, n):
-    return decode(engine, method, prompt, n)
+    """(tokens, final statistics) of one generation."""
+    steps = list(generate_steps(engine, method, prompt, max_tokens=n))
+    return [t for s in steps for t in s.tokens], steps[-1].stats
 
 
 def full_reforward_ms(model, prompt, m, repeats=5):

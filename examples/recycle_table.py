@@ -36,12 +36,12 @@ import numpy as np
 from mlx_mtp.allocate import Child
 from mlx_mtp.context import Context
 from mlx_mtp.data import TASKS, load_questions
+from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.loading import load_model
 from mlx_mtp.methods import make_method
 from mlx_mtp.planner import PlainSteps
 from mlx_mtp.sources.recycle import SOURCE, RecycleTable
-from mlx_mtp.testing import decode
 
 
 class DeviceTable(RecycleTable):
@@ -116,12 +116,13 @@ def run_recycle(lm, prompts, n, table_cls, opts):
     eng = Engine(lm.model)
     ctx = Context(eng, lm)
     m.prepare(ctx)
-    decode(ctx, m, prompts[0][:16], 8)  # warm-up
+    list(generate_steps(ctx, m, prompts[0][:16], max_tokens=8))  # warm-up
     host = steps = toks = passes = 0.0
     outs = []
     for p in prompts:
         eng.reset()
-        out, st = decode(ctx, m, p, n)
+        gen = list(generate_steps(ctx, m, p, max_tokens=n))
+        out, st = [t for g in gen for t in g.tokens], gen[-1].stats
         outs.append(out)
         host += st.decode_time - st.forward_time
         steps, toks, passes = (

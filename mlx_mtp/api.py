@@ -27,7 +27,7 @@ from .decoding import GenerationStats, generate_steps
 from .engine import PREFILL_STEP, Engine
 from .errors import ContextLengthError, InvalidArgumentError, ModelBusyError
 from .families import check_cache_support
-from .loading import EMBEDDED_MODEL, LoadedModel, load_model
+from .loading import EMBEDDED_MODEL, LoadedModel, load_model, share_target
 from .methods import Method, make_method
 from .sampling import PositionalSampler, random_seed
 from .validation import GENERATION_ARGS, check_generation_args, check_value
@@ -420,9 +420,11 @@ def load(
         check_value("max_kv_size", max_kv_size)
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
-    return load_model(model, dtype, pipeline=pipeline).bind(
-        m, max_kv_size=max_kv_size, thinking=thinking
-    )
+    lm = load_model(model, dtype, pipeline=pipeline)
+    shared = share_target(lm, method_options)
+    if shared is not method_options:  # the draft model is the target: its weights, once
+        m = make_method(method, **shared)
+    return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking)
 
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`

@@ -10,7 +10,8 @@ import inspect
 import os
 import pkgutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,18 +204,30 @@ def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=F
     check_choices(method, options, dtype)
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
-    m = load(
-        model,
-        method,
-        dtype=dtype,
-        max_kv_size=max_kv_size,
-        pipeline=pipeline,
-        thinking=thinking,
-        **options,
-    )
+    with interrupted_note(f"interrupted while loading {model}: nothing was generated."):
+        m = load(
+            model,
+            method,
+            dtype=dtype,
+            max_kv_size=max_kv_size,
+            pipeline=pipeline,
+            thinking=thinking,
+            **options,
+        )
     if where:
         typer.echo(f"sharded: {distributed.sharding(m.model)} parallel{where}", err=True)
     return m
+
+
+@contextmanager
+def interrupted_note(note: str) -> Iterator[None]:
+    """Say ``note`` on stderr when Ctrl-C ends the block (the CLI then exits
+    130), so that an interrupted load is not a silent exit."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(note, err=True)
+        raise
 
 
 def check_choices(method: str, options: dict, dtype: str | None) -> None:

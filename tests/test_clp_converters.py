@@ -10,11 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_mtp.converters.clp_import import HeadConversionError, convert, detect
+from tiny_models import make_tiny_model
 
 from mlx_mtp.clp_format import CLPHeads, base_config, load_heads, save_heads
 from mlx_mtp.errors import CheckpointMismatchError
 from mlx_mtp.families import model_parts
-from mlx_mtp.testing import make_tiny_model
 
 D, V = 64, 256
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
@@ -24,7 +25,6 @@ from mlx_mtp.methods.confadapt import (
     MissingMaskTokenError,
     confadapt_length,
 )
-from mlx_mtp.testing import make_tiny_model
 
 MASK_ID = 255  # last row of the tiny models' 256-token vocabulary
 PROMPT = [3, 17, 42, 9, 100, 7, 12]
@@ -193,7 +193,7 @@ def test_shipped_adapter_for_embedded_model(smollm):
     explicitly, it decodes without modifying the caller's model. It is gated,
     so every block's first token is the base model's greedy token: with tau > 1
     (or static k = 1) the output is plain greedy decoding of the base model,
-    token for token, on several prompts."""
+    token for token, on a math prompt and another."""
     import mlx.core as mx
 
     from mlx_mtp.fingerprint import model_fingerprint
@@ -221,12 +221,7 @@ def test_shipped_adapter_for_embedded_model(smollm):
             st = s.stats
         return toks, st, engine
 
-    questions = [
-        "What is 12 + 30?",
-        "Tom has 3 apples and buys 5 more. How many apples does he have?",
-        "Name three colours.",
-        "Translate 'good morning' into French.",
-    ]
+    questions = ["What is 12 + 30?", "Name three colours."]  # a math task and another
     for q in questions:
         ref, _, _ = run(make_method("ntp"), q)
         one, _, eng = run(ConfAdapt(k=1, mode="static", adapter=shipped), q)

@@ -50,7 +50,7 @@ def make_checkpoint(
 ) -> Path:
     """A tiny HF-style checkpoint folder (see the module docstring); ``sizes``
     override config entries (hidden_size, num_hidden_layers, ...)."""
-    from mlx_mtp.testing import make_tiny_model, tiny_config
+    from tiny_models import make_tiny_model, tiny_config
 
     tok_dir, n_tok = tokenizer_dirs[with_mask]
     vocab = -(-n_tok // 8) * 8  # padded, like Qwen's 151936 > 151670

@@ -6,10 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.families import model_parts
-from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.training.continuations import (
     Continuations,
     TrainSequence,

@@ -27,10 +27,11 @@ def _mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_ntp_greedy_equals_mlx_lm_on_spec_bench(smollm, short_spec_prompts, greedy_reference):
-    prompts = short_spec_prompts[:12]
-    for p in prompts:
-        assert greedy_reference(p, 24) == _mlx_lm_greedy(smollm.model, p, 24)
+def test_ntp_greedy_equals_mlx_lm_on_spec_bench(smollm, smollm_case):
+    """The greedy reference every exactness test compares with (ntp) is
+    mlx-lm's own greedy loop, on the shared Spec-Bench prompts."""
+    for p, n in smollm_case.prompts:
+        assert smollm_case.greedy(p, n) == _mlx_lm_greedy(smollm.model, p, n)
 
 
 def test_max_tokens_and_eos(smollm, short_spec_prompts):

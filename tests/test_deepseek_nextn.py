@@ -2,7 +2,7 @@
 tensors mlx-lm drops, loaded as this package's native MTP layer.
 
 The model is a tiny random deepseek_v3 checkpoint in the released checkpoints'
-Hugging Face layout (:func:`mlx_mtp.testing.write_tiny_deepseek`: 61 backbone
+Hugging Face layout (:func:`tiny_models.write_tiny_deepseek`: 61 backbone
 layers, because mlx-lm's sanitize drops the nextn layer by the literal name
 ``model.layers.61``; MLA attention with ``kv_b_proj``, a MoE nextn block),
 loaded through mlx-lm's own ``load_model``. Float32 throughout. One forward
@@ -18,6 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_one_pass_equals_steps, decode
+from tiny_models import write_tiny_deepseek
 
 from mlx_mtp import planner
 from mlx_mtp.budget import CostCurve
@@ -27,7 +29,6 @@ from mlx_mtp.errors import ModelLoadError
 from mlx_mtp.families import check_cache_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.native_mtp import NextNLayer, find_nextn_tensors, has_native_mtp, load_native_mtp
-from mlx_mtp.testing import assert_one_pass_equals_steps, decode, write_tiny_deepseek
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp import distributed
 from mlx_mtp.context import Context
 from mlx_mtp.errors import MTPError, UnsupportedModelError
-from mlx_mtp.testing import make_tiny_model
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 METHOD_CASES = [

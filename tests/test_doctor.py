@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model, tiny_config, write_tiny_hybrid
 from typer.testing import CliRunner
 
 from mlx_mtp import cli
 from mlx_mtp.commands.doctor import CHECK_SIZES, run_doctor
 from mlx_mtp.loading import LoadedModel
-from mlx_mtp.testing import make_tiny_model, tiny_config, write_tiny_hybrid
 
 LABELS = ("platform", "mlx", "blas", "tf32", "memory", "model", "cost curve", "self-check")
 
@@ -90,7 +90,7 @@ def test_doctor_checks_chain_and_rollback_on_a_hybrid_recurrent_model(tmp_path, 
 def test_doctor_checks_the_chain_forward_of_a_model_without_tree_support():
     """GPT-2 places learned positions by ``cache.offset`` (chain methods only,
     mlx_mtp.families): the report says so and checks the causal chain forward."""
-    from mlx_mtp.testing import family_config
+    from tiny_models import family_config
 
     model = make_tiny_model("gpt2", seed=1)
     lm = LoadedModel(model, None, Path("tiny"), family_config("gpt2"), "tiny-gpt2", "float32")

@@ -1,8 +1,9 @@
 """Interruptions end cleanly (issue 34): Ctrl-C (SIGINT) exits with status 130
-from ``generate`` (with a note that the answer is cut short), ``bench`` (with
-a report of what finished), ``convert`` (nothing half-written) and ``serve``
-(SIGTERM: 143), never 0 and never an abort; ``chat`` keeps its session after
-a failed turn. Each runs the real console script in a subprocess (SmolLM2-135M
+from ``generate`` (with a note that the answer is cut short, or that the model
+was still loading), ``bench`` (with a report of what finished), ``convert``
+(nothing half-written) and ``serve`` (SIGTERM: 143; a note when it was still
+loading), never 0 and never an abort; ``chat`` keeps its session after a
+failed turn. Each runs the real console script in a subprocess (SmolLM2-135M
 float32), interrupted once it is doing its work."""
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def test_generate_ctrl_c_while_loading_exits_130():
     argv = ["generate", "-p", "hi", "--method", "probe"]
     code, _, err = interrupt_when(argv, lambda o, e: b"loading smollm2-135m" in e)
     clean_exit(code, err)
+    assert "interrupted while loading smollm2-135m: nothing was generated" in err
 
 
 def test_bench_ctrl_c_exits_130_and_reports_what_finished(tmp_path):
@@ -132,6 +134,7 @@ def test_serve_ctrl_c_while_loading_exits_130():
     argv = ["serve", "--port", str(port), "--method", "probe"]
     code, _, err = interrupt_when(argv, lambda o, e: b"loading smollm2-135m" in e)
     clean_exit(code, err)
+    assert "interrupted while loading smollm2-135m: the server did not start" in err
 
 
 def test_chat_keeps_its_session_after_a_failed_turn():

@@ -2,8 +2,8 @@
 order, atomic writes, a full disk during a GGUF import, a checkpoint conversion
 or a heads write (a small tmpfs), a truncated Medusa file, a read-only
 ``MLX_MTP_HOME``, and the training commands' checks of their output and data
-before they work. A fault is one line (``error: ...``, exit 2 in the CLI) and
-leaves nothing half-written."""
+before they work. A fault is one line (``error: ...``, exit 2 in the CLI, run
+in this process) and leaves nothing half-written."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from conftest import run_cli
 from test_clp_converters import _loaded, _medusa_repo
 from test_confadapt_checkpoint import make_checkpoint, tokenizer_dirs  # noqa: F401 (fixture)
 from test_gguf import write_tiny_gguf
+from tiny_models import make_tiny_model
 
 from mlx_mtp.artifacts import atomic_folder, atomic_write, check_writable, find_artifact
 from mlx_mtp.clp_format import CLPHeads, base_config, load_heads, save_heads
 from mlx_mtp.errors import InvalidArgumentError, MTPError
 from mlx_mtp.fingerprint import model_fingerprint
-from mlx_mtp.testing import make_tiny_model
 
 
 # ------------------------------------------------------------------ helpers
@@ -71,18 +72,6 @@ def read_only(tmp_path):
         subprocess.run(["umount", str(d)], check=True)
     else:
         d.chmod(0o755)
-
-
-def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> tuple[int, str]:
-    """Run ``mlx-mtp ARGS`` in a new process: (exit status, stderr)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_mtp.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    return r.returncode, r.stderr
 
 
 def _one_error_line(rc: int, stderr: str, *words: str) -> str:
@@ -183,7 +172,7 @@ def test_check_writable(tmp_path, read_only):
 
 
 # ------------------------------------------------------------------ full disk
-def test_full_disk_during_a_gguf_import(tmp_path, full_disk):
+def test_full_disk_during_a_gguf_import(tmp_path, full_disk, capsys):
     from mlx_mtp.converters.gguf import convert_gguf
 
     src = tmp_path / "tiny.gguf"
@@ -192,7 +181,7 @@ def test_full_disk_during_a_gguf_import(tmp_path, full_disk):
         convert_gguf(src, full_disk / "model")
     assert "\n" not in str(e.value)
     assert list(full_disk.iterdir()) == []
-    rc, err = _cli("convert", "gguf", str(src), str(full_disk / "model"))
+    rc, err = run_cli(["convert", "gguf", str(src), str(full_disk / "model")], capsys)
     _one_error_line(rc, err, "cannot write", str(full_disk / "model"))
     assert list(full_disk.iterdir()) == []
 
@@ -233,12 +222,12 @@ def test_truncated_medusa_file_is_one_clear_error(tmp_path, keep):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]
 
 
-def test_truncated_medusa_file_in_the_cli(tmp_path):
+def test_truncated_medusa_file_in_the_cli(tmp_path, capsys):
     from mlx_mtp.converters.clp_import import MEDUSA_FILE
 
     repo, _ = _medusa_repo(tmp_path)
     (repo / MEDUSA_FILE).write_bytes((repo / MEDUSA_FILE).read_bytes()[:200])
-    rc, err = _cli("convert", "clp-heads", str(repo), str(tmp_path / "out"))
+    rc, err = run_cli(["convert", "clp-heads", str(repo), str(tmp_path / "out")], capsys)
     _one_error_line(rc, err, MEDUSA_FILE, "truncated")
     assert not (tmp_path / "out").exists()
 
@@ -248,7 +237,7 @@ _TIMED_RUNS = """
 import mlx_mtp
 from mlx_mtp import costs
 from mlx_mtp.engine import Engine
-from mlx_mtp.testing import make_tiny_model
+from tiny_models import make_tiny_model
 
 timed = []
 measure = costs.measure_cost_curve
@@ -273,6 +262,7 @@ def test_read_only_home_is_one_line_and_timed_once(read_only):
         text=True,
         timeout=300,
         env={**env, "MLX_MTP_HOME": str(read_only)},
+        cwd=Path(__file__).parent,  # tiny_models.py
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1"]
@@ -313,10 +303,10 @@ def test_train_masks_checks_out_before_it_loads_or_trains(
         masks.run_train_masks("smollm2-135m", [prompts])  # the default: the cache's masks/
 
 
-def test_train_masks_cli_unwritable_out(tmp_path, prompts):
+def test_train_masks_cli_unwritable_out(tmp_path, prompts, capsys):
     (tmp_path / "file").write_text("x")
-    args = ("train", "masks", "--data", str(prompts), "--out", str(tmp_path / "file" / "m"))
-    _one_error_line(*_cli(*args), "--out", "is a file")
+    args = ["train", "masks", "--data", str(prompts), "--out", str(tmp_path / "file" / "m")]
+    _one_error_line(*run_cli(args, capsys), "--out", "is a file")
 
 
 def test_train_mtp_checks_out_before_it_loads(tmp_path, prompts, monkeypatch):
@@ -340,8 +330,8 @@ def test_train_clp_writes_nothing_when_its_arguments_fail(tmp_path, prompts, rea
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "read-only"]
 
 
-def test_train_clp_cli_missing_data_leaves_nothing(tmp_path):
+def test_train_clp_cli_missing_data_leaves_nothing(tmp_path, capsys):
     out = tmp_path / "heads" / "h"
-    args = ("train", "clp", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
-    _one_error_line(*_cli(*args), "missing.jsonl")
+    args = ["train", "clp", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]
+    _one_error_line(*run_cli(args, capsys), "missing.jsonl")
     assert list(tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from tiny_models import make_tiny_model
 
 from mlx_mtp.fingerprint import (
     MIN_COSINE,
@@ -15,7 +16,6 @@ from mlx_mtp.fingerprint import (
     same_model,
     signature_cosine,
 )
-from mlx_mtp.testing import make_tiny_model
 
 
 def _quantized(family="llama", seed=0, bits=4, **kw):

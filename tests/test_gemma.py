@@ -5,27 +5,23 @@ float16 by scripts/get_test_model.sh, run in float32). No chat template: the
 API encodes text prompts as they are, the benchmark renders chat messages as
 ``user: ...`` lines (mlx_mtp.data.role_lines).
 
-CI runs a short version: config and tokenizer, a recorded greedy reference,
-and pld / probe / hybrid / lookahead against plain greedy on a prompt longer
-than the window (every token decoded past it) and on one whose generation
-crosses it (one engine, windows with room for 64-slot passes). ``-m slow``
-runs every lossless setting of the benchmark on its 12 Spec-Bench prompts
-(``--limit 2``) and the long prompt x 64 tokens.
+CI runs a short version: config and tokenizer, and a recorded greedy
+reference (pld / probe / hybrid / lookahead against plain greedy on a prompt
+longer than the window and on one whose generation crosses it:
+tests/test_lossless.py, with the ``gemma_case`` set-up of conftest.py).
+``-m slow`` runs every lossless setting of the benchmark on its 12 Spec-Bench
+prompts (``--limit 2``) and the long prompt x 64 tokens.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_exact, memoised_greedy, sweep
+from conftest import GEMMA_LONG_QID, GEMMA_WINDOW, assert_exact, gemma_prompt, sweep
 
 from mlx_mtp.cache_view import SlidingKVCache
-from mlx_mtp.context import Context
-from mlx_mtp.data import load_questions, render_prompt
+from mlx_mtp.data import render_prompt
 from mlx_mtp.engine import Engine
-from mlx_mtp.methods import make_method
-from mlx_mtp.testing import decode
 
-WINDOW = 512
 PROMPT = "The capital of France is"
 #: Greedy (ntp) continuation of PROMPT (BOS first, no template), float32, 24
 #: tokens, recorded once on Linux x86-64 (MLX 0.32.4 CPU, OpenBLAS): " the
@@ -35,28 +31,6 @@ REFERENCE = [
     506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488,
     3207, 528, 7001, 532, 506, 1855, 7488, 3207, 528, 3879, 236761, 1030,
 ]  # fmt: skip
-#: Spec-Bench summarization questions: a prompt longer than the window (619
-#: tokens) and one just shorter (501)
-LONG_QID, CROSS_QID = "254", "314"
-METHODS = ["pld", "probe", "hybrid", "lookahead"]
-
-
-def _prompt(tok, qid: str) -> list[int]:
-    (q,) = [q for q in load_questions() if str(q["question_id"]) == qid]
-    return render_prompt(tok, [{"role": "user", "content": q["turns"][0]}])
-
-
-@pytest.fixture(scope="module")
-def gemma_engine(gemma):
-    """One engine for the module (its windows keep room for 64-slot passes, the
-    largest default block): later runs reuse the prompt cache of earlier ones."""
-    return Engine(gemma.model, slots=64)
-
-
-@pytest.fixture(scope="module")
-def gemma_greedy(gemma_engine):
-    """``ref(prompt, n)``: memoised plain greedy continuation."""
-    return memoised_greedy(gemma_engine)
 
 
 def test_gemma_config_tokenizer_and_caches(gemma):
@@ -64,7 +38,7 @@ def test_gemma_config_tokenizer_and_caches(gemma):
     assert cfg["model_type"] == "gemma3_text" and cfg["num_hidden_layers"] == 18
     assert (cfg["hidden_size"], cfg["head_dim"]) == (640, 256)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 1)
-    assert (cfg["sliding_window"], cfg["sliding_window_pattern"]) == (WINDOW, 6)
+    assert (cfg["sliding_window"], cfg["sliding_window_pattern"]) == (GEMMA_WINDOW, 6)
     assert cfg["vocab_size"] == 262144 and cfg["tie_word_embeddings"] is True
     tok = gemma.tokenizer
     assert tok.eos_token_ids == {1} and not getattr(tok, "chat_template", None)
@@ -78,32 +52,12 @@ def test_gemma_config_tokenizer_and_caches(gemma):
     kinds = [type(c).__name__ for c in eng.cache]
     assert kinds == (["SlidingKVCache"] * 5 + ["KVCache"]) * 3
     c = eng.cache[0]
-    assert isinstance(c, SlidingKVCache) and (c.window, c.keep, c.room) == (WINDOW, 0, 64)
+    assert isinstance(c, SlidingKVCache) and (c.window, c.keep, c.room) == (GEMMA_WINDOW, 0, 64)
 
 
-def test_gemma_greedy_matches_recorded_reference(gemma, gemma_greedy):
-    got = gemma_greedy(gemma.tokenizer.encode(PROMPT), 24)
+def test_gemma_greedy_matches_recorded_reference(gemma, gemma_case):
+    got = gemma_case.greedy(gemma.tokenizer.encode(PROMPT), 24)
     assert got == REFERENCE, gemma.tokenizer.decode(got)
-
-
-def test_gemma_lossless_methods_exact_past_the_window(gemma, gemma_engine, gemma_greedy):
-    """A 600+-token summarization prompt (every token decoded past the 512
-    window) x 16 tokens and a 501-token one whose 24 tokens cross it: pld,
-    probe, hybrid and lookahead at their defaults equal plain greedy, drafts
-    get accepted, and nothing is refused."""
-    tok = gemma.tokenizer
-    long_p, cross_p = _prompt(tok, LONG_QID), _prompt(tok, CROSS_QID)
-    assert len(long_p) > 600 and len(cross_p) < WINDOW < len(cross_p) + 24
-    accepted = 0
-    for p, n in ((long_p, 16), (cross_p, 24)):
-        ref = gemma_greedy(p, n)
-        for spec in METHODS:
-            method = make_method(spec)
-            method.prepare(Context(gemma_engine))
-            out, stats = decode(gemma_engine, method, p, n, eos_ids=set())
-            assert out == ref, f"{spec}, prompt of {len(p)} tokens"
-            accepted += stats.accepted
-    assert accepted > 0
 
 
 # ------------------------------------------------------------------ slow sweep
@@ -132,9 +86,10 @@ def bench_prompts(gemma):
     tok = gemma.tokenizer
     out = [render_prompt(tok, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
     assert len(out) == 12
-    return [*out, _prompt(tok, LONG_QID)]
+    return [*out, gemma_prompt(tok, GEMMA_LONG_QID)]
 
 
 @sweep(SLOW_SETTINGS)
-def test_gemma_exact_on_the_bench_prompts(gemma_engine, gemma_greedy, bench_prompts, name, opts):
-    assert_exact(gemma_engine, gemma_greedy, bench_prompts, name, opts, 64)
+def test_gemma_exact_on_the_bench_prompts(gemma, gemma_case, bench_prompts, name, opts):
+    engine = Engine(gemma.model, slots=64)
+    assert_exact(engine, gemma_case.greedy, bench_prompts, name, opts, 64)

@@ -1,5 +1,6 @@
 """hybrid: candidate merging and budget allocation (hand-made inputs), options,
-and float32 exactness against plain greedy decoding on the real model."""
+exactness on tiny models, and where the next step's probe candidates come
+from on the real model (its exactness there: tests/test_lossless.py)."""
 
 from __future__ import annotations
 
@@ -242,11 +243,13 @@ def test_allocate_attaches_masks_where_the_path_likely_ends():
     assert a.mask_anchors == [] and isinstance(a, Allocation)
 
 
-def test_chain_depth_floor_and_per_depth_estimates():
-    from mlx_mtp.methods.hybrid import CHAIN_FLOOR, MAX_STAT_DEPTH, _worth
+def test_chain_depth_floor_and_per_depth_estimates(monkeypatch):
+    from mlx_mtp.methods import hybrid
+    from mlx_mtp.methods.hybrid import MAX_STAT_DEPTH, _worth
 
-    # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: nine nodes are offered
-    assert CHAIN_FLOOR == 1e-3 and _worth([0.5] * 40) == 9
+    # 0.5 ** 9 = 0.00195 >= 1e-3 > 0.5 ** 10: at a floor of 1e-3 nine nodes are offered
+    monkeypatch.setattr(hybrid, "CHAIN_FLOOR", 1e-3)
+    assert _worth([0.5] * 40) == 9
     assert _worth([0.99] * 40) == 40 and _worth([]) == 0 and _worth([1e-4, 1.0]) == 0
     st = Acceptance(Hybrid.ACCEPTANCE)
     st.record([("pld", MAX_STAT_DEPTH, 1.0)], True)
@@ -302,10 +305,11 @@ def test_options():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_hybrid_tiny_model_exact_and_drafting(family):
     """Plumbing on a random model: same tokens as ntp, and real drafting."""
+    from tiny_models import make_tiny_model
+
     from mlx_mtp.decoding import generate_steps
     from mlx_mtp.engine import Engine
     from mlx_mtp.methods import make_method
-    from mlx_mtp.testing import make_tiny_model
 
     m = make_tiny_model(family, seed=0)
     prompt = [int(x) for x in np.random.RandomState(1).randint(0, 256, 10)] * 3
@@ -366,25 +370,18 @@ def _check_exact(smollm, prompts, max_tokens):
         assert fwd < sum(s.forward_passes for s in stats["ntp"])
 
 
-def test_hybrid_exact_float32(smollm, short_spec_prompts):
-    """6 short prompts (round-robin over the tasks) x 3 tree settings keep the CI
-    suite short; the slow test runs 30 x 64."""
-    _check_exact(smollm, short_spec_prompts[:6], 32)
-
-
 @pytest.mark.slow
 def test_hybrid_exact_float32_long(smollm, spec_prompts):
     _check_exact(smollm, spec_prompts[:30], 64)
 
 
-def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, short_spec_prompts):
+def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm_case):
     """The next step's probe candidates are the top-k of the deepest accepted
     node's mask rows, whichever way they are computed: the first mask set's
     top-k built during the pass, or another set's hidden rows through the LM
     head after it (the pass computes logits only for token slots and the
     first mask set)."""
     from mlx_mtp.decoding import generate_steps
-    from mlx_mtp.engine import Engine
     from mlx_mtp.methods import make_method
 
     meth = make_method("hybrid", bc=30, masks=2)
@@ -409,9 +406,8 @@ def test_hybrid_next_candidates_from_first_mask_set_and_hidden_rows(smollm, shor
             np.testing.assert_allclose(ps, np.exp(row[toks]), rtol=1e-4, atol=1e-6)
 
     meth.observe = checked
-    for prompt in short_spec_prompts[:3]:
-        e = Engine(smollm.model)
+    for (prompt, n), e in list(zip(smollm_case.prompts, smollm_case.engines))[:2]:
         meth.prepare(Context(e))
-        for _ in generate_steps(e, meth, prompt, max_tokens=32):
+        for _ in generate_steps(e, meth, prompt, max_tokens=n):
             pass
     assert seen["first"] > 0 and seen["other"] > 0, seen

@@ -112,8 +112,9 @@ def test_keep_after_a_tree_pass_moves_the_slots_own_rows_lazily(keep):
     """After a tree pass over plain KV caches, keep writes the accepted slots'
     keys/values from the pass itself, without a synchronisation: the same cache
     as the evaluated gather (``_move_cache_rows``) and the same next logits."""
+    from tiny_models import make_tiny_model
+
     from mlx_mtp.engine import Engine
-    from mlx_mtp.testing import make_tiny_model
 
     model = make_tiny_model("llama", seed=1)
     install_positional_rope(model)  # per-token RoPE positions of a tree pass
@@ -145,8 +146,9 @@ def test_keep_after_a_tree_pass_moves_the_slots_own_rows_lazily(keep):
 def test_lazy_keep_does_not_copy_the_cache():
     """The lazy move's update takes over the cache buffer: evaluating it grows
     peak memory by far less than one layer's buffer at 2K tokens."""
+    from tiny_models import make_tiny_model
+
     from mlx_mtp.engine import Engine
-    from mlx_mtp.testing import make_tiny_model
 
     model = make_tiny_model("llama", seed=1)
     install_positional_rope(model)

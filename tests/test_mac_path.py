@@ -31,13 +31,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from conftest import decode
 from mlx.utils import tree_flatten
+from tiny_models import make_tiny_model, write_tiny_hybrid
 
 from mlx_mtp import decoding
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.methods.ntp import NTP
-from mlx_mtp.testing import decode, make_tiny_model, write_tiny_hybrid
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import assert_exact, memoised_greedy
+from tiny_models import make_tiny_model
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
@@ -15,7 +16,6 @@ from mlx_mtp.engine import Engine, ancestors
 from mlx_mtp.methods import make_method
 from mlx_mtp.pipeline import Template, device_walk
 from mlx_mtp.sources.lookup import device_lookup, lookup_candidates, match_length
-from mlx_mtp.testing import make_tiny_model
 from mlx_mtp.verify import walk_tree
 
 
@@ -86,8 +86,9 @@ def test_a_pass_at_a_lazy_length_equals_the_engines_passes_on_every_family():
     cache length equal forward_chain's / forward_tree's (tiny models: head
     dim 64, grouped KV heads); after settle_at the cache decodes on as if
     nothing else ran."""
+    from tiny_models import FAMILY_CONFIGS, TINY_CONFIGS
+
     from mlx_mtp.families import TREE_FAMILIES
-    from mlx_mtp.testing import FAMILY_CONFIGS, TINY_CONFIGS
 
     ran, bad = [], []
     for family in sorted(TREE_FAMILIES & (set(FAMILY_CONFIGS) | set(TINY_CONFIGS))):

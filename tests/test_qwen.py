@@ -2,22 +2,30 @@
 GGUF with Q4_K/Q5_0/Q6_K/Q8_0 tensors, imported as float16 by
 scripts/get_test_model.sh, run in float32).
 
-CI runs a short version (a recorded greedy reference, the tokenizer and chat
-template, streaming of multi-byte text, and every lossless method against plain
-greedy on 3 prompts x 24 tokens); ``-m slow`` runs every method and setting on
-30 Spec-Bench prompts x 64 tokens.
+CI runs a short version: a recorded greedy reference, the tokenizer and chat
+template, streaming of multi-byte text and the shipped learned masks (every
+lossless method against plain greedy on it: tests/test_lossless.py, with the
+``qwen_case`` set-up of conftest.py); ``-m slow`` runs every method and
+setting on 30 Spec-Bench prompts x 64 tokens.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_exact, memoised_greedy, run_method, sweep
+from conftest import (
+    CODE_PROMPT,
+    assert_exact,
+    chat_ids,
+    decode,
+    run_method,
+    sweep,
+    untrained_clp_heads,
+)
 
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.methods import make_method
 
-CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
 #: Greedy (ntp) continuation of CODE_PROMPT, float32, 32 tokens, recorded once
 #: on Linux x86-64 (MLX 0.32.4 CPU, OpenBLAS): "Here's a Python function to check
 #: if a number is prime:\n\n```python\ndef is_prime(n):\n    \"\"\"\n    Check if a
@@ -27,31 +35,7 @@ CODE_REFERENCE = [
     12669, 198, 750, 374, 38217, 1445, 982, 262, 3190, 262, 4248, 421, 264, 1372,
     374, 10250, 382, 262,
 ]  # fmt: skip
-EDIT_PROMPT = (
-    "Add type hints and a docstring to this function, and keep the body unchanged:\n\n"
-    "def moving_average(values, window):\n"
-    "    out = []\n"
-    "    for i in range(len(values) - window + 1):\n"
-    "        out.append(sum(values[i:i + window]) / window)\n"
-    "    return out\n"
-)
 IM_END = 151645
-
-
-def _chat(tok, text: str) -> list[int]:
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-
-
-@pytest.fixture(scope="module")
-def qwen_engine(qwen):
-    """One engine for the module: later runs reuse the prompt cache of earlier ones."""
-    return Engine(qwen.model)
-
-
-@pytest.fixture(scope="module")
-def qwen_greedy(qwen_engine):
-    """``ref(prompt, n)``: memoised plain greedy continuation of the Qwen model."""
-    return memoised_greedy(qwen_engine)
 
 
 def test_qwen_config_tokenizer_and_chat_template(qwen):
@@ -89,9 +73,8 @@ def test_qwen_config_tokenizer_and_chat_template(qwen):
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_qwen_greedy_matches_recorded_reference(qwen, qwen_greedy):
-    prompt = _chat(qwen.tokenizer, CODE_PROMPT)
-    got = qwen_greedy(prompt, 32)
+def test_qwen_greedy_matches_recorded_reference(qwen, qwen_case):
+    got = qwen_case.greedy(chat_ids(qwen.tokenizer, CODE_PROMPT), 32)
     assert got == CODE_REFERENCE, qwen.tokenizer.decode(got)
 
 
@@ -111,60 +94,6 @@ def test_qwen_streams_multibyte_text_with_a_drafting_method(qwen):
     assert chunks[-1].finish_reason == "stop"  # ended by <|im_end|>
 
 
-def _run(engine, method, prompt, n) -> tuple[list[int], int]:
-    """(tokens, accepted draft tokens) of ``method`` on ``prompt``."""
-    from mlx_mtp.decoding import generate_steps
-
-    method.prepare(Context(engine))
-    out: list[int] = []
-    step = None
-    for step in generate_steps(engine, method, list(prompt), max_tokens=n, eos_ids=set()):
-        out.extend(step.tokens)
-    return out, step.stats.accepted
-
-
-def _clp_untrained(qwen, folder) -> object:
-    """CLP with freshly initialized resblock heads for Qwen (no trained heads
-    exist for it): each head starts as the identity, so it drafts the backbone's
-    own next token again; verification must still reproduce greedy."""
-    from mlx_mtp.clp_format import CLPHeads, base_config, save_heads
-
-    heads = CLPHeads(base_config(qwen.model, "qwen2.5-coder-0.5b", 3, "resblock", bottleneck=64))
-    save_heads(heads, folder)
-    return make_method("clp", heads=str(folder))
-
-
-def test_qwen_lossless_methods_exact_vs_greedy(qwen, qwen_engine, qwen_greedy, tmp_path):
-    """2 prompts x 24 tokens, float32, each method once (a forward pass of this
-    model costs ~10x SmolLM2's on the CPU, so CI keeps this short): the code
-    prompt runs pld, probe (BC 30, 1 mask) and verified CLP with untrained
-    heads; the code-editing prompt (much to copy) runs lookahead, hybrid
-    (BC 30) and probe (BC 10, 2 masks). Each must equal plain greedy."""
-    tok = qwen.tokenizer
-    runs = {
-        CODE_PROMPT: {
-            "pld": make_method("pld"),
-            "probe bc=30 masks=1": make_method("probe", bc=30, masks=1),
-            "clp verified (untrained heads)": _clp_untrained(qwen, tmp_path / "heads"),
-        },
-        EDIT_PROMPT: {
-            "lookahead": make_method("lookahead"),
-            "hybrid bc=30": make_method("hybrid", bc=30),
-            "probe bc=10 masks=2": make_method("probe", bc=10, masks=2),
-        },
-    }
-    accepted: dict[str, int] = {}
-    for i, (text, methods) in enumerate(runs.items()):
-        p = _chat(tok, text)
-        ref = qwen_greedy(p, 24)
-        for name, method in methods.items():
-            got, acc = _run(qwen_engine, method, p, 24)
-            assert got == ref, f"{name}, prompt {i}"
-            accepted[name.split()[0]] = accepted.get(name.split()[0], 0) + acc
-    # drafts were accepted, so the multi-token paths were exercised
-    assert accepted["pld"] > 0 and accepted["hybrid"] > 0, accepted
-
-
 # ------------------------------------------------------------------ slow sweep
 @pytest.fixture(scope="module")
 def qwen_spec_prompts(qwen):
@@ -175,7 +104,7 @@ def qwen_spec_prompts(qwen):
     qs = load_questions()
     by_task = {t: [q for q in qs if q["task"] == t] for t in TASKS}
     order = [by_task[t][i] for i in range(80) for t in TASKS if i < len(by_task[t])]
-    prompts = [_chat(qwen.tokenizer, q["turns"][0]) for q in order]
+    prompts = [chat_ids(qwen.tokenizer, q["turns"][0]) for q in order]
     return [p for p in prompts if len(p) < 700][:30]
 
 
@@ -189,20 +118,19 @@ SLOW_METHODS = [
 
 
 @sweep(SLOW_METHODS)
-def test_qwen_exact_full_sweep(qwen_engine, qwen_greedy, qwen_spec_prompts, name, opts):
-    assert_exact(qwen_engine, qwen_greedy, qwen_spec_prompts, name, opts, 64)
+def test_qwen_exact_full_sweep(qwen, qwen_case, qwen_spec_prompts, name, opts):
+    assert_exact(Engine(qwen.model), qwen_case.greedy, qwen_spec_prompts, name, opts, 64)
 
 
 @pytest.mark.slow
-def test_qwen_clp_untrained_exact_full_sweep(
-    qwen, qwen_engine, qwen_greedy, qwen_spec_prompts, tmp_path
-):
-    method = _clp_untrained(qwen, tmp_path / "heads")
+def test_qwen_clp_untrained_exact_full_sweep(qwen, qwen_case, qwen_spec_prompts, tmp_path):
+    method = make_method("clp", heads=untrained_clp_heads(qwen, tmp_path / "heads"))
+    engine = Engine(qwen.model)
     for i, p in enumerate(qwen_spec_prompts):
-        assert run_method(qwen_engine, method, p, 64) == qwen_greedy(p, 64), f"prompt {i}"
+        assert run_method(engine, method, p, 64) == qwen_case.greedy(p, 64), f"prompt {i}"
 
 
-def test_qwen_shipped_learned_masks(qwen, qwen_engine, qwen_greedy):
+def test_qwen_shipped_learned_masks(qwen, qwen_case):
     """The learned masks shipped for this model (``mlx-mtp train masks``, issue
     17) are found by fingerprint, predict the model's own greedy continuation of
     a code prompt at t+2 better than the paper's mean-embedding init, and probe
@@ -215,11 +143,13 @@ def test_qwen_shipped_learned_masks(qwen, qwen_engine, qwen_greedy):
     assert (ASSETS_DIR / f"{model_fingerprint(qwen.model)}.json").exists()
     learned = load_learned_masks(qwen.model)
     assert learned.shape == (2, 896)
-    p = _chat(qwen.tokenizer, CODE_PROMPT)
-    ref = qwen_greedy(p, 24)
+    p = chat_ids(qwen.tokenizer, CODE_PROMPT)
+    ref = qwen_case.greedy(p, 24)
     seq = [TrainSequence(p, ref)]
     mean = eval_masks(qwen.model, seq, lambda s: mean_prompt_vectors(qwen.model, [s], 2), 2)
     ours = eval_masks(qwen.model, seq, learned, 2)
     assert ours["top1_t+2"] > mean["top1_t+2"], (mean, ours)
-    got, _ = _run(qwen_engine, make_method("probe", bc=10, masks=2, mask_init="learned"), p, 24)
-    assert got == ref
+    method = make_method("probe", bc=10, masks=2, mask_init="learned")
+    ctx = Context(qwen_case.engines[0], qwen)  # the engine that holds this prompt
+    method.prepare(ctx)
+    assert decode(ctx, method, p, 24, eos_ids=set())[0] == ref

@@ -6,10 +6,7 @@ running on another stream by mlx-lm."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,7 +66,7 @@ def test_positional_sampler_distribution_and_filters():
 
 @pytest.fixture(scope="module")
 def seeded_runs(smollm):
-    """Seeded samples (temp 0.9, top-p 0.95, seed 5, 20 tokens) of several
+    """Seeded samples (temp 0.9, top-p 0.95, seed 5, 12 tokens) of several
     methods and tree sizes: {label: (tokens, accepted drafts)}."""
     runs = {}
     settings = {
@@ -80,7 +77,7 @@ def seeded_runs(smollm):
     }
     for label, (name, opts) in settings.items():
         m = MTPModel(smollm, make_method(name, **opts))
-        r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
+        r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=5)
         runs[label] = (r.tokens, r.stats.accepted)
     return runs
 
@@ -101,7 +98,7 @@ def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
     for cost in (0.0, 0.4):
         m = MTPModel(smollm, make_method(method, bc="auto", max_bc=24))
         m.ctx.curves = CostCurve.linear(cost)  # what the cost curve would have timed
-        r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=5)
+        r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=5)
         outs.append(r.tokens)
         slots.append(r.stats.slots_per_forward)
     assert slots[0] > slots[1] + 1, slots  # the trees differed in size
@@ -110,7 +107,7 @@ def test_seeded_bc_auto_same_whatever_the_timing(smollm, seeded_runs, method):
 
 def test_other_seed_other_text(smollm, seeded_runs):
     m = MTPModel(smollm, make_method("ntp"))
-    r = m.generate(PROMPT, max_tokens=20, temp=0.9, top_p=0.95, seed=6)
+    r = m.generate(PROMPT, max_tokens=12, temp=0.9, top_p=0.95, seed=6)
     assert r.tokens != seeded_runs["ntp"][0]
 
 
@@ -144,7 +141,9 @@ def _copy_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_cli_chat_without_template(smollm, tmp_path):
+def test_cli_chat_without_template(smollm, tmp_path, capsys):
+    from conftest import run_cli
+
     folder = _copy_model(smollm.path, tmp_path / "no-template")
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -152,19 +151,12 @@ def test_cli_chat_without_template(smollm, tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     for extra in ("chat_template.jinja", "chat_template.json"):
         (folder / extra).unlink(missing_ok=True)
-    exe = Path(sys.executable).parent / "mlx-mtp"
-    proc = subprocess.run(
-        [str(exe), "chat", "--model", str(folder), "-n", "4"],
-        input="Hello there\n/quit\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "no chat template" in proc.stderr
-    assert "[ntp] 4 tokens" in proc.stderr
+    argv = ["chat", "--model", str(folder), "-n", "4"]
+    with pytest.warns(UserWarning, match="no chat template"):  # shown once on stderr
+        code, err = run_cli(argv, capsys, stdin="Hello there\n/quit\n")
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "[ntp] 4 tokens" in err
 
 
 # --------------------------------------------------------- missing tensor

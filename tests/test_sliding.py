@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import run_method
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from tiny_models import make_tiny_model
 
 from mlx_mtp.cache_view import SlidingKVCache
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import CacheNotTrimmableError
 from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods.ntp import NTP
-from mlx_mtp.testing import make_tiny_model
 
 WINDOW = 16
 

@@ -1,15 +1,17 @@
 """The shared verification stage (mlx_mtp.speculative) and the planner with
 methods written only against propose/observe, the engine's model swap, and
-named data sets.
-Small generated models (plumbing only); exactness on SmolLM2 is covered per
-method in test_probe / test_hybrid / test_lookahead / test_clp."""
+named data sets; sampling through the verification (every lossless method's
+distribution at temperature > 0, proved once here on random drafts).
+Small generated models (plumbing only); exactness on the real models is
+tests/test_lossless.py."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run_method
+from conftest import decode, run_method
+from tiny_models import make_tiny_model
 
 from mlx_mtp import planner
 from mlx_mtp.budget import CostCurve
@@ -23,7 +25,6 @@ from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.planner import Item, Offer, chain_offer
 from mlx_mtp.speculative import Draft, speculative_step
-from mlx_mtp.testing import decode, make_tiny_model
 
 PROMPT = [3, 17, 42, 9, 100, 7, 12]
 
@@ -309,3 +310,108 @@ def test_named_data_sets(tmp_path, monkeypatch):
     monkeypatch.delenv("MLX_MTP_DATA")  # not shipped: found nowhere else
     with pytest.raises(InvalidArgumentError, match="set MLX_MTP_DATA"):
         resolve_data("gsm8k-train")
+
+
+# ------------------------------------------------------------------ sampling
+def _synthetic_draft(rng, engine, root: int, marginals: list[np.ndarray], chain: bool) -> Draft:
+    """A random draft after ``root``: the candidates for the token ``d``
+    places after the root are drawn from ``marginals[d]`` (the token there in
+    plain sampling, as a 32-way distribution; uniform past the last), so that
+    drafts are often but not always right. ``chain``: one chain of 1-4
+    tokens; else a tree of up to 24 nodes, 3 deep, distinct siblings, and 0-2
+    mask slots (never accepted) hanging anywhere."""
+    uniform = np.full(32, 1 / 32)
+
+    def pick(depth: int, taken: set[int]) -> int | None:
+        p = (marginals[depth] if depth < len(marginals) else uniform).copy()
+        p[list(taken)] = 0.0
+        return int(rng.choice(32, p=p / p.sum())) if p.sum() > 0 else None
+
+    if chain:
+        return Draft.chain(root, [pick(d, set()) for d in range(int(rng.integers(1, 5)))])
+    tokens, parents, depth = [root], [-1], [0]
+    for _ in range(int(rng.integers(1, 25))):
+        parent = int(rng.integers(0, len(tokens)))
+        if depth[parent] >= 3:
+            continue
+        siblings = {tokens[i] for i in range(len(tokens)) if parents[i] == parent}
+        t = pick(depth[parent], siblings)
+        if t is not None:
+            tokens, parents, depth = tokens + [t], parents + [parent], depth + [depth[parent] + 1]
+    verify = len(tokens)
+    for _ in range(int(rng.integers(0, 3))):  # mask slots after the verified tree
+        tokens, parents = tokens + [-1], parents + [int(rng.integers(0, verify))]
+    emb = engine.embed_tokens([max(t, 0) for t in tokens])  # a mask row: any vector
+    return Draft(np.array(tokens), np.array(parents), emb, verify=verify)
+
+
+#: a small qwen3_next (two gated delta-net and two attention layers, MoE MLPs)
+SMALL_HYBRID = {
+    "hidden_size": 64,
+    "head_dim": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+
+
+@pytest.mark.parametrize(
+    "family,chain,positional",
+    [("llama", False, False), ("qwen3_next", True, True)],
+    ids=["tree-mlx-lm-sampler", "recurrent-chain-positional-sampler"],
+)
+def test_sampling_through_verification_keeps_the_target_distribution(family, chain, positional):
+    """Failure class 8, for every lossless method at once (each verifies
+    through ``speculative_step``, docs/design.md §7): at temperature 0.8 /
+    top-p 0.9 the first three tokens committed through random drafts (trees
+    with mask slots, or chains on a hybrid recurrent model whose state is
+    rolled back by replay) follow plain sampling's distribution (chi-square on
+    tokens 1-2 jointly and on token 3), with mlx-lm's sampler and with the
+    seeded positional one, while drafts are accepted at many steps."""
+    from collections import Counter
+
+    from conftest import chi2_same
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_mtp.sampling import PositionalSampler
+
+    n, length = (400 if chain else 600), 3
+    model = make_tiny_model(family, seed=5, vocab_size=32, **(SMALL_HYBRID if chain else {}))
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.1  # flatter
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    plain_sampler = make_sampler(0.8, 0.9)
+
+    def sampler_of(i: int):
+        """The sampler of generation i: the positional one draws as a
+        function of its seed (one per generation), mlx-lm's from mx.random."""
+        return PositionalSampler(0.8, top_p=0.9, seed=i) if positional else plain_sampler
+
+    mx.random.seed(0)
+    engine = Engine(model)
+    plain = [
+        tuple(decode(engine, NTP(), prompt, length, sampler=sampler_of(i))[0]) for i in range(n)
+    ]
+    marginals = [np.bincount([s[d] for s in plain], minlength=32) / n for d in range(length)]
+    rng = np.random.default_rng(0)
+    mx.random.seed(1)
+    engine = Engine(model)
+    assert (engine.rollback is not None) == chain  # the recurrent state is rolled back
+    if not chain:
+        check_tree_support(model, "test")  # per-slot RoPE positions
+    seqs, accepted = [], 0
+    for i in range(n):
+        s = sampler_of(n + i)  # seeds other than plain sampling's
+        engine.reset()
+        engine.sync(prompt[:-1])
+        root, out = prompt[-1], []
+        while len(out) < length:
+            draft = _synthetic_draft(rng, engine, root, marginals[len(out) :], chain)
+            v = speculative_step(engine, draft, s)
+            out += v.tokens
+            accepted += len(v.path)
+            root = v.bonus
+        seqs.append(tuple(out[:length]))
+    assert accepted > n // (10 if chain else 2), accepted  # the draft paths were exercised
+    assert chi2_same(Counter(s[:2] for s in plain), Counter(s[:2] for s in seqs), n)
+    assert chi2_same(Counter(s[2] for s in plain), Counter(s[2] for s in seqs), n)

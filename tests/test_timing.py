@@ -8,13 +8,14 @@ import time
 
 import mlx.core as mx
 import pytest
+from conftest import decode
+from tiny_models import make_tiny_model
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
-from mlx_mtp.testing import decode, make_tiny_model
 from mlx_mtp.timing import SimulatedClock, simulated_device
 
 SPEC = "ms_per_token=12,curve=1:1,16:1.05,64:1.3"

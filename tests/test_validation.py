@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from mlx_mtp import cli
 from mlx_mtp.errors import (
@@ -166,19 +167,6 @@ OTHER_CASES: list[tuple[list[str], str]] = [
 ]
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """Run the console entry point in this process: (exit code, stderr)."""
-    old = sys.argv
-    sys.argv = ["mlx-mtp", *argv]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            cli.main()
-    finally:
-        sys.argv = old
-    err = capsys.readouterr().err
-    return exc.value.code, err
-
-
 def snapshot(*roots: Path) -> set[str]:
     return {str(p) for r in roots for p in r.rglob("*")}
 
@@ -232,6 +220,86 @@ def test_cli_lists_the_options_a_method_takes(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, err = run_cli(["generate", *HI, "--method", "pld", "--opt", "foo=1"], capsys)
     assert code == 2 and "It takes: window, max_draft." in err
+
+
+# ----------------------------------------- checked before anything is loaded or written
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: (argv, text of the one error line): a source, a destination or a value that
+#: is refused before the model is imported or loaded and before anything is
+#: written (a fresh MLX_MTP_HOME stays empty)
+CHECKED_FIRST: list[tuple[list[str], str]] = [
+    (["convert", "clp-heads", "/etc/passwd", "heads"], "not a folder"),
+    (["convert", "clp-heads", "no-such-folder", "heads"], "not a folder"),
+    (["train", "clp", "--data", "missing.jsonl", "--out", "heads"], "missing.jsonl"),
+    (["bench", "--methods", "ntp", "--limit", "1", "--out", "a-file"], "is a file"),
+    (["generate", *HI, "--temp", "nan"], "nan is not a number"),
+    (["generate", *HI, "--min-p", "nan"], "nan is not a number"),
+    (["generate", *HI, "--top-p", "inf"], "inf is not a finite number"),
+    (["chat", "--temp", "nan"], "nan is not a number"),
+    (["bench", "--temp", "nan", "--out", "b"], "nan is not a number"),
+    (["serve", "--temp", "nan"], "nan is not a number"),
+    (["serve", "--min-p", "nan"], "nan is not a number"),
+    (["serve", "--host", "8.8.8.8", "--port", str(_free_port())], "--host 8.8.8.8"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,needle", CHECKED_FIRST, ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_sources_destinations_and_values_are_checked_before_any_work(
+    argv, needle, capsys, tmp_path, monkeypatch
+):
+    """Exit status 2 means nothing was loaded or written: one error line, no
+    model imported into a fresh MLX_MTP_HOME, no file made or changed, and no
+    warning about a server that never started."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("MLX_MTP_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("keep me")
+    before = snapshot(tmp_path)
+    code, err = run_cli(argv, capsys)
+    check_error(code, err, needle)
+    assert "loading" not in err and "WARNING" not in err, err
+    assert snapshot(tmp_path) == before and (tmp_path / "a-file").read_text() == "keep me"
+
+
+def test_convert_gguf_onto_an_existing_folder_names_the_flag(capsys, tmp_path, monkeypatch):
+    """The CLI's one line names --overwrite, the flag a user can pass."""
+    from test_exit_codes import _embedded_gguf
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    before = snapshot(tmp_path)
+    code, err = run_cli(["convert", "gguf", str(_embedded_gguf()), "out"], capsys)
+    check_error(code, err, "pass --overwrite")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_draft_model_equal_to_the_target_shares_its_weights(smollm, caplog, monkeypatch):
+    """``--draft-model`` naming the target itself drafts with the target's
+    weights (one copy in memory, not two) and says so in one line."""
+    import logging
+
+    from mlx_mtp import loading
+
+    monkeypatch.setattr(loading, "_SHARED", set())  # not yet said in this process
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
+        m = smollm.bind("draft", draft_model="smollm2-135m", num_draft_tokens=2)
+    assert m.method.source.loaded is smollm
+    lines = [
+        r.getMessage() for r in caplog.records if "is the target model itself" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert m.generate("List three colours.", max_tokens=8).stats.accepted > 0
 
 
 # ------------------------------------------------------------------ Python API

@@ -1,4 +1,5 @@
-"""PNG plots of a benchmark's results (matplotlib, no display needed).
+"""PNG plots of a benchmark's results (matplotlib, no display needed; the
+optional ``bench`` extra: ``pip install 'mlx-mtp[bench]'``).
 
 - ``speedup_per_task.png``: grouped bars, one group per task plus "overall",
   one bar per method (the reference ``ntp`` is the dashed line at 1.0).
@@ -15,6 +16,20 @@ from pathlib import Path
 from typing import Any
 
 PLOT_FILES = ("speedup_per_task.png", "tau_vs_bc.png", "accuracy_vs_tau.png")
+#: what the bench says when it cannot draw the plots
+NO_PLOTS = (
+    "plots not written: matplotlib is not installed; "
+    "pip install 'mlx-mtp[bench]' for them (or pass --no-plots)"
+)
+
+
+def plots_available() -> bool:
+    """Whether matplotlib (the ``bench`` extra) can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def write_plots(results: dict[str, Any], out: Path) -> list[Path]:

@@ -7,6 +7,7 @@ The schema of ``results.json`` is documented in docs/benchmarks.md
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from . import metrics
 from .config import BenchConfig
 from .peer import PEER_DRAFT_NAME, PEER_NAME
-from .plots import write_plots
+from .plots import NO_PLOTS, plots_available, write_plots
 
 SCHEMA = "mlx-mtp-bench/1"
 
@@ -349,11 +350,15 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> None:
-    """Write ``results.json``, ``report.md`` and (optionally) the PNG plots."""
+    """Write ``results.json``, ``report.md`` and (optionally) the PNG plots;
+    without matplotlib (the ``bench`` extra) the plots are left out and the
+    ``mlx_mtp`` logger says so (:data:`~mlx_mtp.bench.plots.NO_PLOTS`)."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     tmp.replace(out / "results.json")
     (out / "report.md").write_text(render_markdown(results), encoding="utf-8")
-    if plots:
+    if plots and not plots_available():
+        logging.getLogger("mlx_mtp").warning(NO_PLOTS)
+    elif plots:
         write_plots(results, out)

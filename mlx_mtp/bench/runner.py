@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from .. import _blas, distributed
 from ..api import Result
+from ..artifacts import check_writable
 from ..data import DATA_SETS, TASKS, data_set_path, load_questions, render_prompt
 from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
-from ..loading import DTYPES, load_model, resolve_model
+from ..loading import DTYPES, load_model, resolve_model, share_target
 from ..methods import make_method
 from ..timing import simulated_device
 from . import metrics
@@ -309,6 +310,8 @@ def run_bench(
     methods = {s.label: _make(s, config) for s in config.methods}
     prompts, groups = select_prompts(config)
     out = Path(config.out)
+    if generate:  # a file or a read-only folder, before the model is imported or loaded
+        check_writable(out, "--out")
     if not generate and not (out / RECORDS).exists():
         raise InvalidArgumentError(f"{out} holds no finished generations to report on.")
     if generate and loaded is None:
@@ -344,6 +347,8 @@ def run_bench(
     if todo and generate:
         if loaded is None:
             loaded = load_model(config.model, config.dtype, pipeline=pipeline)
+        # a draft model that is the target itself drafts with its weights, loaded once
+        methods = {s.label: _make(s, config, loaded) for s in config.methods}
         models = {
             label: m.bind(loaded) if isinstance(m, MLXLMPeer) else loaded.bind(m)
             for label, m in methods.items()
@@ -583,13 +588,17 @@ def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[s
     return rec
 
 
-def _make(spec: Any, config: BenchConfig) -> Any:
+def _make(spec: Any, config: BenchConfig, target: Any = None) -> Any:
     """The method (or mlx-lm peer) of one ``--methods`` entry; ``draft`` and
-    ``mlx_lm_draft`` rows that name no draft model get ``--draft-model``."""
+    ``mlx_lm_draft`` rows that name no draft model get ``--draft-model``. With
+    the loaded ``target``, a draft model that names it shares its weights
+    (:func:`~mlx_mtp.loading.share_target`)."""
     opts = dict(spec.options)
     if spec.name in ("draft", PEER_DRAFT_NAME) and "draft_model" not in opts:
         if config.draft_model is not None:
             opts["draft_model"] = config.draft_model
+    if target is not None:
+        opts = share_target(target, opts)
     if spec.name in PEER_NAMES:
         return MLXLMPeer(spec.name, **opts)
     return make_method(spec.name, **opts)

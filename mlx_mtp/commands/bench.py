@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         """Run methods side by side (interleaved, one process) and write results.json,
         report.md and plots into --out. An interrupted run resumes where it stopped."""
         from ..bench.config import BenchConfig, parse_methods
+        from ..bench.plots import NO_PLOTS, plots_available
         from ..bench.runner import run_bench
 
         cfg = BenchConfig(
@@ -99,11 +100,14 @@ def register(app: typer.Typer) -> None:
             draft_model=draft_model,
             out=out,
         )
+        plots = not no_plots and plots_available()
+        if not no_plots and not plots:
+            typer.echo(NO_PLOTS, err=True)
         try:
             run_bench(
                 cfg,
                 overwrite=overwrite,
-                plots=not no_plots,
+                plots=plots,
                 generate=not report_only,
                 pipeline=pipeline,
             )
@@ -115,7 +119,8 @@ def register(app: typer.Typer) -> None:
             return
         report = Path(out) / "report.md"
         typer.echo(report.read_text())
-        typer.echo(f"wrote {Path(out) / 'results.json'}, {report} and plots", err=True)
+        wrote = f"wrote {Path(out) / 'results.json'}, {report}" + (" and plots" if plots else "")
+        typer.echo(wrote, err=True)
 
 
 def interrupted_report(out: Path) -> str:

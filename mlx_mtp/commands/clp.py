@@ -53,10 +53,13 @@ def register(app: typer.Typer) -> None:
         dtype: str | None = BASE_DTYPE,
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
+        from ..data import read_prompts
         from ..fingerprint import model_fingerprint
         from ..training.clp import TrainConfig, train_clp
 
-        if out is not None:  # checked before the model loads; the data before training
+        # the data and the output folder are checked before the model loads
+        read_prompts(list(data))
+        if out is not None:
             check_writable(out.parent)
         loaded = load_model(model, dtype=dtype)
         if out is None:
@@ -107,9 +110,11 @@ def register(app: typer.Typer) -> None:
         dtype: str | None = BASE_DTYPE,
     ):
         """Import CLP heads (own format, Medusa heads, MiMo native MTP layer)."""
-        from ..converters.clp_import import convert
+        from ..converters.clp_import import check_source, convert
 
-        check_writable(dst.parent, "DST")  # before the model loads
+        # the source and the destination are checked before the base model loads
+        check_writable(dst.parent, "DST")
+        folder, kind = check_source(src, dst, source, overwrite)
         loaded = load_model(model, dtype=dtype)
-        summary = convert(src, dst, loaded, source=source, overwrite=overwrite)
+        summary = convert(folder, dst, loaded, source=kind, overwrite=overwrite)
         typer.echo(summary)

@@ -7,11 +7,12 @@ matmuls may run in TF32, the memory limits, the model, its forward cost curve
 measured at every size up to 64 slots, and a numerical self-check: the logits
 of one tree forward pass (:meth:`Engine.forward_tree
 <mlx_mtp.engine.Engine.forward_tree>`: per-slot RoPE positions, a tree mask
-through the cache views) against one-token decoding of every root-to-slot
-path, at the tree sizes in :data:`CHECK_SIZES`. On a hybrid recurrent model
-the pass is a chain and a rollback check follows (keep a prefix of a chain
-pass, :mod:`mlx_mtp.recurrent`, then decode on). A failed check ends the
-command with exit status 1.
+through the cache views) against mlx-lm's own one-token decoding of every
+root-to-slot path, at the tree sizes in :data:`CHECK_SIZES`
+(:mod:`mlx_mtp.selfcheck`, the check the tests run on every tree family). On
+a hybrid recurrent model the pass is a chain and a rollback check follows
+(keep a prefix of a chain pass, :mod:`mlx_mtp.recurrent`, then decode on). A
+failed check ends the command with exit status 1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -31,6 +31,7 @@ from ..loading import EMBEDDED_MODEL
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..loading import LoadedModel
+    from ..selfcheck import Check
 
 #: tree sizes (slots) of the self-check: around the quantized-matmul kernel
 #: switch (vector to matrix kernel at 6-33 rows) and the 32-row tiles
@@ -48,49 +49,6 @@ CURVE_JUMP = 0.10
 #: width of the line labels, and of the labels of indented lines under them
 LABEL = 11
 SUB_LABEL = 10
-
-
-@dataclass
-class Check:
-    """One self-check result.
-
-    Attributes:
-        name: what was compared: ``tree`` (a draft tree), ``chain`` (a causal
-            chain: recurrent models, models without tree support) or
-            ``rollback`` (one token decoded after a chain pass was kept to
-            ``keep`` of its ``n`` tokens).
-        n: slots of the checked forward pass.
-        depth: deepest slot of it (0 = the root alone).
-        rows: logit rows compared (``n``; 1 for a rollback check).
-        error: max |checked - one-token decoding| / max |one-token logits|,
-            over those rows and the whole vocabulary.
-        argmax: rows whose greedy token agrees (a near-tie may differ within
-            the tolerance).
-        tolerance: the largest ``error`` that passes.
-        keep: tokens kept of the chain pass (rollback checks).
-    """
-
-    name: str
-    n: int
-    depth: int
-    rows: int
-    error: float
-    argmax: int
-    tolerance: float
-    keep: int = 0
-
-    @property
-    def ok(self) -> bool:
-        """Whether the error is within the tolerance."""
-        return self.error <= self.tolerance
-
-    def line(self) -> str:
-        """The report line of this check."""
-        what = f"n={self.n}" + (f" keep {self.keep}" if self.name == "rollback" else "")
-        return (
-            f"  {self.name:9s}{what:13s} depth {self.depth:2d}  rel err {self.error:.1e}  "
-            f"argmax {self.argmax}/{self.rows}  {'ok' if self.ok else 'FAILED'}"
-        )
 
 
 # ---------------------------------------------------------------- machine
@@ -189,16 +147,9 @@ def machine_lines() -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------ model
 def _quantized(model: Any) -> bool:
-    import mlx.nn as nn
+    from ..costs import quantization
 
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
-    return any(isinstance(m, kinds) for _, m in model.named_modules())
-
-
-def _weight_bytes(model: Any) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return quantization(model) != "none"
 
 
 def model_lines(lm: LoadedModel, engine: Engine) -> list[tuple[str, str]]:
@@ -206,6 +157,7 @@ def model_lines(lm: LoadedModel, engine: Engine) -> list[tuple[str, str]]:
     import mlx.core as mx
 
     from ..native_mtp import compute_dtype, text_args
+    from ..sources.draft import weight_bytes
 
     model = lm.model
     args = text_args(model)
@@ -229,7 +181,7 @@ def model_lines(lm: LoadedModel, engine: Engine) -> list[tuple[str, str]]:
         if engine.rollback is not None
         else ("; recurrent layers without rollback" if "ArraysCache" in kinds else "")
     )
-    gb = _weight_bytes(model) / 1e9
+    gb = weight_bytes(model) / 1e9
     share = ""
     try:
         info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
@@ -322,68 +274,6 @@ def tolerance(model: Any) -> tuple[float, str]:
     return TOLERANCE_FLOAT32, "float32, TF32 off"
 
 
-def check_tree(n: int, seed: int) -> list[int]:
-    """Parents of the self-check's tree of ``n`` slots: each slot hangs under
-    one of the three slots before it (seeded), so the tree has long chains
-    and branches at once (64 slots: depth 20-30)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
-
-
-def _depths(parents: Sequence[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
-
-
-def _logits(x: Any) -> Any:
-    """(rows, V) float32 numpy logits of an MLX array."""
-    import mlx.core as mx
-    import numpy as np
-
-    return np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-
-
-def _compare(name: str, got: Any, ref: Any, n: int, depth: int, tol: float, keep: int = 0) -> Check:
-    import numpy as np
-
-    err = float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-    agree = int(np.sum(np.argmax(got, axis=-1) == np.argmax(ref, axis=-1)))
-    return Check(name, n, depth, int(ref.shape[0]), err, agree, tol, keep)
-
-
-def _one_token_tree(engine: Engine, parents: list[int], tokens: list[int]) -> Any:
-    """Logits (N, V) of every slot by one-token decoding: the tree walked depth
-    first, each slot one forward pass after its parent's path, the cache
-    trimmed back to the parent's path between branches."""
-    import numpy as np
-
-    start = engine.offset
-    depth = _depths(parents)
-    children: list[list[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents[1:], 1):
-        children[p].append(i)
-    ref: list[Any] = [None] * len(parents)
-    stack = [0]
-    while stack:
-        v = stack.pop()
-        engine.trim_to(start + depth[v])  # the cache holds the path to v's parent
-        ref[v] = _logits(engine.forward_chain([tokens[v]])[0])[0]
-        stack.extend(reversed(children[v]))
-    engine.trim_to(start)
-    return np.stack(ref)
-
-
-def _rebuild(engine: Engine, context: list[int]) -> None:
-    """The cache back to ``context`` alone on a recurrent model (whose
-    one-token passes cannot be trimmed)."""
-    engine.reset()
-    engine.sync(context)
-
-
 def self_check(
     engine: Engine,
     context: list[int],
@@ -392,8 +282,10 @@ def self_check(
     echo: Callable[[str], None] = print,
 ) -> list[Check]:
     """Compare the engine's multi-slot forward pass with one-token decoding at
-    every size in ``sizes`` (see the module doc), printing a line per check.
-    The slots' tokens are seeded random ids (the comparison holds for any).
+    every size in ``sizes`` (see the module doc; the check itself is
+    :mod:`mlx_mtp.selfcheck`, which the tests run on every tree family),
+    printing a line per check. The slots' tokens are seeded random ids (the
+    comparison holds for any).
 
     Args:
         engine: an engine whose cache holds exactly ``context``; it holds it
@@ -406,18 +298,16 @@ def self_check(
         rollback check after each).
     """
     import numpy as np
-    from mlx_lm.utils import does_model_support_input_embeddings
 
     from ..errors import UnsupportedModelError
     from ..families import check_tree_support
+    from ..selfcheck import OneTokenDecoding, check_keep, check_pass, random_tree
 
     model = engine.model
     tol, why = tolerance(model)
     vocab = int(engine.embed.weight.shape[0]) if engine.embed is not None else 256
     rng = np.random.default_rng(seed)
-    start = engine.offset
     recurrent = engine.rollback is not None
-    embeddings = engine.embed is not None and does_model_support_input_embeddings(model)
     mode, note = "tree", ""
     if recurrent:
         mode = "chain"
@@ -438,53 +328,28 @@ def self_check(
     )
     if note:
         echo(f"  {note}")
+    reference = OneTokenDecoding(model, context)
+    chain = mode == "chain"
     checks: list[Check] = []
     for n in sizes:
         tokens = rng.integers(0, vocab, n).tolist()
-        parents = check_tree(n, seed + n) if mode == "tree" else list(range(-1, n - 1))
-        depth = max(_depths(parents))
-        if mode == "tree" or (recurrent and embeddings):
-            logits, _ = engine.forward_tree(engine.embed_tokens(tokens), np.array(parents), tokens)
-        else:
-            logits, _ = engine.forward_chain(tokens, droppable=True)
-        got = _logits(logits)
-        engine.trim_to(start)
-        if mode == "tree":
-            ref = _one_token_tree(engine, parents, tokens)
-        else:
-            ref = np.concatenate([_logits(engine.forward_chain([t])[0]) for t in tokens])
-            if recurrent:
-                _rebuild(engine, context)
-            else:
-                engine.trim_to(start)
-        checks.append(_compare(mode, got, ref, n, depth, tol))
+        parents = list(range(-1, n - 1)) if chain else random_tree(n, seed + n)
+        checks.append(check_pass(engine, reference, parents, tokens, tol, chain))
         echo(checks[-1].line())
         if recurrent:
-            checks.append(_rollback_check(engine, tokens, ref, embeddings, tol))
+            # keep the first half of a chain pass (the state rolled back by
+            # replay), then decode the next token
+            keep = n // 2
+            checks.append(
+                check_keep(
+                    engine, reference, parents, tokens, keep - 1, tokens[keep], tol, chain,
+                    "rollback",
+                )
+            )  # fmt: skip
             echo(checks[-1].line())
-            _rebuild(engine, context)
+            engine.reset()  # a one-token pass on recurrent layers cannot be trimmed
+            engine.sync(context)
     return checks
-
-
-def _rollback_check(
-    engine: Engine, tokens: list[int], ref: Any, embeddings: bool, tol: float
-) -> Check:
-    """A chain pass of ``tokens`` kept to its first half (the recurrent state
-    rolled back by replay, :meth:`Engine.keep <mlx_mtp.engine.Engine.keep>`),
-    then the next token decoded: its logits against one-token decoding's
-    (``ref``, N x V)."""
-    import numpy as np
-
-    start = engine.offset
-    n = len(tokens)
-    keep = n // 2
-    if embeddings:
-        engine.forward_tree(engine.embed_tokens(tokens), np.arange(-1, n - 1), tokens)
-    else:
-        engine.forward_chain(tokens, droppable=True)
-    engine.keep(start, list(range(keep)))
-    got = _logits(engine.forward_chain([tokens[keep]])[0])
-    return _compare("rollback", got, ref[keep : keep + 1], n, keep, tol, keep)
 
 
 # ------------------------------------------------------------------ all

@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
         TOP_K,
         TOP_P,
         check_choices,
+        interrupted_note,
         with_options,
     )
 
@@ -172,18 +173,18 @@ def register(app: typer.Typer) -> None:
         )
         limits.resolve(default.block_complexity, max_tokens)
         limits.check_default(default)  # again once the forward bound is measured
-        if not is_loopback(host):
+        sock = None
+        if distributed.is_main():  # only rank 0 serves HTTP
+            from ..server.app import bind_socket
+
+            sock = bind_socket(host, port)  # a taken port fails here, before the load
+        if not is_loopback(host):  # once the address is bound: it will be served
             typer.echo(
                 f"WARNING: binding {host}: other machines on the network can reach this server"
                 + ("" if api_key else " and it has no --api-key")
                 + ". Use the default --host 127.0.0.1 to keep it local.",
                 err=True,
             )
-        sock = None
-        if distributed.is_main():  # only rank 0 serves HTTP
-            from ..server.app import bind_socket
-
-            sock = bind_socket(host, port)  # a taken port fails here, before the load
         try:
             model, method = load["model"], load["method"]
             typer.echo(f"loading {model} ({method}) ...", err=True)
@@ -204,7 +205,8 @@ def register(app: typer.Typer) -> None:
                 pipeline=pipeline,
                 limits=limits,
             )
-            worker.start()
+            with interrupted_note(f"interrupted while loading {model}: the server did not start."):
+                worker.start()
             if not distributed.is_main():  # the other ranks follow rank 0's worker
                 worker.wait()
                 return

@@ -36,7 +36,7 @@ import mlx.core as mx
 from .. import distributed
 from ..engine import Engine
 from ..errors import ContextLengthError, InvalidArgumentError, MTPError
-from ..loading import load_model
+from ..loading import load_model, share_target
 from ..methods import make_method
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .limits import Limits
@@ -308,6 +308,9 @@ class Worker:
             self.limits.resolve(default.block_complexity, self.max_tokens)
             self.limits.check_default(default)
             self.loaded = load_model(self.model_id, self.dtype, pipeline=self.pipeline)
+            shared = share_target(self.loaded, self.options)
+            if shared is not self.options:  # the draft model is the target: its weights
+                default = make_method(self.method, **shared)
             # timed on a cache of its own (no sliding window, nothing to restore)
             self.limits.measure(Engine(self.loaded.model))
             self.limits.check_default(default)

@@ -1,4 +1,7 @@
-"""Small random models for tests where only shapes and plumbing matter."""
+"""Small random models for tests where only shapes and plumbing matter: a
+tiny config of every mlx-lm family (:data:`FAMILY_CONFIGS`), and writers of
+tiny checkpoints in the Hugging Face layout of public ones (hybrid Qwen3-Next
+/ Qwen3.5 with an ``mtp.*`` layer, DeepSeek-V3 with its nextn layer)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 from mlx_lm.utils import _get_classes
 
-from .decoding import generate_steps
-from .native_mtp import NativeMTPLayer
+from mlx_mtp.native_mtp import NativeMTPLayer
 
 #: mlx-lm model families with a tiny config each
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -55,8 +56,8 @@ def make_tiny_model(family: str = "llama", seed: int = 0, **overrides: Any) -> n
     Logits are scaled up (token embedding x 8) so greedy decoding is not a
     flat tie.
     """
-    from .errors import UnsupportedModelError
-    from .families import model_parts
+    from mlx_mtp.errors import UnsupportedModelError
+    from mlx_mtp.families import model_parts
 
     if family in TINY_CONFIGS:
         config = tiny_config(family, **overrides)
@@ -673,40 +674,6 @@ def _random_model(folder: Any, config: dict[str, Any], seed: int) -> tuple[Path,
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     return folder, model_class(args_class.from_dict(config))
-
-
-def decode(
-    engine: Any, method: Any, prompt: list[int], max_tokens: int, **kwargs: Any
-) -> tuple[list[int], Any]:
-    """``(tokens, stats)`` of one answer: every token of
-    :func:`mlx_mtp.decoding.generate_steps` (same arguments) and its final
-    statistics (``DecodeStats``, None when nothing was generated)."""
-    out: list[int] = []
-    stats = None
-    for s in generate_steps(engine, method, prompt, max_tokens=max_tokens, **kwargs):
-        out += s.tokens
-        stats = s.stats
-    return out, stats
-
-
-def assert_one_pass_equals_steps(
-    layer: Any, hidden: mx.array, embeds: mx.array, atol: float
-) -> None:
-    """Check that an MTP layer (``layer(h, e, cache)``, :mod:`mlx_mtp.native_mtp`)
-    gives the same output for ``hidden`` (1, n, D) and ``embeds`` (1, n, D) in
-    one pass as fed one position at a time through its own cache (float32,
-    rtol 1e-4).
-
-    Raises:
-        AssertionError: where they differ.
-    """
-    whole = layer(hidden, embeds, layer.make_cache())
-    cache = layer.make_cache()
-    n = hidden.shape[1]
-    steps = mx.concatenate(
-        [layer(hidden[:, i : i + 1], embeds[:, i : i + 1], cache) for i in range(n)], 1
-    )
-    np.testing.assert_allclose(np.array(whole), np.array(steps), rtol=1e-4, atol=atol)
 
 
 def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) -> dict[str, Any]:
