@@ -13,6 +13,7 @@ import pytest
 from conftest import run_method
 from tiny_models import make_tiny_model
 
+from mlx_mtp.allocate import build_tree
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine, ancestors
@@ -21,12 +22,8 @@ from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.ntp import NTP
 from mlx_mtp.sources.lookup import lookup_candidates
-from mlx_mtp.tree import (
-    block_complexity,
-    build_tree,
-    heavy_path_order,
-    reorder_tree,
-)
+from mlx_mtp.sources.masks import top_candidates
+from mlx_mtp.tree import block_complexity, heavy_path_order, reorder_tree
 from mlx_mtp.verify import walk_tree
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -34,6 +31,21 @@ SETTINGS = [(10, 1), (10, 2), (30, 1), (30, 2), (60, 1), (60, 2)]
 
 
 # ------------------------------------------------------------- pure functions
+def test_mask_candidates_are_the_softmax_top_m_best_first():
+    """The mask levels' candidates (through the shared two-stage top-k): the
+    m most probable ids of each row, best first, with their softmax
+    probabilities."""
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(3, 49152)).astype(np.float32)
+    for m in (1, 10, 64):
+        top, top_p = top_candidates(mx.array(rows), m)
+        want = np.argsort(-rows, axis=-1)[:, :m]
+        p = np.exp(rows - rows.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        assert (np.array(top) == want).all(), m
+        np.testing.assert_allclose(np.array(top_p), np.take_along_axis(p, want, -1), rtol=1e-4)
+
+
 def test_build_tree_best_first_with_pruning_and_budget():
     d1 = (np.array([5, 7, 9]), np.array([0.6, 0.3, 0.1]))
     d2 = (np.array([7, 8]), np.array([0.5, 0.4]))

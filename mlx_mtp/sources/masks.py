@@ -24,7 +24,7 @@ from ..verify import top_tokens
 
 def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
     """The ``m`` most probable tokens of each mask row, best first: the
-    per-depth candidate lists that :func:`~mlx_mtp.tree.build_tree` grows the
+    per-depth candidate lists that :func:`~mlx_mtp.allocate.build_tree` grows the
     next draft tree from (ESP §3.2).
 
     Args:
@@ -45,11 +45,10 @@ def mask_candidates(rows: mx.array, m: int, engine: Engine) -> list[tuple[np.nda
 def top_candidates(rows: mx.array, m: int) -> tuple[mx.array, mx.array]:
     """The graph (not evaluated) behind :func:`mask_candidates`: token ids
     (k, m) and their probabilities (k, m) float32 of the ``m`` most probable
-    tokens of each row of ``rows`` (k, V), in no particular order."""
-    vocab = rows.shape[-1]
-    m = min(max(m, 1), vocab)
+    tokens of each row of ``rows`` (k, V), best first (the ids from
+    :func:`~mlx_mtp.verify.top_tokens`)."""
     rows = rows.astype(mx.float32)
-    top = mx.argpartition(rows, kth=vocab - m, axis=-1)[:, vocab - m :]
+    top = top_tokens(rows, m)
     top_p = mx.exp(
         mx.take_along_axis(rows, top, axis=-1) - mx.logsumexp(rows, axis=-1, keepdims=True)
     )

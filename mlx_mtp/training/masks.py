@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ..cache_view import FixedCache, install_positional_rope
 from ..errors import InvalidArgumentError
 from ..families import model_parts
+from ..verify import top_tokens
 from .continuations import TrainSequence
 
 
@@ -160,7 +161,7 @@ def eval_masks(
         logits = mask_logits(model, kv, anchors, vec).astype(mx.float32)
         tgt = mx.array(anchor_targets(s.tokens, anchors, slots))
         loss = nn.losses.cross_entropy(logits, tgt, reduction="sum")
-        top = mx.argpartition(-logits, kth=topk - 1, axis=-1)[:, :topk]
+        top = top_tokens(logits, topk)
         best = mx.argmax(logits, axis=-1)
         tot_loss += float(loss)
         n += int(tgt.size)
