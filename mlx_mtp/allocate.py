@@ -234,6 +234,9 @@ class Allocator:
         budget: BC, total slots of the forward pass (>= 1).
         masks: mask slots per mask set (0 = never attach masks).
         mask_gain: expected tokens the masks' drafts add next step.
+        per_depth: optional template: at most ``per_depth[d]`` nodes at depth
+            d+1 (ESP's fixed trees, e.g. ``[6, 3]``); a candidate at a full
+            depth is passed over for its next sibling.
     """
 
     def __init__(
@@ -243,9 +246,11 @@ class Allocator:
         budget: int,
         masks: int,
         mask_gain: float,
+        per_depth: Sequence[int] | None = None,
     ):
         self.children, self.root_token, self.budget = children, root_token, budget
         self.masks, self.mask_gain = masks, mask_gain
+        self.room = None if per_depth is None else list(per_depth)
         self.alloc = Allocation()
         # (-value per slot, (offer number, rank), item): a node's children are
         # pushed one at a time, the next sibling when one is popped (they come
@@ -304,6 +309,11 @@ class Allocator:
                 heapq.heappop(heap)
             if prob <= 0.0:
                 continue
+            depth = len(self.paths[parent_slot])
+            if self.room is not None:
+                if depth >= len(self.room) or self.room[depth] <= 0:
+                    continue
+                self.room[depth] -= 1
             out.tokens.append(c.token)
             out.parents.append(parent_slot - 1)
             out.probs.append(prob)
@@ -323,9 +333,40 @@ def allocate(
     budget: int,
     masks: int,
     mask_gain: float,
+    per_depth: Sequence[int] | None = None,
 ) -> Allocation:
     """The whole allocation of an :class:`Allocator` (a fixed BC)."""
-    a = Allocator(children, root_token, budget, masks, mask_gain)
+    a = Allocator(children, root_token, budget, masks, mask_gain, per_depth)
     for _ in a:
         pass
     return a.alloc
+
+
+def build_tree(
+    dists: Sequence[tuple[np.ndarray, np.ndarray]],
+    budget: int,
+    root_token: int,
+    per_depth: Sequence[int] | None = None,
+) -> tuple[list[int], list[int], list[float]]:
+    """ESP's draft tree (Goel et al., arXiv 2603.17942, §3.2): best first by
+    cumulative probability ``P(child) = P(parent) * p_d(token)`` from one
+    candidate list per depth, every depth-d candidate under every
+    depth-(d-1) node, a child repeating its parent's token pruned; the
+    :class:`Allocator` with the lists as its only source and no mask sets.
+
+    Args:
+        dists: one (tokens, probs) pair per depth, each sorted by probability
+            descending (tokens int, probs float, same length).
+        budget: maximum number of nodes (root excluded).
+        root_token: the root's token (children repeating it are pruned).
+        per_depth: optional template: at most ``per_depth[d]`` nodes at depth
+            d+1 (tree depth is ``len(per_depth)``).
+
+    Returns:
+        (node tokens, node parents, node cumulative probabilities); parents
+        index into the node list, -1 meaning the root; parents come first.
+    """
+    if budget <= 0 or not dists:
+        return [], [], []
+    a = allocate(CandidateChildren({}, dists), root_token, budget + 1, 0, 0.0, per_depth)
+    return a.tokens, a.parents, a.probs

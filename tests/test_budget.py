@@ -17,6 +17,7 @@ import mlx_mtp.budget as budget
 import mlx_mtp.costs as costs
 import mlx_mtp.planner as planner
 from mlx_mtp.acceptance import DepthAcceptance, chain_values
+from mlx_mtp.allocate import build_tree
 from mlx_mtp.budget import CostCurve, CostCurves, best_prefix
 from mlx_mtp.context import Context
 from mlx_mtp.costs import LiveCurves, curve_key, curve_path, device_curves, measure_cost_curves
@@ -25,7 +26,6 @@ from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.planner import chain_offer
-from mlx_mtp.tree import build_tree
 
 #: this CPU, SmolLM2-135M float32 (issue 22, engine tree forward, medians)
 CPU_CURVE = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])

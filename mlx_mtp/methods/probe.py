@@ -29,6 +29,7 @@ import numpy as np
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from ..acceptance import AcceptanceModel, CalibrationModel
+from ..allocate import build_tree
 from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
@@ -43,7 +44,7 @@ from ..sources.masks import (
     top_candidates,
 )
 from ..speculative import Draft, Verified
-from ..tree import block_complexity, build_tree, heavy_path_order, reorder_tree
+from ..tree import block_complexity, heavy_path_order, reorder_tree
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
 
