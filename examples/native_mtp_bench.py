@@ -152,7 +152,7 @@ def main() -> None:
                     fwd_ms.append(st.forward_time / st.forward_passes * 1e3)
         t1 = statistics.median(fwd_ms)
         print(f"\n{family}: one-token forward {t1:.2f} ms (median over prompts, ntp)")
-        curve = ctx.planner.curve if ctx.planner is not None else None
+        curve = ctx.budget.curve if ctx.budget is not None else None
         print(f"cost curve: {curve}; mtp draft cost {methods['mtp1'].draft_cost:.3f} forwards")
         print("method     tau    exact  acceptance per depth        restore ms/rejected step")
         for name in names:

@@ -8,7 +8,7 @@ top-k in plain steps: the measurements behind ``mlx_mtp.sources.recycle``.
    one synchronisation per row fetched together with the rows of its
    candidates). Same drafts, same tau; what differs is the host time per
    step (``GenerationStats.host_ms_per_step``).
-2. Pipelined plain steps (:class:`~mlx_mtp.planner.PlainSteps`) with and
+2. Pipelined plain steps (:class:`~mlx_mtp.plain.PlainSteps`) with and
    without the top-8 built beside the argmax: ms per token.
 
 Rounds alternate the variants (A B A B ...) so that both see the same load:
@@ -40,7 +40,7 @@ from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.loading import load_model
 from mlx_mtp.methods import make_method
-from mlx_mtp.planner import PlainSteps
+from mlx_mtp.plain import PlainSteps
 from mlx_mtp.sources.recycle import SOURCE, RecycleTable
 
 

@@ -17,7 +17,7 @@ method that combines sources. Read top to bottom:
    anchor is worth ``P(path) * (1 - sum q of its candidate children) *
    gain``, the chance that this anchor ends up the deepest accepted node (the
    only case where its masks are read) times the tokens the masks' drafts add.
-   It yields :class:`~mlx_mtp.planner.Item` s one at a time, so the planner
+   It yields :class:`~mlx_mtp.offers.Item` s one at a time, so the planner
    can stop when no longer prefix can pay; :meth:`Allocator.remaining` bounds
    what it has not produced yet.
 
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .acceptance import Tag
-from .planner import Item
+from .offers import Item
 from .tree import heavy_path_order, reorder_tree
 
 

@@ -62,9 +62,9 @@ from mlx.utils import tree_flatten
 
 from .artifacts import ASSETS as SHIPPED
 from .artifacts import atomic_folder, find_artifact, search_dirs
+from .dims import text_args
 from .errors import CheckpointMismatchError, ModelLoadError, ModelNotFoundError
 from .fingerprint import model_fingerprint, model_signature, same_model
-from .native_mtp import text_args
 
 FORMAT = "mlx-mtp-clp-heads"
 FORMAT_VERSION = 1

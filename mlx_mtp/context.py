@@ -9,7 +9,8 @@ if TYPE_CHECKING:
     from .acceptance import Acceptance
     from .budget import CostCurve, CostCurves
     from .engine import Engine
-    from .planner import Learned, Planner
+    from .offers import Budget
+    from .plain import PlainSteps
 
 
 @dataclass
@@ -23,15 +24,21 @@ class Context:
             token, the native MTP layer's tensors); None for a bare model.
         curves: the forward cost curves to plan with (a simulated device, a
             test); None: this device's own (:func:`mlx_mtp.costs.device_curves`).
-        planner: the planner of the generation under way (set by the
-            decoding loop; None outside one).
+        budget: what the planner of the generation under way tells the
+            method's sources: acceptance estimates, the cost curve, a draft
+            step's host cost (:class:`~mlx_mtp.offers.Budget`; set by the
+            planner, None before its first generation).
+        plain: the one-token steps of the generation under way
+            (:class:`~mlx_mtp.plain.PlainSteps`: whether root's forward pass is
+            queued in the cache; None outside one).
         left: tokens the generation under way may still commit (set by the
             decoding loop before each step; None outside one): a source whose
             drafting costs passes of its own (a draft model) drafts no deeper
             than the tokens that can still be kept.
         learned: what the planner of a method at ``auto`` learned in its last
             generation (:class:`~mlx_mtp.planner.Learned`: acceptance
-            estimates, host time), by the method's description: the next
+            estimates, host time; a pipelined method's acceptance estimates),
+            by the method's description: the next
             generation on this context starts from it instead of the priors
             (a conversation's turns, a server's requests: the same model and
             method).
@@ -40,21 +47,22 @@ class Context:
     engine: Engine
     loaded: Any = None
     curves: CostCurve | CostCurves | None = None
-    planner: Planner | None = None
-    learned: dict[str, Learned] = field(default_factory=dict)
+    budget: Budget | None = None
+    plain: PlainSteps | None = None
+    learned: dict[str, Any] = field(default_factory=dict)
     left: int | None = None
 
     @property
     def acceptance(self) -> Acceptance:
         """This generation's acceptance estimates (sources value their
         candidates with them)."""
-        return self.planner.acceptance
+        return self.budget.acceptance
 
     @property
     def curve(self) -> CostCurve:
         """The cost curve at the cache's current length (for choices of
         shape, such as lookahead's window)."""
-        return self.planner.curve
+        return self.budget.curve
 
     def history(self, root: int) -> list[int]:
         """The committed tokens up to ``root``: the cache's and ``root``
@@ -72,7 +80,7 @@ class Context:
 
     def _queued(self, root: int) -> bool:
         # a pipelined plain step has queued root's forward pass in the cache
-        return self.planner is not None and self.planner.plain.holds(self.engine, root)
+        return self.plain is not None and self.plain.holds(self.engine, root)
 
     @property
     def tokenizer(self) -> Any:

@@ -7,10 +7,18 @@ packed width, not the hidden size (docs/design.md §10). Read dimensions here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UnsupportedModelError
+
+
+def text_args(model: nn.Module) -> Any:
+    """The text model's args (``TextModelArgs`` of a Qwen3.5 VL wrapper)."""
+    lm = model.get("language_model") if isinstance(model, dict) else None
+    return getattr(lm, "args", None) or model.args
 
 
 def packed_width_factor(layer: nn.Module) -> int:

@@ -18,7 +18,7 @@ message that names the model type, the reason and what works.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +26,6 @@ import mlx.nn as nn
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
 from .recurrent import ROLLBACK_FAMILIES, is_recurrent
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 #: what a family runs: draft trees and chains (every method), token chains
 #: only (pld, mtp; on hybrid recurrent models also probe / hybrid shape=chain),
@@ -460,11 +457,13 @@ def check_tree_support(model: nn.Module, method: str) -> None:
     install_positional_rope(model)
 
 
-def check_cache_support(engine: Engine, method: Any) -> None:
+def check_cache_support(engine: Any, method: Any) -> None:
     """Refuse, at load, a method that drops tokens from the KV cache (rejected
     drafts, mask slots) on a model whose cache cannot: recurrent or hybrid
     layers (mamba, gated delta-net, short convolutions) keep state that no trim
-    can roll back (docs/design.md, failure class 3).
+    can roll back (docs/design.md, failure class 3). ``engine`` is an
+    :class:`~mlx_mtp.engine.Engine` (its cache and rollback are read; this
+    module sits below the engine, which imports it).
 
     Raises:
         UnsupportedModelError: naming the model type and its cache kinds.

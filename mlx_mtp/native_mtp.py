@@ -73,6 +73,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
+from .dims import text_args
 from .errors import ModelLoadError, UnsupportedModelError
 
 #: mlx-lm model types whose checkpoints carry a native MTP layer under ``mtp.*``
@@ -93,12 +94,6 @@ _NORM_SUFFIXES = (
     "q_norm.weight",
     "k_norm.weight",
 )
-
-
-def text_args(model: nn.Module) -> Any:
-    """The text model's args (``TextModelArgs`` of a Qwen3.5 VL wrapper)."""
-    lm = model.get("language_model") if isinstance(model, dict) else None
-    return getattr(lm, "args", None) or model.args
 
 
 # ------------------------------------------------------------- checkpoint

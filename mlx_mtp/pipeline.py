@@ -50,7 +50,7 @@ from . import distributed
 from .acceptance import Acceptance, chain_values
 from .budget import CostCurve, best_prefix
 from .engine import Engine, ancestors
-from .planner import StepOutput
+from .offers import StepOutput
 
 if TYPE_CHECKING:
     from .context import Context

@@ -50,21 +50,18 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import mlx.core as mx
-import numpy as np
+from typing import TYPE_CHECKING
 
 from . import distributed
-from .acceptance import Acceptance, chain_values
-from .budget import CostCurve, CostCurves, PrefixBound, as_curves, best_prefix
+from .acceptance import Acceptance
+from .budget import CostCurve, CostCurves, PrefixBound, as_curves
 from .costs import LiveCurves
-from .engine import Engine
-from .sampling import draw
+from .offers import Budget, Item, Offer, PlainResult, StepOutput
+from .plain import PlainSteps
 from .speculative import Draft, Verified, speculative_step
-from .verify import Sampler, top_tokens
+from .verify import Sampler
 
 if TYPE_CHECKING:
     from .context import Context
@@ -87,96 +84,6 @@ REPROBE_TOKENS = 4
 UNMEASURED_REPROBE = 2.0
 #: weight of a new step in the averages of host and plain-step time
 HOST_RATE = 0.2
-
-
-@dataclass
-class StepOutput:
-    """What one decoding step commits.
-
-    Attributes:
-        tokens: committed token ids, bonus token included (at least one). On
-            return the engine's cache holds every committed token but the last.
-        drafted: draft tokens sent to verification this step (0 for ntp).
-        accepted: draft tokens accepted (``len(tokens) - 1`` for lossless
-            methods).
-        forwards: target-model forward passes this step used.
-    """
-
-    tokens: list[int]
-    drafted: int = 0
-    accepted: int = 0
-    forwards: int = 1
-
-
-@dataclass
-class Item:
-    """One draft item of an :class:`Offer`.
-
-    Attributes:
-        value: expected accepted tokens it adds (a node: its path acceptance
-            estimate; a mask set: the tokens its drafts are expected to add).
-        slots: slots it adds to the forward pass.
-        node: a draft node (scaled by the whole-draft calibration) or not.
-    """
-
-    value: float
-    slots: int = 1
-    node: bool = True
-
-
-@dataclass
-class Offer:
-    """What a draft method proposes for one step (see the module doc).
-
-    Attributes:
-        items: the draft items, best first; a prefix of any length must be a
-            valid draft. May be a generator (produced as the planner takes
-            them).
-        build: ``build(n)`` -> the :class:`~mlx_mtp.speculative.Draft` of the
-            first ``n`` items (lossless offers).
-        run: ``run(n)`` -> the :class:`~mlx_mtp.methods.base.StepOutput` of
-            a lossy step with the first ``n`` items (its own forward pass, no
-            verification); ``run(0)`` is its one-token step. Set instead of
-            ``build``.
-        base_slots: slots the pass has anyway (the root, its masks, a Jacobi
-            window).
-        base_value: expected accepted tokens of the base slots.
-        item_cost: time each item costs besides its slots, in one-token
-            forwards (a drafter's own pass per drafted token).
-        item_slots: slots of an item not offered yet (sizes the re-probe).
-        max_slots: the most slots the pass may take (BC); with ``remaining``
-            it lets the planner stop taking items early.
-        remaining: ``remaining(scale)`` -> an upper bound on the value per
-            slot of any item not produced yet, node values times ``scale``.
-        primes: after plain steps the method's first pass only makes
-            candidates (see the module doc).
-        wait: an offer without items does not mean that none would pay: run
-            one unpipelined plain step and ask again (prompt lookup, whose
-            next token may match).
-        required: the base slots must be sent every step (lookahead's
-            Jacobi window): the planner may cut items, never go plain.
-        reprobe_items: items a re-probe sends whatever their estimates.
-        gains: sources whose tokens per step the planner learns this step
-            (:meth:`~mlx_mtp.acceptance.Acceptance.gain`).
-        source: a lossy offer's source, whose per-depth acceptance the
-            planner records from the run's drafted / accepted counts.
-    """
-
-    items: Iterable[Item]
-    build: Callable[[int], Draft] | None = None
-    run: Callable[[int], StepOutput] | None = None
-    base_slots: int = 1
-    base_value: float = 0.0
-    item_cost: float = 0.0
-    item_slots: int = 1
-    max_slots: int | None = None
-    remaining: Callable[[float], float] | None = None
-    primes: bool = False
-    wait: bool = False
-    required: bool = False
-    reprobe_items: int = 2
-    gains: Sequence[str] = ()
-    source: str = ""
 
 
 @dataclass
@@ -208,150 +115,6 @@ class Learned:
     ends: float | None = None
     reprobe_cost: float = 0.0
     reprobe_seen: float | None = None
-
-
-def chain_offer(
-    root: int,
-    tokens: Sequence[int],
-    source: str,
-    acceptance: Acceptance,
-    **draft: Any,
-) -> Offer:
-    """An :class:`Offer` of one chain of token guesses from one source: item d
-    is worth the chance that drafts 1..d are all accepted (the source's
-    per-depth estimates), each one slot; ``draft`` goes to
-    :meth:`Draft.chain <mlx_mtp.speculative.Draft.chain>`, and ``wait`` /
-    ``item_cost`` / ... given there go to the offer instead."""
-    offer_keys = {"wait", "item_cost", "primes", "required", "reprobe_items", "base_slots"}
-    opts = {k: draft.pop(k) for k in list(draft) if k in offer_keys}
-    toks = [int(t) for t in tokens]
-    values = chain_values(acceptance.qs(source, len(toks)))
-    tags = [[(source, d + 1, 1.0)] for d in range(len(toks))]
-
-    def build(n: int) -> Draft:
-        return Draft.chain(root, toks[:n], tags=tags[:n], **draft)
-
-    return Offer([Item(v) for v in values], build, **opts)
-
-
-@dataclass
-class PlainResult:
-    """The outcome of a one-token step in plain mode (what :meth:`observe
-    <mlx_mtp.methods.base.DraftMethod.observe>` gets instead of a
-    :class:`~mlx_mtp.speculative.Verified`).
-
-    Attributes:
-        tokens: the committed token.
-        queued: the step also started the forward pass of its token (the
-            pipeline goes on; that pass's outputs come with the next step).
-        root: the token whose logits gave it.
-        top: (k,) int32 the ``k`` best token ids of those logits, best first,
-            when the method asks for them (``plain_topk``), else None.
-    """
-
-    tokens: list[int]
-    queued: bool = False
-    root: int = -1
-    top: np.ndarray | None = None
-
-
-class PlainSteps:
-    """One-token steps, pipelined like mlx-lm's ``generate_step``.
-
-    Greedy: each step queues the forward pass of the token it is about to
-    return (its id still a lazy argmax, ``mx.async_eval``) before reading
-    that id, so the device computes token n+1 while the host hands out token
-    n; one synchronisation per token. The cache then holds one token more
-    than committed between steps (the decoding loop trims it when the
-    generation ends, :meth:`unqueue` before a draft step). With a sampler
-    each step is one forward pass and one synchronisation, not pipelined (the
-    random draws stay one per returned token).
-
-    With ``topk`` > 0 every step also builds the graph of the ``topk`` best
-    ids of its logits (:func:`~mlx_mtp.verify.top_tokens`) beside the argmax
-    or draw, evaluated with it (the pipeline and its one synchronisation per
-    token stay); :attr:`last_top` holds those of the token just returned.
-    """
-
-    def __init__(self, sampler: Sampler | None, topk: int = 0):
-        self.sampler, self.topk = sampler, topk
-        #: (lazy argmax after the queued token, its lazy top-k or None, cache
-        #: offset after it, when the clock has it done)
-        self.next: tuple[mx.array, mx.array | None, int, float] | None = None
-        self.last_top: np.ndarray | None = None
-
-    def _top(self, logits: mx.array) -> mx.array | None:
-        return top_tokens(logits[-1:], self.topk)[0] if self.topk else None
-
-    def step(self, engine: Engine, root: int, queue_next: bool = True) -> list[int]:
-        """Commit one token after ``root``; with ``queue_next`` also start the
-        forward pass of that token (only where the cache can drop it again)."""
-        clock = engine.clock
-        if self.sampler is not None:
-            logits, _ = engine.forward_chain([root], wait=False)
-            last = logits[-1:].astype(mx.float32)
-            lp = last - mx.logsumexp(last, axis=-1, keepdims=True)
-            tok = draw(self.sampler, lp, engine.slot_positions[-1:] + 1)
-            top = self._top(logits)
-            engine.timed_eval(tok, *([] if top is None else [top]))
-            self.last_top = None if top is None else np.array(top)
-            return [int(tok.item())]
-        t0 = clock.now()
-        held, nxt, self.next = self.holds(engine, root), self.next, None
-        # the queued pass must be droppable again (root's pass too, when not held)
-        pipelined = queue_next and engine.trimmable(2 if held else 3)
-        if held:
-            y, top, done = nxt[0], nxt[1], nxt[3]  # root's forward was queued by the last step
-            engine.count_forward()  # that pass is used now
-        elif pipelined:
-            # the pipeline starts here (after a draft step, a prefill): root's
-            # pass is started before the graph of the next one is built, so
-            # that building it overlaps the device as in the steady state
-            logits = engine.queue_token(mx.array([root]))
-            engine.resolve_last(root)
-            engine.count_forward()
-            y, top = mx.argmax(logits, axis=-1), self._top(logits)
-            done = clock.launch([y, *([] if top is None else [top])], 1)
-        else:
-            logits, _ = engine.forward_chain([root], wait=False)
-            y, top, done = mx.argmax(logits[-1:], axis=-1), self._top(logits), 0.0
-            engine.timed_eval(y, *([] if top is None else [top]))
-            t0 = clock.now()
-
-        def read() -> int:
-            self.last_top = None if top is None else np.array(top)
-            return int(y.item())
-
-        if pipelined:
-            # queue the forward of y before reading it: the device works on while
-            # the host waits for y and hands it out
-            logits = engine.queue_token(y)
-            following, after = mx.argmax(logits, axis=-1), self._top(logits)
-            queued = clock.launch([following, *([] if after is None else [after])], 1)
-            tok = clock.block(read, done)
-            engine.resolve_last(tok)
-            self.next = (following, after, engine.offset, queued)
-        else:
-            tok = clock.block(read, done)
-        clock.add(clock.now() - t0)
-        return [tok]
-
-    @property
-    def queued(self) -> bool:
-        """Whether the forward pass of the last token is queued."""
-        return self.next is not None
-
-    def holds(self, engine: Engine, root: int) -> bool:
-        """Whether the cache holds ``root``'s queued forward pass (the last
-        step was pipelined), so that the next one-token step is half done."""
-        nxt = self.next
-        return nxt is not None and engine.offset == nxt[2] and engine.cached[-1] == root
-
-    def unqueue(self, engine: Engine, root: int) -> None:
-        """Drop a queued forward pass whose token a draft step feeds itself."""
-        if self.holds(engine, root):
-            engine.trim_to(engine.offset - 1)
-        self.next = None
 
 
 def _average(old: float | None, sample: float) -> float:
@@ -430,7 +193,8 @@ class Planner:
     (see the module doc).
 
     Args:
-        ctx: the method's context (``ctx.planner`` is set to this planner).
+        ctx: the method's context (this planner sets ``ctx.budget`` and
+            ``ctx.plain``).
         method: a prepared draft method (its ``auto`` turns the budget on).
         sampler: None for greedy decoding, else the sampler of plain decoding.
         curves: the forward cost curves (only read when ``method.auto``): a
@@ -468,10 +232,9 @@ class Planner:
         if learned is None:
             learned = Learned(Acceptance(method.acceptance_model()))
         self.acceptance = learned.acceptance
-        ctx.planner = self
-        # what the method's begin() may read (lookahead's window)
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
-        self.plain = PlainSteps(sampler, method.plain_topk)
+        self.plain = ctx.plain = PlainSteps(sampler, method.plain_topk)
+        ctx.budget = Budget(self.acceptance)
         self.plain_steps = self.reprobes = self.plain_spells = 0
         self.plain_left = learned.plain_left  # plain mode goes on across generations
         self.reprobe_cost, self.reprobe_seen = learned.reprobe_cost, learned.reprobe_seen
@@ -492,6 +255,14 @@ class Planner:
         self._kind = self._last_kind = ""
         self.loss = 0.0
         self._leaving = False  # this step finishes a queued pass to draft after it
+        self._brief()  # what the method's begin() may read (lookahead's window)
+
+    def _brief(self) -> None:
+        """Tell the method's sources what this step costs (``ctx.budget``)."""
+        b = self.ctx.budget
+        b.curve, b.t1 = self.curve, self.t1
+        b.host_cost, b.plain_cost = self.host_cost, self.plain_cost
+        b.probing = self.auto and (self._due or self._cheap((3,)))
 
     # ----------------------------------------------------------------- step
     def step(self, root: int) -> StepOutput:
@@ -620,30 +391,11 @@ class Planner:
                 self.reprobe_seen,
             )
 
-    def chain_length(self, source: str, most: int, item_cost: float) -> int:
-        """How many drafts a source whose drafts cost ``item_cost`` one-token
-        forwards each should make (a native MTP layer), from its per-depth
-        estimates under the cost curve: ``most`` with fixed settings; at least
-        one on a re-probe or a nearly free device."""
-        if not self.auto:
-            return most
-        values = chain_values(self.acceptance.qs(source, most))
-        n, _ = best_prefix(self.curve, values, 1, item_cost=item_cost, base_cost=self.host_cost)
-        if self._due or self._cheap((3,)):
-            n = max(n, 1)
-        return n
-
     @property
     def t1(self) -> float | None:
         """Seconds of a one-token forward of the target, as the curve knows it
         now (None: not known, or fixed settings)."""
         return self.curves.t1 if self.auto else None
-
-    def prefix_bound(self, item_cost: float, max_slots: int) -> PrefixBound:
-        """A :class:`~mlx_mtp.budget.PrefixBound` on this step's curve, for a
-        source that decides while it drafts whether drafting more can pay
-        (each draft costing ``item_cost`` one-token forwards: a draft model)."""
-        return PrefixBound(self.curve, max_slots, 1, 0.0, item_cost, self.host_cost)
 
     def _sunk(self, seconds: float) -> float:
         """``seconds`` of device work beside the target's passes in one-token
@@ -683,6 +435,7 @@ class Planner:
             self.plain.unqueue(engine, root)
         if self.auto:  # the cost of a draft slot grows with the context
             self.curve = self.curves.at(engine.offset)
+        self._brief()
         aside = engine.clock.aside
         offer = self.method.propose(self.ctx, root)
         reprobe, self._due = self._due, False

@@ -83,8 +83,7 @@ def run(model, name, opts, prompt, sampler, n, slow=False, measure=False):
     finally:
         if pinned is not None:
             os.environ["MLX_MTP_COST_CURVE"] = pinned
-    curves = ctx.planner.curves if ctx.planner is not None else None
-    curve = curves.at(0) if curves is not None else None  # at the shortest context
+    curve = ctx.budget.curve if ctx.budget is not None else None  # at the last step
     return {
         "tokens": toks,
         "accept_lengths": lens,

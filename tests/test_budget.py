@@ -25,7 +25,7 @@ from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import DraftMethod
-from mlx_mtp.planner import chain_offer
+from mlx_mtp.offers import chain_offer
 
 #: this CPU, SmolLM2-135M float32 (issue 22, engine tree forward, medians)
 CPU_CURVE = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97])

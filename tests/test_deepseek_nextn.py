@@ -148,7 +148,7 @@ def _mtp_sweep(deepseek, prompts, n):
         assert out == ref and stats.drafted > 0
         out, stats = _generate(engine, hyb, prompt, n)
         assert out == ref and stats.drafted > 0
-    assert engine.planner.acceptance.source("mtp").tried[1] > 0
+    assert engine.budget.acceptance.source("mtp").tried[1] > 0
 
 
 def test_mtp_and_hybrid_with_nextn_equal_ntp(deepseek):

@@ -199,12 +199,10 @@ def test_draft_at_a_queued_root_feeds_the_root_once(pair):
     prompt = _prompts(1, seed=6)[0]
     ctx.engine.sync(prompt)  # the root (prompt's last token) is in the cache: queued
     root = prompt[-1]
-    planner = types.SimpleNamespace(
-        plain=types.SimpleNamespace(holds=lambda engine, r: r == root),
-        acceptance=types.SimpleNamespace(q=lambda source, d: 1.0),
-        t1=None,
+    ctx.plain = types.SimpleNamespace(holds=lambda engine, r: r == root)
+    ctx.budget = types.SimpleNamespace(
+        acceptance=types.SimpleNamespace(q=lambda source, d: 1.0), t1=None
     )
-    ctx.planner = planner
     m.source.begin(prompt[:-1] + [root])
     chains = m.source.candidates(ctx, root, 3, auto=False)
     fresh = Context(Engine(close.model), close)

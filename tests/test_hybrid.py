@@ -168,7 +168,8 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     same prefix as best_prefix over a full allocation: CPU-like, flat (GPU-like)
     and linear curves, masks on and off, calibration above and below 1."""
     from mlx_mtp.budget import CostCurve, best_prefix
-    from mlx_mtp.planner import Offer, cut_offer
+    from mlx_mtp.offers import Offer
+    from mlx_mtp.planner import cut_offer
 
     rng = np.random.default_rng(seed)
     table = _random_tree(rng)
@@ -207,7 +208,8 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
 
 def test_allocation_bound_stops_early_on_a_rising_curve():
     from mlx_mtp.budget import CostCurve
-    from mlx_mtp.planner import Offer, cut_offer
+    from mlx_mtp.offers import Offer
+    from mlx_mtp.planner import cut_offer
 
     # a 63-node chain of q = 0.6 on this CPU's curve: only the first few pay
     table = {tuple(range(100, 100 + d)): [(100 + d, 0.6)] for d in range(63)}

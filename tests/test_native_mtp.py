@@ -26,7 +26,7 @@ from mlx_mtp.families import check_cache_support
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.native_mtp import find_mtp_tensors, load_native_mtp
-from mlx_mtp.planner import chain_offer
+from mlx_mtp.offers import chain_offer
 
 N_TOKENS = 48
 
@@ -429,7 +429,7 @@ def test_hybrid_drafts_from_the_mtp_layer_as_a_chain_on_hybrid_models(hybrid, tm
             assert out == ref, (bc, prompt)
             assert stats.drafted > 0
             # the MTP layer's drafts were verified
-            assert engine.planner.acceptance.source("mtp").tried[1] > 0
+            assert engine.budget.acceptance.source("mtp").tried[1] > 0
     with pytest.raises(UnsupportedModelError, match="branching draft tree"):
         _method(engine, make_method("hybrid", shape="tree"))
     if hybrid[0] == "qwen3_next":  # takes no input embeddings: no mask slots

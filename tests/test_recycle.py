@@ -18,7 +18,8 @@ from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError, UnsupportedModelError
 from mlx_mtp.methods import make_method
 from mlx_mtp.methods.recycle import Recycle
-from mlx_mtp.planner import PlainResult, PlainSteps
+from mlx_mtp.offers import PlainResult
+from mlx_mtp.plain import PlainSteps
 from mlx_mtp.sources.recycle import RANK_PRIORS, RecycleTable
 from mlx_mtp.speculative import Draft, Verified
 from mlx_mtp.verify import top_tokens

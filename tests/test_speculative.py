@@ -23,7 +23,7 @@ from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.families import check_tree_support
 from mlx_mtp.methods.base import DraftMethod
 from mlx_mtp.methods.ntp import NTP
-from mlx_mtp.planner import Item, Offer, chain_offer
+from mlx_mtp.offers import Item, Offer, chain_offer
 from mlx_mtp.speculative import Draft, speculative_step
 
 PROMPT = [3, 17, 42, 9, 100, 7, 12]

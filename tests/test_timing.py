@@ -128,7 +128,7 @@ def test_the_pipeline_restarts_without_waiting_for_the_roots_pass():
     starts that pass and builds the next token's pass while it runs: two
     launches, then one wait, as in a step of the steady state; it commits the
     same tokens as unpipelined steps."""
-    from mlx_mtp.planner import PlainSteps
+    from mlx_mtp.plain import PlainSteps
 
     model = make_tiny_model("llama", seed=3, tie_word_embeddings=False)
     prompt = [5, 17, 99, 3]
@@ -169,7 +169,7 @@ def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
     without the sleep the intervals stay short."""
     from mlx_mtp import planner
     from mlx_mtp.methods.base import DraftMethod
-    from mlx_mtp.planner import chain_offer
+    from mlx_mtp.offers import chain_offer
 
     intervals = []
     real = planner.plain_interval
@@ -230,7 +230,7 @@ def test_a_reprobes_cost_is_measured_whole(monkeypatch):
     under way: 1.5 forwards more)."""
     from mlx_mtp import planner
     from mlx_mtp.methods.base import DraftMethod
-    from mlx_mtp.planner import chain_offer
+    from mlx_mtp.offers import chain_offer
 
     class SlowWrongChain(DraftMethod):
         name, auto = "slow-wrong-chain", True
@@ -270,7 +270,7 @@ def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch):
     Without that bound the carried estimates keep it drafting, and losing."""
     from mlx_mtp import planner
     from mlx_mtp.methods.base import DraftMethod
-    from mlx_mtp.planner import chain_offer
+    from mlx_mtp.offers import chain_offer
 
     class Oracle(DraftMethod):
         """Drafts the reference continuation (``right``) or wrong tokens."""

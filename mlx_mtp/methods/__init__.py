@@ -1,7 +1,7 @@
 """Method registry: ``--method`` name -> class.
 
 A draft method subclasses :class:`DraftMethod` (``propose`` an
-:class:`~mlx_mtp.planner.Offer`, ``observe`` the outcome; see
+:class:`~mlx_mtp.offers.Offer`, ``observe`` the outcome; see
 docs/contributing.md); a method that commits tokens itself subclasses
 :class:`Method` and writes its own ``step``.
 

@@ -3,7 +3,7 @@
 Two kinds of method:
 
 - :class:`DraftMethod` (every speculative and adaptive method): it
-  *proposes* an :class:`~mlx_mtp.planner.Offer` (best-first draft items and
+  *proposes* an :class:`~mlx_mtp.offers.Offer` (best-first draft items and
   how to build the draft of any prefix) and *observes* what was committed.
   The :class:`~mlx_mtp.planner.Planner` decides how much of the offer a step
   sends, when to run plain one-token steps instead and when to re-probe, and
@@ -21,7 +21,8 @@ from ..acceptance import AcceptanceModel
 from ..context import Context
 from ..errors import InvalidArgumentError
 from ..families import check_tree_support
-from ..planner import Offer, PlainResult, PlainSteps, StepOutput
+from ..offers import Offer, PlainResult, StepOutput
+from ..plain import PlainSteps
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 
@@ -133,7 +134,7 @@ class DraftMethod(Method):
         """Update the method's own state (mask vectors, pools) from a step:
         a verified draft (``draft`` and its :class:`~mlx_mtp.speculative.Verified`),
         or a one-token step of plain mode (``draft`` None, a
-        :class:`~mlx_mtp.planner.PlainResult`). ``ctx.engine`` is there for
+        :class:`~mlx_mtp.offers.PlainResult`). ``ctx.engine`` is there for
         device work on the pass's outputs (``lm_head`` on hidden rows, top-k
         through ``timed_eval``); the cache already holds the accepted path."""
 

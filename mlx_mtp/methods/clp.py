@@ -48,7 +48,7 @@ from ..clp_format import CLPHeads, count_params, find_heads, load_heads, resolve
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
-from ..planner import Offer, PlainResult, StepOutput, chain_offer
+from ..offers import Offer, PlainResult, StepOutput, chain_offer
 from ..speculative import Draft, Verified
 from ..verify import Sampler, target_graph
 from .base import DraftMethod, parse_int

@@ -69,7 +69,7 @@ from ..confadapt_format import (  # noqa: F401  (re-exported: the names before t
 )
 from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..planner import Item, Offer, StepOutput
+from ..offers import Item, Offer, StepOutput
 from ..sampling import draw
 from ..verify import Sampler
 from .base import DraftMethod, parse_int

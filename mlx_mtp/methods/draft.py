@@ -20,7 +20,7 @@ from ..acceptance import AcceptanceModel, chain_values
 from ..allocate import Allocator, CandidateChildren, merge_chains
 from ..context import Context
 from ..errors import InvalidArgumentError
-from ..planner import Item, Offer
+from ..offers import Item, Offer
 from ..sources.draft import DraftModel, DraftModelDrafter, parse_width
 from ..speculative import Draft
 from .base import SourceMethod, parse_int

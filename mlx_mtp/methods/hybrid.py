@@ -44,8 +44,8 @@ from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
 from ..native_mtp import has_native_mtp
+from ..offers import Item, Offer, PlainResult
 from ..pipeline import CompositeDrafter
-from ..planner import Item, Offer, PlainResult
 from ..sources.draft import DraftModel, parse_width
 from ..sources.lookup import LookupDrafter, PromptLookup
 from ..sources.masks import (
@@ -312,7 +312,7 @@ class Hybrid(DraftMethod):
                 chains.append(("pool", toks, qs["pool"][: len(toks)]))
         if self.drafter is not None:
             # the layer's drafts cost a pass each: the planner sizes the chain
-            n = ctx.planner.chain_length("mtp", self.mtp_depth, self.drafter.draft_cost)
+            n = ctx.budget.chain_length("mtp", self.mtp_depth, self.drafter.draft_cost)
             toks = self.drafter.draft(engine, min(n, depth))
             if toks:
                 chains.append(("mtp", toks, acc.qs("mtp", len(toks))))

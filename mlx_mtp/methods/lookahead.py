@@ -44,7 +44,7 @@ import numpy as np
 from ..acceptance import chain_values
 from ..context import Context
 from ..families import check_tree_support
-from ..planner import Item, Offer, PlainResult
+from ..offers import Item, Offer, PlainResult
 from ..sources.pool import NGramPool, build_trie
 from ..speculative import Draft, Verified
 from ..verify import Sampler
@@ -133,8 +133,7 @@ class Lookahead(DraftMethod):
         if self.auto_window:  # the widest window that is nearly free on this device
             # (its pass and the host work of a lookahead step, as measured, against
             # a plain step's time)
-            planner = ctx.planner
-            host, plain = planner.host_cost, planner.plain_cost
+            host, plain = ctx.budget.host_cost, ctx.budget.plain_cost
             self.window = 0
             for w in range(self.PAPER_WINDOW, 0, -1):
                 step = ctx.curve(1 + (self.level - 1) * w) + host

@@ -46,7 +46,7 @@ import numpy as np
 from ..context import Context
 from ..errors import InvalidArgumentError
 from ..native_mtp import HIDDEN_STATES
-from ..planner import Offer, PlainResult, chain_offer
+from ..offers import Offer, PlainResult, chain_offer
 from ..sources.native import NativeDrafter
 from ..speculative import Draft, Verified
 from ..verify import Sampler

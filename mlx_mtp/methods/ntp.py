@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..context import Context
-from ..planner import PlainSteps, StepOutput
+from ..offers import StepOutput
+from ..plain import PlainSteps
 from ..verify import Sampler
 from .base import Method
 
@@ -12,7 +13,7 @@ class NTP(Method):
     """One token per forward pass: argmax (greedy) or a draw from mlx-lm's sampler.
 
     Greedy decoding is pipelined like mlx-lm's ``generate_step``
-    (:class:`~mlx_mtp.planner.PlainSteps`): each step queues the forward pass
+    (:class:`~mlx_mtp.plain.PlainSteps`): each step queues the forward pass
     of the token it is about to return before reading that id, so the device
     computes token n+1 while the host hands out token n. The cache therefore
     holds one token more than committed between steps (the decoding loop

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..acceptance import AcceptanceModel
 from ..context import Context
-from ..planner import Offer, chain_offer
+from ..offers import Offer, chain_offer
 from ..sources.lookup import LookupDrafter, PromptLookup
 from .base import DraftMethod, parse_int
 

@@ -33,7 +33,7 @@ from ..allocate import build_tree
 from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import check_tree_support
-from ..planner import Item, Offer, PlainResult, chain_offer
+from ..offers import Item, Offer, PlainResult, chain_offer
 from ..sources.masks import (
     PROBE_RANK_PRIORS,
     MaskDrafter,

@@ -20,7 +20,7 @@ import numpy as np
 from ..acceptance import AcceptanceModel, CalibrationModel
 from ..allocate import Allocator
 from ..context import Context
-from ..planner import Offer, PlainResult
+from ..offers import Offer, PlainResult
 from ..sources.recycle import (
     DEEP,
     DEEP_PRIORS,

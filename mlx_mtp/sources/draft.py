@@ -201,7 +201,7 @@ class DraftModel:
             eng.clock.add(eng.clock.now() - t0)
             t0 = eng.clock.now()
             if auto or eng.rollback is not None:
-                bound = ctx.planner.prefix_bound(self.draft_cost, 1 + depth) if auto else None
+                bound = ctx.budget.prefix_bound(self.draft_cost, 1 + depth) if auto else None
                 rows = self._stepwise(ctx, feed, depth, bound)
             else:
                 rows = self._queued(feed, depth)
@@ -289,7 +289,7 @@ class DraftModel:
         per = seconds / passes
         old = self.seconds_per_pass
         self.seconds_per_pass = per if old is None else 0.8 * old + 0.2 * per
-        t1 = ctx.planner.t1 if ctx.planner is not None else None
+        t1 = ctx.budget.t1 if ctx.budget is not None else None
         if t1:
             self.draft_cost = self.seconds_per_pass / t1
 

@@ -14,7 +14,7 @@ no draft model and no training. Read top to bottom:
    branches too (:meth:`RecycleTable.learn`; where a token occurs twice in
    one pass, the row from its committed context is the one kept), and every
    plain one-token step (:meth:`RecycleTable.plain`; the planner builds its
-   top-k beside the argmax, :class:`~mlx_mtp.planner.PlainSteps`). The
+   top-k beside the argmax, :class:`~mlx_mtp.plain.PlainSteps`). The
    top-k is device work in the same synchronisation as the target tokens
    (:func:`~mlx_mtp.verify.top_tokens`); only (slots, k) ids reach the host.
 2. Candidates (:meth:`RecycleTable.children`): the children of a draft node
@@ -47,7 +47,7 @@ from ..verify import top_tokens
 
 if TYPE_CHECKING:
     from ..context import Context
-    from ..planner import PlainResult
+    from ..offers import PlainResult
     from ..speculative import Draft, Verified
 
 #: the acceptance statistics' source name (its depth buckets are ranks 1..k)

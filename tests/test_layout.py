@@ -1,0 +1,100 @@
+"""The package's layout: no import circle between its modules (an AST scan, so
+imports inside functions and under ``TYPE_CHECKING`` count too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mlx_mtp
+
+PACKAGE = Path(mlx_mtp.__file__).parent
+
+#: the one circle left, through a function-level import: ``LoadedModel.bind``
+#: (mlx_mtp.loading) returns an ``MTPModel`` (mlx_mtp.api), which is built
+#: from a ``LoadedModel``
+ALLOWED = {frozenset({"mlx_mtp.api", "mlx_mtp.loading"})}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                if path.name != "__init__.py":
+                    base = base[:-1]
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if f"{mod}.{a.name}" in modules:
+                    out.add(f"{mod}.{a.name}")
+                elif mod in modules:
+                    out.add(mod)
+    # a package's own __init__ runs before any of its modules: not a circle
+    return {m for m in out if m != name and not name.startswith(m + ".")}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_scan_finds_a_circle():
+    """The scan sees a circle where there is one (and through a function-level
+    import)."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(edges) == [frozenset({"a", "b", "c"})]
+    modules = _modules()
+    assert "mlx_mtp.api" in _imports("mlx_mtp.loading", modules["mlx_mtp.loading"], modules)
+
+
+def test_no_import_circle_in_the_package():
+    modules = _modules()
+    edges = {m: _imports(m, p, modules) for m, p in modules.items()}
+    circles = [sorted(c) for c in _circles(edges) if c not in ALLOWED]
+    assert circles == [], f"modules that import each other: {circles}"
