@@ -42,9 +42,15 @@ from mlx_mtp.methods import make_method
 
 args = json.loads(sys.argv[1])
 from mlx_mtp import timing
+try:  # a tree whose simulated device is the bench's, installed by the front end
+    from mlx_mtp.bench import simulate
+    simulate.install()
+    Sim = simulate.SimulatedClock
+except ImportError:  # an older tree: its engines read MLX_MTP_SIMULATE_DEVICE themselves
+    Sim = timing.SimulatedClock
 IDLE = [0.0]
-if not hasattr(timing.SimulatedClock, "start_idle_count"):  # a tree that does not count it
-    _launch = timing.SimulatedClock.launch
+if not hasattr(Sim, "start_idle_count"):  # a tree that does not count it
+    _launch = Sim.launch
 
     def _counted(self, outputs, slots, *rest):
         free = self.free
@@ -53,7 +59,7 @@ if not hasattr(timing.SimulatedClock, "start_idle_count"):  # a tree that does n
             IDLE[0] += max(done - self.seconds_per_token * self.curve(slots) - free, 0.0)
         return done
 
-    timing.SimulatedClock.launch = _counted
+    Sim.launch = _counted
 lm = load_model(args["model"], dtype="float32")
 tok = lm.tokenizer
 qs = load_questions()

@@ -463,6 +463,10 @@ def main() -> None:
     if not distributed.is_main():
         _quiet_rank()
     try:
+        # MLX_MTP_SIMULATE_DEVICE: every command's engines on the simulated device
+        from .bench.simulate import install
+
+        install()
         code = app(standalone_mode=False)
     except (MTPError, OSError) as e:  # OSError: an --out/--data path that cannot be used
         typer.echo(f"error: {e}", err=True)

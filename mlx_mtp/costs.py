@@ -48,7 +48,6 @@ from .budget import CostCurve, CostCurves, as_curves, parse_curve
 from .cache_view import install_positional_rope
 from .errors import UnsupportedModelError
 from .fingerprint import model_fingerprint, token_embedding
-from .timing import simulated_device
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -401,8 +400,8 @@ _LIVE: dict[str, LiveCurves] = {}
 
 def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
     """This device's forward cost curves for the engine's model (see the
-    module doc): a simulated device's (``$MLX_MTP_SIMULATE_DEVICE``,
-    :mod:`mlx_mtp.timing`), else ``$MLX_MTP_COST_CURVE`` (pinned, not
+    module doc): the curve the engine's clock defines (a simulated device,
+    :meth:`~mlx_mtp.timing.DeviceClock.known_curve`), else ``$MLX_MTP_COST_CURVE`` (pinned, not
     refined), else shared
     per (model, device, dtype) in this process, else the cached file, else a
     warm-up measurement (cached). ``MLX_MTP_REMEASURE_COST=1`` ignores the
@@ -414,11 +413,9 @@ def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
     Raises:
         InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
     """
-    sim = simulated_device()
-    if sim is not None:  # the planner runs on the simulated device's own curve
-        per_token, curve = sim
-        sim_curve = CostCurve(curve.sizes, curve.costs, seconds=per_token)
-        return LiveCurves(CostCurves([sim_curve]), learn=False)
+    known = engine.clock.known_curve()
+    if known is not None:  # the planner runs on the simulated device's own curve
+        return LiveCurves(CostCurves([known]), learn=False)
     spec = os.environ.get("MLX_MTP_COST_CURVE")
     if spec:
         return LiveCurves(CostCurves([parse_curve(spec)]), learn=False)

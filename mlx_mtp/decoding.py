@@ -285,7 +285,7 @@ def generate_steps(
             stats.decode_time = clock.now() - t0
             stats.forward_time = engine.forward_seconds - f0
             stats.slots = engine.forward_slots - s0
-            if clock.simulated:
+            if clock.idle is not None:
                 stats.idle_time = clock.idle - i0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             passes = max(out.forwards, 1)

@@ -585,9 +585,9 @@ class Pipeline:
         return out
 
     def _device_seconds(self, slots: int) -> float:
-        clock = self.engine.clock
-        if clock.simulated:
-            return clock.seconds_per_token * clock.curve(slots)
+        known = self.engine.clock.pass_seconds(slots)
+        if known is not None:
+            return known
         t1 = self.policy.curves.t1 if self.policy.curves is not None else None
         return t1 * self.curve(slots) if t1 and self.curve is not None else 0.0
 
@@ -695,7 +695,7 @@ def overlaps(engine: Engine) -> bool:
     forced = os.environ.get("MLX_MTP_PIPELINE")
     if forced in ("0", "1", "sync"):
         return forced == "1"
-    return engine.clock.simulated or mx.default_device().type == mx.gpu
+    return engine.clock.overlaps
 
 
 def pipeline_for(

@@ -7,25 +7,21 @@ time. A pass can be started without waiting (``mx.async_eval``): the host then
 builds the graphs that read its outputs while the device runs, and
 :meth:`DeviceClock.wait` counts the device time from the pass's start.
 
-:class:`SimulatedClock` (``MLX_MTP_SIMULATE_DEVICE``) is a virtual clock for
-judging the budget against a fast GPU on a machine that has none: every
-forward pass takes the simulated device's time for its slot count instead of
-this machine's, host work takes its real time, and a pass queued before the
-host goes on overlaps that host work, as on a real device (see
-:func:`simulated_device` and docs/mac.md).
+Every :class:`~mlx_mtp.engine.Engine` gets its clock from :func:`make_clock`,
+a real one unless a tool has installed another with :func:`use_clock`: the
+benchmark's simulated device (:mod:`mlx_mtp.bench.simulate`) is such a clock,
+installed by the command line under ``MLX_MTP_SIMULATE_DEVICE``. The decoding
+path only counts and waits through this interface.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-
-from .errors import InvalidArgumentError
 
 
 class DeviceClock:
@@ -43,10 +39,9 @@ class DeviceClock:
             when it is done).
     """
 
-    simulated = False
-    #: seconds the device sat idle waiting for the host (known on a
-    #: simulated device only: :class:`SimulatedClock`)
-    idle = 0.0
+    #: seconds the device sat idle waiting for the host, where the clock
+    #: knows them (a simulated device's; None: not known)
+    idle: float | None = None
 
     def __init__(self) -> None:
         self.passes = 0
@@ -58,6 +53,28 @@ class DeviceClock:
     def now(self) -> float:
         """The clock's time in seconds (``time.perf_counter`` here)."""
         return time.perf_counter()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a pass started without waiting runs while the host goes on
+        (a GPU; MLX's CPU backend evaluates it inside ``mx.async_eval``)."""
+        return mx.default_device().type == mx.gpu
+
+    def pass_seconds(self, slots: int) -> float | None:
+        """Seconds a pass of ``slots`` slots takes where the clock knows it
+        (a simulated device), else None."""
+        return None
+
+    def known_curve(self) -> Any:
+        """The device's cost curve where the clock defines it (a simulated
+        device: a :class:`~mlx_mtp.budget.CostCurve` with the seconds of a
+        one-token pass), else None: measured by :mod:`mlx_mtp.costs`."""
+        return None
+
+    def fork(self, scale: float) -> DeviceClock:
+        """A clock for another engine on the same device whose passes take
+        ``scale`` times this one's (a draft model: its weight bytes' share)."""
+        return DeviceClock()
 
     def count(self, slots: int = 1) -> None:
         """Count one forward pass of ``slots`` input slots."""
@@ -170,116 +187,18 @@ class DeviceClock:
             self.passes, self.slots, self.seconds, self.aside = saved
 
 
-class SimulatedClock(DeviceClock):
-    """A virtual clock: forward passes take a simulated device's time.
-
-    Virtual time runs with real time, except while the host waits for this
-    machine's computation of a pass: that wait is left out, and the clock
-    moves on to when the simulated device would have finished the pass. The
-    simulated device runs one pass at a time; a pass of ``n`` slots takes
-    ``seconds_per_token * curve(n)``. So a pipelined one-token step (the next
-    pass queued before the host reads the current token) costs the larger of
-    its host work and the device time, a draft step its serial host work plus
-    the device time. This machine computes each pass when it is launched,
-    so that its compute never shares the cores with the host work measured
-    meanwhile. Device work outside passes (top-k, an MTP layer) keeps its
-    real time.
-
-    Args:
-        seconds_per_token: the simulated one-token pass.
-        curve: the simulated relative cost ``c(n)`` (a
-            :class:`~mlx_mtp.budget.CostCurve`).
-    """
-
-    simulated = True
-
-    def __init__(self, seconds_per_token: float, curve: Any):
-        super().__init__()
-        self.seconds_per_token, self.curve = seconds_per_token, curve
-        self.offset = 0.0  # virtual - real time
-        self.free = 0.0  # when the simulated device finishes its queue
-        self.paused: float | None = None  # virtual time stopped at (pause)
-        #: seconds the simulated device sat idle, its queue empty, before a
-        #: pass was launched: the host work on the critical path
-        self.idle = 0.0
-
-    def now(self) -> float:
-        return time.perf_counter() + self.offset
-
-    def launch(self, outputs: list[mx.array], slots: int, cost: float | None = None) -> float:
-        # computed here and now, its time left out: this machine's compute must
-        # not run beside the host work that the virtual clock measures (on a
-        # CPU it would share the cores and slow that work down)
-        r0 = time.perf_counter()
-        mx.eval(*outputs)
-        self.offset -= time.perf_counter() - r0
-        now = self.now()
-        if self.free:  # a gap since the last pass ended (none before the first)
-            self.idle += max(now - self.free, 0.0)
-        start = max(now, self.free)
-        self.free = start + self.seconds_per_token * (self.curve(slots) if cost is None else cost)
-        return self.free
-
-    def block(self, read: Callable[[], Any], done: float = 0.0) -> Any:
-        r0 = time.perf_counter()
-        out = read()
-        self.offset -= time.perf_counter() - r0  # this machine's compute: not counted
-        self.offset += max(done - self.now(), 0.0)  # the simulated device's instead
-        return out
-
-    def sync(self) -> None:
-        self.block(mx.synchronize, self.free)
-
-    def _shift(self, seconds: float) -> None:
-        self.offset += seconds
-        self.free = max(self.free, self.now())  # the other's passes held the device
-
-    def start_idle_count(self) -> None:
-        """Decoding starts: the device's idle time counts from now on (a gap
-        before, such as a prefill, is not the decoding steps' host work)."""
-        self.free = max(self.free, self.now())
-
-    def pause(self) -> None:
-        """Stop virtual time (another engine's steps run meanwhile: an
-        interleaved bench); a pass still queued stays in flight."""
-        self.paused = self.now()
-
-    def resume(self) -> None:
-        """Let virtual time run on from where :meth:`pause` stopped it."""
-        if self.paused is not None:
-            self.offset += self.paused - self.now()
-            self.paused = None
-
-
-def simulated_device(spec: str | None = None) -> tuple[float, Any] | None:
-    """The simulated device of ``MLX_MTP_SIMULATE_DEVICE`` (or ``spec``):
-    ``"ms_per_token=12,curve=1:1,16:1.05,64:1.3"`` -> (seconds per token,
-    :class:`~mlx_mtp.budget.CostCurve`), None when not set.
-
-    Raises:
-        InvalidArgumentError: a malformed specification.
-    """
-    from .budget import parse_curve
-
-    spec = os.environ.get("MLX_MTP_SIMULATE_DEVICE") if spec is None else spec
-    if not spec:
-        return None
-    ms, _, curve = spec.replace(" ", "").partition(",curve=")
-    key, _, value = ms.partition("=")
-    try:
-        per_token = float(value) / 1000.0
-        if key != "ms_per_token" or not curve or not 0 < per_token < 60:
-            raise ValueError
-        return per_token, parse_curve(curve)
-    except (ValueError, InvalidArgumentError):
-        raise InvalidArgumentError(
-            f"MLX_MTP_SIMULATE_DEVICE={spec!r} is not a device: give "
-            "'ms_per_token=MS,curve=SLOTS:COST,...', e.g. "
-            "'ms_per_token=12,curve=1:1,16:1.05,64:1.3'."
-        ) from None
+_factory: Callable[[], DeviceClock] = DeviceClock
 
 
 def make_clock() -> DeviceClock:
-    """A :class:`SimulatedClock` under ``MLX_MTP_SIMULATE_DEVICE``, else a real one."""
-    sim = simulated_device()
-    return SimulatedClock(*sim) if sim is not None else DeviceClock()
+    """A new engine's clock: a real one, or what :func:`use_clock` installed."""
+    return _factory()
+
+
+def use_clock(factory: Callable[[], DeviceClock] | None) -> Callable[[], DeviceClock]:
+    """Give every engine made from now on a clock from ``factory`` (None: a
+    real one again), e.g. the bench's simulated device; returns the factory
+    it replaces."""
+    global _factory
+    previous, _factory = _factory, factory or DeviceClock
+    return previous

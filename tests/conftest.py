@@ -33,6 +33,18 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def simulate(monkeypatch):
+    """``simulate(spec)``: the engines the test makes afterwards run on the
+    bench's simulated device (mlx_mtp.bench.simulate); real clocks again
+    after the test."""
+    from mlx_mtp import timing
+    from mlx_mtp.bench.simulate import install
+
+    monkeypatch.setattr(timing, "_factory", timing._factory)  # restored afterwards
+    return install
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded model loaded in float32: a ``LoadedModel``."""

@@ -211,19 +211,20 @@ def test_draft_at_a_queued_root_feeds_the_root_once(pair):
     assert m.source.engine.cached == [*prompt, *ref[:2]]
 
 
-def test_a_simulated_device_runs_the_draft_model_in_its_weight_bytes(pair, monkeypatch):
+def test_a_simulated_device_runs_the_draft_model_in_its_weight_bytes(pair, simulate):
     """On a simulated device (``MLX_MTP_SIMULATE_DEVICE``) a draft pass takes
     the simulated target pass's time scaled by the two models' weight bytes
     (a memory-bound pass reads every weight once), and the target's virtual
     clock counts those passes at that time, not at this machine's compute."""
+    from mlx_mtp.bench.simulate import SimulatedClock
     from mlx_mtp.sources.draft import weight_bytes
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", "ms_per_token=40,curve=1:1,64:1")
+    simulate("ms_per_token=40,curve=1:1,64:1")
     target, _, far = pair
     ratio = weight_bytes(far.model) / weight_bytes(target.model)
     assert 0.2 < ratio < 0.8  # the one-layer draft model
     ctx = Context(Engine(target.model), target, curves=CostCurve.flat(16, 0.003))
-    assert ctx.engine.clock.simulated
+    assert isinstance(ctx.engine.clock, SimulatedClock)
     m = make_method("draft", draft_model=far, shape="chain", num_draft_tokens=2)
     m.prepare(ctx)
     out, stats = decode(ctx, m, _prompts(1, seed=7)[0], 30)

@@ -1,4 +1,4 @@
-"""The simulated device (mlx_mtp.timing.SimulatedClock): forward passes take
+"""The simulated device (mlx_mtp.bench.simulate.SimulatedClock): forward passes take
 the simulated device's time, host work its real time, pipelined passes overlap
 host work; and the planner's host term on it."""
 
@@ -8,15 +8,15 @@ import time
 
 import mlx.core as mx
 import pytest
-from conftest import decode
+from conftest import decode, run_cli
 from tiny_models import make_tiny_model
 
+from mlx_mtp.bench.simulate import SimulatedClock, simulated_device
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.methods import make_method
-from mlx_mtp.timing import SimulatedClock, simulated_device
 
 SPEC = "ms_per_token=12,curve=1:1,16:1.05,64:1.3"
 
@@ -28,6 +28,25 @@ def test_spec_parses_and_bad_specs_are_refused():
     for bad in ("ms_per_token=x,curve=1:1", "curve=1:1", "ms_per_token=12", "ms=12,curve=1:1"):
         with pytest.raises(InvalidArgumentError, match="MLX_MTP_SIMULATE_DEVICE"):
             simulated_device(bad)
+
+
+def test_the_command_line_runs_on_the_simulated_device(monkeypatch, capsys):
+    """``MLX_MTP_SIMULATE_DEVICE`` reaches every engine of an ``mlx-mtp``
+    command (installed by the front end, not read on the decoding path): the
+    stats line then has the simulated device's idle time; a malformed one is
+    refused with exit status 2."""
+    from mlx_mtp import timing
+
+    monkeypatch.setattr(timing, "_factory", timing._factory)  # restored afterwards
+    argv = ["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-tokens", "4"]
+    code, err = run_cli(argv, capsys)
+    assert code == 0 and "device idle" not in err
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    code, err = run_cli(argv, capsys)
+    assert code == 0 and "device idle" in err, err
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", "ms_per_token=fast")
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "MLX_MTP_SIMULATE_DEVICE" in err
 
 
 def test_a_pass_takes_the_simulated_time_not_this_machines():
@@ -51,25 +70,25 @@ def test_a_pass_takes_the_simulated_time_not_this_machines():
     assert 0.017 <= clock.now() - t0 < 0.017 + 0.008
 
 
-def test_plain_decoding_runs_at_the_simulated_speed(monkeypatch):
+def test_plain_decoding_runs_at_the_simulated_speed(simulate):
     """ntp on the simulated 12 ms/token device runs at about 83 tok/s on the
     virtual clock, whatever this CPU takes per pass (the tiny model here)."""
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     engine = Engine(make_tiny_model("llama", seed=0))
-    assert engine.clock.simulated
+    assert isinstance(engine.clock, SimulatedClock)
     out, stats = decode(engine, make_method("ntp"), [3, 5, 7, 9], 40)
     assert len(out) == 40
     assert 60 < stats.decode_tps <= 84  # host work of each step may show where it is longer
 
 
-def test_lookahead_window_auto_counts_the_host_time_its_steps_measured(monkeypatch):
+def test_lookahead_window_auto_counts_the_host_time_its_steps_measured(monkeypatch, simulate):
     """On a simulated fast device whose curve makes a 7-column window nearly
     free, lookahead's first generation runs the window; when its steps'
     host work (a sleep in every propose) is more than the window may cost,
     the next generation on the context runs no window, and stays exact."""
     from mlx_mtp.methods.lookahead import Lookahead
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
     real = Lookahead.propose
 
@@ -92,13 +111,13 @@ def test_lookahead_window_auto_counts_the_host_time_its_steps_measured(monkeypat
     assert windows[0] > 0 and windows[1] == 0
 
 
-def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch):
+def test_host_term_keeps_weak_drafts_off_a_fast_device(monkeypatch, simulate):
     """pld on a repetitive prompt, simulated fast device: with host work
     slowed (a sleep in every propose) the planner runs plain steps; with the
     host term off it drafts on and loses time."""
     from mlx_mtp.methods.pld import PLD
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     monkeypatch.setenv("MLX_MTP_PIPELINE", "0")  # the planner's steps
     real = PLD.propose
 
@@ -161,7 +180,7 @@ def test_the_pipeline_restarts_without_waiting_for_the_roots_pass():
     assert runs[True] == runs[False]
 
 
-def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
+def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch, simulate):
     """A re-probe costs its draft step and the pipeline's restart after it.
     Where the step after a draft step takes 30 ms more (a sleep in propose),
     the planner measures that in full at the first re-probe and spaces the
@@ -200,7 +219,7 @@ def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
         def observe(self, ctx, draft, result):
             self.last = "plain" if draft is None else "draft"
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
     model = make_tiny_model("llama", seed=0)
     prompt = [3, 5, 7, 9, 11, 13]
@@ -219,7 +238,7 @@ def test_the_reprobe_interval_prices_the_pipeline_restart(monkeypatch):
     assert max(spaced[0.0]) < planner.MAX_PLAIN_STEPS / 4, spaced
 
 
-def test_a_reprobes_cost_is_measured_whole(monkeypatch):
+def test_a_reprobes_cost_is_measured_whole(monkeypatch, simulate):
     """The planner times each re-probe from the step it comes due to the
     plain step that restarts the pipeline, net of the tokens it committed
     (``reprobe_seen``), and waits for a generation long enough for the larger
@@ -242,7 +261,7 @@ def test_a_reprobes_cost_is_measured_whole(monkeypatch):
         def observe(self, ctx, draft, result):
             pass
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
     monkeypatch.setattr(planner, "MAX_PLAIN_STEPS", 10)
     monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)
@@ -260,7 +279,7 @@ def test_a_reprobes_cost_is_measured_whole(monkeypatch):
     )
 
 
-def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch):
+def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch, simulate):
     """Acceptance estimates carried over from a text the drafts copied (a
     first generation on the context, every draft right) meet a text where
     every draft is wrong: the planner measures each draft step, the restart
@@ -294,7 +313,7 @@ def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch):
         def observe(self, ctx, draft, result):
             self.seq += result.tokens
 
-    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", SPEC)
+    simulate(SPEC)
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "1")
     model = make_tiny_model("llama", seed=0)
     first, second = [3, 5, 7, 9, 11, 13], [40, 2, 17, 90, 33, 8]

@@ -35,12 +35,12 @@ from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
 from ..loading import DTYPES, load_model, resolve_model, share_target
 from ..methods import make_method
-from ..timing import simulated_device
 from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
 from .peer import PEER_DRAFT_NAME, PEER_NAME, PEER_NAMES, MLXLMPeer
 from .plots import PLOT_FILES
 from .report import build_results, write_outputs
+from .simulate import SimulatedClock, simulating
 
 RECORDS = "records.jsonl"
 SETTINGS = "settings.json"
@@ -298,7 +298,23 @@ def run_bench(
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
-    if simulated_device() is not None and any(s.name in PEER_NAMES for s in config.methods):
+    # the engines made inside run on the simulated device of
+    # MLX_MTP_SIMULATE_DEVICE where it is set
+    with simulating() as sim:
+        return _run_bench(config, loaded, sim, overwrite, progress, plots, generate, pipeline)
+
+
+def _run_bench(
+    config: BenchConfig,
+    loaded: Any,
+    sim: Any,
+    overwrite: bool,
+    progress: bool,
+    plots: bool,
+    generate: bool,
+    pipeline: bool,
+) -> dict[str, Any]:
+    if sim is not None and any(s.name in PEER_NAMES for s in config.methods):
         raise InvalidArgumentError(
             f"the {PEER_NAME} row runs mlx-lm's own loop on this machine, not on the simulated "
             "device of MLX_MTP_SIMULATE_DEVICE: drop it from --methods, or unset the variable."
@@ -506,7 +522,7 @@ def _run_interleaved(
             for label in list(live):
                 g = live[label]
                 clock = models[label].engine.clock
-                if clock.simulated:
+                if isinstance(clock, SimulatedClock):
                     # each method's own virtual device and time line, stopped
                     # while the others run: a queued pass stays in flight, as
                     # in a run of this method alone

@@ -151,13 +151,12 @@ class DraftModel:
         self.loaded = load_draft(self.spec, dtype)
         name = getattr(self.loaded, "name", str(self.spec))
         check_tokenizers(ctx.loaded.tokenizer, self.loaded.tokenizer, ctx.loaded.name, name)
-        self.engine = Engine(self.loaded.model)
         self.vocab = len(ctx.loaded.tokenizer.vocab) if ctx.loaded.tokenizer else None
         self.draft_cost = weight_bytes(self.loaded.model) / max(weight_bytes(ctx.engine.model), 1)
-        if self.engine.clock.simulated:
-            # a memory-bound device reads every weight once per pass: a draft
-            # pass takes the simulated target pass's time in their weight bytes
-            self.engine.clock.seconds_per_token *= self.draft_cost
+        self.engine = Engine(self.loaded.model)
+        # on the target's device; a simulated one runs a draft pass in the
+        # target pass's time times their weight bytes
+        self.engine.clock = ctx.engine.clock.fork(self.draft_cost)
         self.seconds_per_pass: float | None = None
 
     def begin(self, prompt: list[int]) -> None:
