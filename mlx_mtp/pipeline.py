@@ -687,11 +687,13 @@ def _cache_arrays(engine: Engine) -> list[mx.array]:
 
 
 def overlaps(engine: Engine) -> bool:
-    """Whether pipelined steps pay on this device: its passes run while the
-    host goes on (a GPU, or the simulated one). MLX's CPU backend evaluates
-    a pass inside ``mx.async_eval``, so on a CPU nothing overlaps, and the
-    planner's steps, which size each pass from drafts the host has read,
-    send fewer slots. ``MLX_MTP_PIPELINE=1`` / ``0`` forces either way."""
+    """Whether pipelined steps are the default on this device
+    (:attr:`~mlx_mtp.timing.DeviceClock.overlaps`: a GPU, or the simulated
+    one). On a CPU a pass runs on MLX's own thread too, but its cost grows
+    steeply with its slots (compute-bound), so the planner's steps, which
+    size each pass from drafts the host has read and draft only where that
+    pays, stay the default there (docs/design.md §4.1 has the measurement).
+    ``MLX_MTP_PIPELINE=1`` / ``0`` forces either way."""
     forced = os.environ.get("MLX_MTP_PIPELINE")
     if forced in ("0", "1", "sync"):
         return forced == "1"

@@ -56,8 +56,12 @@ class DeviceClock:
 
     @property
     def overlaps(self) -> bool:
-        """Whether a pass started without waiting runs while the host goes on
-        (a GPU; MLX's CPU backend evaluates it inside ``mx.async_eval``)."""
+        """Whether pipelined steps are this device's default
+        (:func:`mlx_mtp.pipeline.overlaps`): a GPU, where a pass started
+        without waiting runs while the host goes on and a slot costs little.
+        (On a CPU the pass runs on MLX's thread too, and overlaps the host
+        where a second core is free, but its cost grows steeply with its
+        slots.)"""
         return mx.default_device().type == mx.gpu
 
     def pass_seconds(self, slots: int) -> float | None:
