@@ -25,13 +25,24 @@ EXE = str(Path(sys.executable).parent / "mlx-mtp")
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def _sigint_as_from_a_terminal() -> None:
+    # a shell starts background jobs with SIGINT ignored, and children inherit
+    # that: the command under test gets Ctrl-C as a user's terminal gives it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_when(
     argv: list[str], ready: Callable[[bytes, bytes], bool], sig: int = signal.SIGINT, **kw
 ) -> tuple[int, str, str]:
     """Run ``mlx-mtp argv``, send ``sig`` once ``ready(stdout, stderr)`` is
     true (both read so far), and return (exit status, stdout, stderr)."""
     proc = subprocess.Popen(
-        [EXE, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, **kw
+        [EXE, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        preexec_fn=_sigint_as_from_a_terminal,
+        **kw,
     )
     out, err = b"", b""
     os.set_blocking(proc.stdout.fileno(), False)
