@@ -138,14 +138,7 @@ class SlidingKVCache:
         size = self._allocated(rows)
         if size == have:
             return
-        B, H, _, Dk = like.shape
-        grow_k = mx.zeros((B, H, size - have, Dk), like.dtype)
-        grow_v = mx.zeros((B, H, size - have, like_v.shape[3]), like_v.dtype)
-        if self.keys is None:
-            self.keys, self.values = grow_k, grow_v
-        else:
-            self.keys = mx.concatenate([self.keys, grow_k], axis=2)
-            self.values = mx.concatenate([self.values, grow_v], axis=2)
+        self.keys, self.values = _grown(self.keys, self.values, size - have, like, like_v)
         pos = np.full(size, -1, dtype=np.int64)
         pos[: len(self.pos)] = self.pos
         self.pos = pos
@@ -548,11 +541,17 @@ def reserve(cache: Any, rows: int, keys: mx.array, values: mx.array) -> None:
         return
     step = getattr(cache, "step", 256)
     size = -(-rows // step) * step
-    B, H, _, Dk = keys.shape
-    grow_k = mx.zeros((B, H, size - have, Dk), keys.dtype)
-    grow_v = mx.zeros((B, H, size - have, values.shape[3]), values.dtype)
-    if cache.keys is None:
-        cache.keys, cache.values = grow_k, grow_v
-    else:
-        cache.keys = mx.concatenate([cache.keys, grow_k], axis=2)
-        cache.values = mx.concatenate([cache.values, grow_v], axis=2)
+    cache.keys, cache.values = _grown(cache.keys, cache.values, size - have, keys, values)
+
+
+def _grown(
+    keys: mx.array | None, values: mx.array | None, extra: int, like_k: mx.array, like_v: mx.array
+) -> tuple[mx.array, mx.array]:
+    """``keys``/``values`` (B, H, rows, D; None: no rows yet) with ``extra``
+    zero rows appended, shaped and typed like ``like_k``/``like_v``."""
+    B, H, _, Dk = like_k.shape
+    grow_k = mx.zeros((B, H, extra, Dk), like_k.dtype)
+    grow_v = mx.zeros((B, H, extra, like_v.shape[3]), like_v.dtype)
+    if keys is None:
+        return grow_k, grow_v
+    return mx.concatenate([keys, grow_k], axis=2), mx.concatenate([values, grow_v], axis=2)

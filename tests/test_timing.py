@@ -30,14 +30,11 @@ def test_spec_parses_and_bad_specs_are_refused():
             simulated_device(bad)
 
 
-def test_the_command_line_runs_on_the_simulated_device(monkeypatch, capsys):
+def test_the_command_line_runs_on_the_simulated_device(monkeypatch, capsys, simulate):
     """``MLX_MTP_SIMULATE_DEVICE`` reaches every engine of an ``mlx-mtp``
     command (installed by the front end, not read on the decoding path): the
     stats line then has the simulated device's idle time; a malformed one is
-    refused with exit status 2."""
-    from mlx_mtp import timing
-
-    monkeypatch.setattr(timing, "_factory", timing._factory)  # restored afterwards
+    refused with exit status 2. (``simulate``: real clocks after the test.)"""
     argv = ["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-tokens", "4"]
     code, err = run_cli(argv, capsys)
     assert code == 0 and "device idle" not in err
