@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: weight of what one generation learned when the next one on the context
+#: starts (:meth:`Acceptance.soften`)
+CARRY_WEIGHT = 0.5
+
 #: a node's provenance: (source name, depth 1.., raw score)
 Tag = tuple[str, int, float]
 

@@ -59,11 +59,13 @@ class GenerationStats:
     #: input slots over all forward passes (tokens + masks); slots / forward_passes
     #: is the mean tree size actually sent, at most the BC
     slots: int = 0
-    #: one-token steps the planner ran in plain mode (``auto``: no draft paid)
+    #: one-token steps the planner ran instead of a draft (``auto``: no draft paid)
     plain_steps: int = 0
-    #: re-probes after plain mode
+    #: probes: draft steps the planner's cut did not predict to pay, paid from
+    #: the generation's loss budget (docs/budget.md)
     reprobes: int = 0
-    #: times ``auto`` entered plain mode because no draft paid for its slots
+    #: times ``auto`` began a run of plain steps because no draft paid for its
+    #: slots
     plain_spells: int = 0
     #: the cost curve's ``c(8)`` (an 8-slot pass in one-slot passes: a small
     #: draft tree) the planner last planned with; 0 without ``auto``
@@ -133,7 +135,7 @@ class GenerationStats:
             why = (
                 f"auto kept to them {self.plain_spells} time(s) because no draft's expected "
                 "tokens paid for its slots on this device (an 8-slot pass costs "
-                f"{self.cost_8:.2f} 1-slot passes here), re-probing {self.reprobes} time(s)"
+                f"{self.cost_8:.2f} 1-slot passes here), probing {self.reprobes} time(s)"
             )
         else:
             why = "the method had nothing to draft at those steps"

@@ -83,12 +83,13 @@ class Offer:
             slot of any item not produced yet, node values times ``scale``.
         primes: after plain steps the method's first pass only makes
             candidates (see the module doc).
-        wait: an offer without items does not mean that none would pay: run
-            one unpipelined plain step and ask again (prompt lookup, whose
-            next token may match).
+        free: making the offer took no device work and its nodes are token
+            guesses (prompt lookup, the recycling table): the planner makes
+            it at plain steps too and scores it against the tokens they
+            commit (shadow scoring), and does not probe for it.
         required: the base slots must be sent every step (lookahead's
             Jacobi window): the planner may cut items, never go plain.
-        reprobe_items: items a re-probe sends whatever their estimates.
+        reprobe_items: items a probe sends whatever their estimates.
         gains: sources whose tokens per step the planner learns this step
             (:meth:`~mlx_mtp.acceptance.Acceptance.gain`).
         source: a lossy offer's source, whose per-depth acceptance the
@@ -105,7 +106,7 @@ class Offer:
     max_slots: int | None = None
     remaining: Callable[[float], float] | None = None
     primes: bool = False
-    wait: bool = False
+    free: bool = False
     required: bool = False
     reprobe_items: int = 2
     gains: Sequence[str] = ()
@@ -122,9 +123,9 @@ def chain_offer(
     """An :class:`Offer` of one chain of token guesses from one source: item d
     is worth the chance that drafts 1..d are all accepted (the source's
     per-depth estimates), each one slot; ``draft`` goes to
-    :meth:`Draft.chain <mlx_mtp.speculative.Draft.chain>`, and ``wait`` /
+    :meth:`Draft.chain <mlx_mtp.speculative.Draft.chain>`, and ``free`` /
     ``item_cost`` / ... given there go to the offer instead."""
-    offer_keys = {"wait", "item_cost", "primes", "required", "reprobe_items", "base_slots"}
+    offer_keys = {"free", "item_cost", "primes", "required", "reprobe_items", "base_slots"}
     opts = {k: draft.pop(k) for k in list(draft) if k in offer_keys}
     toks = [int(t) for t in tokens]
     values = chain_values(acceptance.qs(source, len(toks)))
@@ -171,8 +172,8 @@ class Budget:
         host_cost: a draft step's host work, in one-token forwards (0 without
             the planner's host term).
         plain_cost: a plain step's time, in one-token forwards.
-        probing: this step sends at least one draft token whatever it is worth
-            (a re-probe, or a device where drafting is nearly free).
+        probing: this step may send a draft token whatever it is worth (a
+            probe the planner's ledger can pay for).
     """
 
     acceptance: Acceptance

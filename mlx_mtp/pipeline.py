@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import distributed
-from .acceptance import Acceptance, chain_values
+from .acceptance import CARRY_WEIGHT, Acceptance, chain_values
 from .budget import CostCurve, best_prefix
 from .engine import Engine, ancestors
 from .offers import StepOutput
@@ -725,7 +725,3 @@ def pipeline_for(
         acceptance.soften(CARRY_WEIGHT)
     policy = WidthPolicy(method.max_width, method.auto, acceptance, curves)
     return Pipeline(ctx, drafter, policy, overlap)
-
-
-#: weight of what one generation learned when the next one on the context starts
-CARRY_WEIGHT = 0.5

@@ -175,7 +175,7 @@ def test_cost_curve_of_a_model_without_input_embeddings(deepseek):
 
 def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
     """depth=auto in plain mode (pipelined one-token steps on this attention
-    model) still feeds the layer every committed position: the re-probes'
+    model) still feeds the layer every committed position: the probes'
     drafts equal those of a fixed depth-2 run at the same positions."""
     from mlx_mtp.sources.native import NativeDrafter
 
@@ -188,12 +188,12 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
         return out
 
     monkeypatch.setattr(NativeDrafter, "draft", record)
-    monkeypatch.setattr(planner, "REPROBE_SHARE", 1.0)  # re-probes in 14 tokens too
-    monkeypatch.setattr(planner, "REPROBE_TOKENS", 0)
+    monkeypatch.setattr(planner, "EPSILON", 0.25)  # several probes in 14 tokens
     prompt = [5, 77, 140, 3, 9]
-    # re-probes every 4 plain steps (c(3) = 1.03), drafts too dear to pay otherwise
+    # probes between plain steps (c(3) = 1.03): drafts of 0.7 forwards each pay
+    # only where nearly certain
     engine = _engine(deepseek, CostCurve([1, 3, 64], [1.0, 1.03, 2.0]))
-    auto = _method(engine, "mtp", draft_cost=5)
+    auto = _method(engine, "mtp", draft_cost=0.7)
     auto.drafter.tag = "auto"
     out, stats = _generate(engine, auto, prompt, 14)
     assert stats.plain_steps >= 8 and stats.reprobes >= 2

@@ -330,15 +330,21 @@ class Hybrid(DraftMethod):
         trie = merge_chains(self._chains(ctx, root, drafted))
         children = CandidateChildren(trie, levels, scale, by_token=by_token)
         gains = ("probe",) * bool(levels) + ("draft",) * drafted
+        # no mask candidates, draft model or MTP layer: the draft took no device work
+        free = not levels and not drafted and self.drafter is None
         if self.chain:
-            return self._chain_offer(ctx, root, children, gains)
+            offer = self._chain_offer(ctx, root, children, gains)
+            offer.free = free
+            return offer
         tree = Allocator(children, root, self.bc, k, acc.gain("probe") if k else 0.0)
 
         def build(n: int) -> Draft:
             # an accepted best branch laid out first: no KV-row move in keep
             return self._draft(ctx, root, tree.alloc.prefix(n).heavy_first())
 
-        return Offer(tree, build, max_slots=self.bc, remaining=tree.remaining, gains=gains)
+        return Offer(
+            tree, build, max_slots=self.bc, remaining=tree.remaining, gains=gains, free=free
+        )
 
     def _chain_offer(self, ctx: Context, root: int, children: Any, gains: tuple) -> Offer:
         """The chain shape: the most likely child at every depth, then (masks

@@ -106,7 +106,7 @@ class Recycle(SourceMethod):
             return Draft(tokens, parents, tags=alloc.sources, extras=top)
 
         # an empty row now says nothing of the next root's: look again next step
-        return Offer(allocator, build, max_slots=self.bc, remaining=allocator.remaining, wait=True)
+        return Offer(allocator, build, max_slots=self.bc, remaining=allocator.remaining, free=True)
 
     def observe(self, ctx: Context, draft: Draft | None, result: Verified | PlainResult) -> None:
         if draft is None:

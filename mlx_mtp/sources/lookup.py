@@ -28,22 +28,8 @@ def lookup_candidates(
         max_draft: tokens per continuation.
         limit: how many distinct continuations to return.
     """
-    T = len(context)
     out: list[list[int]] = []
-    if T < 2:
-        return out
-    # ends[n - 1]: last positions e <= T - 2 of the earlier n-grams equal to the
-    # suffix of length n (one vectorised compare for n = 1, then each longer
-    # n-gram filters the shorter one's matches by one more token)
-    ends = [np.flatnonzero(context[: T - 1] == context[T - 1])]
-    for j in range(1, min(window, T - 1)):
-        e = ends[-1]
-        e = e[e >= j]
-        e = e[context[e - j] == context[T - 1 - j]]
-        if not len(e):
-            break
-        ends.append(e)
-    for e_n in reversed(ends):  # the longest n-gram with a match first
+    for e_n in reversed(_suffix_ends(context, window)):  # the longest n-gram with a match first
         for e in e_n[::-1]:  # most recent match first
             follow = context[e + 1 : e + 1 + max_draft].tolist()
             if follow not in out:
@@ -53,6 +39,39 @@ def lookup_candidates(
         if out:
             return out
     return out
+
+
+def _suffix_ends(context: np.ndarray, window: int) -> list[np.ndarray]:
+    """``ends[n - 1]``: the last positions ``e <= T - 2`` of the earlier
+    n-grams of ``context`` equal to its suffix of length n, for n up to the
+    longest with a match (one vectorised compare for n = 1, then each longer
+    n-gram filters the shorter one's matches by one more token); [] where
+    nothing matches."""
+    T = len(context)
+    if T < 2:
+        return []
+    ends = [np.flatnonzero(context[: T - 1] == context[T - 1])]
+    if not len(ends[0]):
+        return []
+    for j in range(1, min(window, T - 1)):
+        e = ends[-1]
+        e = e[e >= j]
+        e = e[context[e - j] == context[T - 1 - j]]
+        if not len(e):
+            break
+        ends.append(e)
+    return ends
+
+
+def lookup_match(context: np.ndarray, window: int, max_draft: int) -> tuple[list[int], int]:
+    """The first continuation :func:`lookup_candidates` returns and the
+    length n of the n-gram it matched (``([], 0)``: no match): the signal
+    of how likely its first token is right."""
+    ends = _suffix_ends(context, window)
+    if not ends:
+        return [], 0
+    e = int(ends[-1][-1])
+    return context[e + 1 : e + 1 + max_draft].tolist(), len(ends)
 
 
 class PromptLookup:
@@ -75,6 +94,12 @@ class PromptLookup:
             return []
         context = np.array(ctx.history(root), dtype=np.int64)
         return lookup_candidates(context, self.window, max_draft, self.matches)
+
+    def match(self, ctx: Context, root: int, max_draft: int) -> tuple[list[int], int]:
+        """The first continuation after ``root`` and the n-gram length it
+        matched (:func:`lookup_match`)."""
+        context = np.array(ctx.history(root), dtype=np.int64)
+        return lookup_match(context, self.window, max_draft)
 
 
 def device_lookup(history: mx.array, length: mx.array, window: int, width: int) -> mx.array:
