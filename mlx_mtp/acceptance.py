@@ -158,7 +158,7 @@ class AcceptanceModel:
             per depth; ``default_prior`` for other names.
         weight, decay, max_depth: as :class:`DepthAcceptance`.
         gain_prior: prior of the tokens a source earns per step (``gain``).
-        reset_on_reprobe_hit: forget the estimates when a re-probe's whole
+        reset_on_probe_hit: forget the estimates when a probe's whole
             draft is accepted (the text has changed: a repetitive stretch).
         calibration: the whole-draft :class:`Calibration` (None: none).
     """
@@ -169,7 +169,7 @@ class AcceptanceModel:
     decay: float = 0.8
     max_depth: int = 16
     gain_prior: float = 0.5
-    reset_on_reprobe_hit: bool = True
+    reset_on_probe_hit: bool = True
     calibration: CalibrationModel | None = None
 
 

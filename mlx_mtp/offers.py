@@ -76,7 +76,7 @@ class Offer:
         base_value: expected accepted tokens of the base slots.
         item_cost: time each item costs besides its slots, in one-token
             forwards (a drafter's own pass per drafted token).
-        item_slots: slots of an item not offered yet (sizes the re-probe).
+        item_slots: slots of an item not offered yet (sizes a probe).
         max_slots: the most slots the pass may take (BC); with ``remaining``
             it lets the planner stop taking items early.
         remaining: ``remaining(scale)`` -> an upper bound on the value per
@@ -89,7 +89,7 @@ class Offer:
             commit (shadow scoring), and does not probe for it.
         required: the base slots must be sent every step (lookahead's
             Jacobi window): the planner may cut items, never go plain.
-        reprobe_items: items a probe sends whatever their estimates.
+        probe_items: items a probe sends whatever their estimates.
         gains: sources whose tokens per step the planner learns this step
             (:meth:`~mlx_mtp.acceptance.Acceptance.gain`).
         source: a lossy offer's source, whose per-depth acceptance the
@@ -108,7 +108,7 @@ class Offer:
     primes: bool = False
     free: bool = False
     required: bool = False
-    reprobe_items: int = 2
+    probe_items: int = 2
     gains: Sequence[str] = ()
     source: str = ""
 
@@ -125,7 +125,7 @@ def chain_offer(
     per-depth estimates), each one slot; ``draft`` goes to
     :meth:`Draft.chain <mlx_mtp.speculative.Draft.chain>`, and ``free`` /
     ``item_cost`` / ... given there go to the offer instead."""
-    offer_keys = {"free", "item_cost", "primes", "required", "reprobe_items", "base_slots"}
+    offer_keys = {"free", "item_cost", "primes", "required", "probe_items", "base_slots"}
     opts = {k: draft.pop(k) for k in list(draft) if k in offer_keys}
     toks = [int(t) for t in tokens]
     values = chain_values(acceptance.qs(source, len(toks)))

@@ -11,9 +11,10 @@ what was committed. The :class:`Planner` decides the rest (docs/budget.md):
    step's measured, pipelined time.
 3. *The ledger*: per generation, drafting may lose at most ``EPSILON`` of
    the generation's time so far plus one plain step (measured against plain
-   steps of the same tokens; gains are not banked). It pays for *probes*
-   (a few items where the cut predicts no gain, where certain drafts would
-   pay) and bounds what wrong estimates cost. Otherwise the step is a
+   steps of the same tokens). It bounds what wrong estimates cost, and pays
+   for *probes* (a few items where the cut predicts no gain, where certain
+   drafts would pay), which cost at most ``EPSILON`` of the time since the
+   last one. Otherwise the step is a
    pipelined one-token step exactly as ``ntp`` runs it (*plain mode*).
 4. *Shadow scoring*: a free offer (no device work: prompt lookup, the
    recycling table) is made at plain steps too and scored against the
@@ -92,7 +93,7 @@ def cut_offer(
     for it in offer.items:
         items.append(it)
         bound.add(it.value * scale if it.node else it.value, it.slots)
-        if stop is not None and len(items) >= offer.reprobe_items:
+        if stop is not None and len(items) >= offer.probe_items:
             if bound.exhausted(stop(scale)):
                 break
     return items, bound.best_n, bound.best
@@ -119,10 +120,9 @@ class Planner:
         plain_spells: times plain mode began (a plain step where the method
             offered a draft, after a step that was not plain).
         time, loss: this generation's time so far, and what drafting lost
-            of it against plain steps of the same tokens since it last broke
-            even (never below 0: a stretch that drafted well does not pay for
-            probes in the next), in one-token forwards: measured where the
-            curve knows a forward's seconds, else priced by the curve.
+            of it against plain steps of the same tokens (negative while it
+            gains), in one-token forwards: measured where the curve knows a
+            forward's seconds, else priced by the curve.
     """
 
     def __init__(
@@ -159,6 +159,7 @@ class Planner:
         known = self.auto and self.curves.t1 is not None and distributed.size() == 1
         self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
         self._paid = 0  # steps of a probe paid from the credit, still to run
+        self._probed = 0.0  # the generation's time when the last probe began
         self._shadows: list[Shadow] = []
         self._kind = self._last_kind = ""
         self._pending: float | None = None  # the last draft step's host sample
@@ -193,11 +194,20 @@ class Planner:
         what it lost."""
         return EPSILON * self.time + self.plain_cost - self.loss
 
+    def _probe_credit(self) -> float:
+        """What a probe may cost now, in one-token forwards: within the
+        credit, and ``EPSILON`` of the time since the last probe (the
+        generation's first: one plain step), so that probes cost at most
+        that share of the time however much drafting gained before."""
+        if not self.reprobes:
+            return min(self.credit, self.plain_cost + EPSILON * self.time)
+        return min(self.credit, EPSILON * (self.time - self._probed))
+
     def _probe_cost(self, offer: Offer, items: list[Item], host: float) -> float | None:
         """The worst case of a probe of this offer over plain steps, in
         one-token forwards (its steps' time less a plain step's each: every
         draft rejected), or None where even certain drafts would not pay."""
-        r = offer.reprobe_items
+        r = offer.probe_items
         few = items[:r]
         slots = offer.base_slots + sum(it.slots for it in few) + offer.item_slots * (r - len(few))
         steps = (offer.base_slots, slots) if offer.primes and not items else (slots,)
@@ -211,9 +221,8 @@ class Planner:
         """Tell the method's sources what this step costs (``ctx.budget``)."""
         b, host = self.ctx.budget, self.host_cost
         b.curve, b.t1, b.host_cost, b.plain_cost = self.curve, self.t1, host, self.plain_cost
-        probe = self._probe_cost(Offer([], reprobe_items=1), [], host) if self.auto else None
-        credit = self.credit - (self.plain_cost if self.reprobes else 0.0)
-        b.probing = self._paid > 0 or (probe is not None and probe <= credit)
+        probe = self._probe_cost(Offer([], probe_items=1), [], host) if self.auto else None
+        b.probing = self._paid > 0 or (probe is not None and probe <= self._probe_credit())
 
     # ------------------------------------------------------------------ step
     def step(self, root: int) -> StepOutput:
@@ -231,21 +240,21 @@ class Planner:
         if out.forwards == 1 and n > 0:  # a measurement of the curve at this step's slots
             self.curves.observe(n, device - (clock.aside - aside), start)
         wall, tokens, draft = clock.now() - t0, len(out.tokens), self._kind == "draft"
-        if self.host_term:
-            cost, plain = wall / self.t1, self.plain_cost
-        else:  # priced: a pass of its slots and the work beside it
-            cost = (self.curve(n) + self._drafts if draft else 1.0) + self._sunk(
-                clock.aside - aside
-            )
-            plain = 1.0
+        # priced: a pass of its slots and the work beside it
+        priced = (self.curve(n) + self._drafts if draft else 1.0) + self._sunk(clock.aside - aside)
+        if self.host_term:  # measured; a stall past twice the price is the machine's
+            plain = self.plain_cost
+            cost = min(wall / self.t1, 2.0 * (priced + self.host_cost + plain))
+        else:
+            cost, plain = priced, 1.0
         self.time += cost
-        if draft or self._last_kind == "draft" or leaving:  # gains are not banked
-            self.loss = max(self.loss + cost - tokens * plain, 0.0)
+        if draft or self._last_kind == "draft" or leaving:
+            self.loss += cost - tokens * plain
         if draft:  # host work: all but the device time the curve prices
             known = self.t1 and out.forwards == 1 and n > 0
-            priced = self.t1 * self.curve(n) + clock.aside - aside if known else device
+            device = self.t1 * self.curve(n) + clock.aside - aside if known else device
             self._flush()
-            self._pending = wall - priced
+            self._pending = wall - device
         elif self._pending is not None:  # the restart after a draft step is its cost too
             if self.plain_time is not None:
                 self._pending += max(wall - self.plain_time, 0.0)
@@ -300,12 +309,9 @@ class Planner:
         gains = offer.required or (items and rate * self.plain_cost > 1.0 and self.credit > 0)
         if not gains and not self._paid and (offer.primes or not offer.free):
             cost = self._probe_cost(offer, items, host) if items or offer.primes else None
-            # a probe, paid from the credit: the one-step allowance opens the
-            # generation's first; later ones wait for EPSILON of its time
-            allowance = 0.0 if self.reprobes else self.plain_cost
-            if cost is not None and cost <= self.credit - self.plain_cost + allowance:
+            if cost is not None and cost <= self._probe_credit():  # a probe
                 self._paid = 2 if offer.primes and not items else 1
-                self.reprobes += 1
+                self.reprobes, self._probed = self.reprobes + 1, self.time
         if not gains and not self._paid:  # plain mode, or nothing to draft
             self.plain_spells += bool(items or offer.primes) and self._last_kind != "plain"
             return self._plain(root, queue_next=True, offer=offer, shadow=(offer, items))
@@ -322,7 +328,7 @@ class Planner:
             self._paid = 0  # it made none: nothing to probe
             return self._plain(root, queue_next=True)
         self._paid = 0
-        return self._send(offer, items, max(n, min(len(items), offer.reprobe_items)), probe=True)
+        return self._send(offer, items, max(n, min(len(items), offer.probe_items)), probe=True)
 
     def _plain(
         self,
@@ -350,7 +356,7 @@ class Planner:
         """Run the step with the first ``n`` items; learn from its outcome."""
         self._kind, self._shadows = "draft", []
         acc = self.acceptance
-        reset = probe and acc.model.reset_on_reprobe_hit
+        reset = probe and acc.model.reset_on_probe_hit
         if offer.run is not None:  # lossy: the method's own pass
             out = offer.run(n)
             if n and offer.source:

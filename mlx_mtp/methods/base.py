@@ -6,7 +6,7 @@ Two kinds of method:
   *proposes* an :class:`~mlx_mtp.offers.Offer` (best-first draft items and
   how to build the draft of any prefix) and *observes* what was committed.
   The :class:`~mlx_mtp.planner.Planner` decides how much of the offer a step
-  sends, when to run plain one-token steps instead and when to re-probe, and
+  sends, when to run plain one-token steps instead and when to probe, and
   keeps the acceptance statistics; lossless drafts are verified by
   :func:`~mlx_mtp.speculative.speculative_step`. Writing ``propose`` and
   ``observe`` is all a new method needs (docs/contributing.md).

@@ -29,7 +29,7 @@ Options (``--opt key=value``; ``--k``):
     mode: ``verified`` (default, lossless) or ``paper`` (no verifier).
     k: heads to use (1..the heads' k), or ``auto`` (default): all heads, each
         step's drafts cut by the device-aware budget, and one-token steps
-        without the heads (with a periodic re-probe) while no draft pays
+        without the heads (probing now and then) while no draft pays
         (verified mode, :mod:`mlx_mtp.planner`).
     predictor: ``linear`` (CLP span predictor, default), ``gate`` (the ~1M
         parameter MLP gate baseline) or ``all`` (always keep all k heads).

@@ -130,7 +130,7 @@ class Hybrid(DraftMethod):
         weight=4.0,
         decay=1.0,
         max_depth=MAX_STAT_DEPTH,
-        reset_on_reprobe_hit=False,
+        reset_on_probe_hit=False,
         calibration=CalibrationModel(decay=0.9, weight=1.0, cap=1.5),
     )
 

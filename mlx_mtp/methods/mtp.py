@@ -27,7 +27,7 @@ length n that maximises expected tokens per unit of time,
 the device's forward cost curve, ``q_d`` the acceptance rate at depth d
 learned online and ``draft_cost`` one MTP draft (the layer's pass and the LM
 head) relative to a one-token backbone forward. When no length pays, the
-method runs pipelined one-token steps and re-probes periodically
+method runs pipelined one-token steps and probes now and then
 (:mod:`mlx_mtp.planner`); the MTP layer still gets every committed position
 (in one batch at the next draft), so its context has no gaps. The policy is
 the expected-tokens-per-time objective of Leviathan et al. 2023, §3.4, with a

@@ -107,8 +107,8 @@ class Probe(DraftMethod):
             default) the chain is cut per step at the length that maximises
             expected tokens per unit of time under the device's cost curve
             (per-depth acceptance learned online, the k masks counted as
-            base slots), and the method runs one-token steps with periodic
-            re-probes while no chain pays (:mod:`mlx_mtp.planner`); a fixed
+            base slots), and the method runs one-token steps, probing
+            now and then, while no chain pays (:mod:`mlx_mtp.planner`); a fixed
             ``bc`` must be ``2k + 1``.
 
     Raises:
@@ -283,14 +283,14 @@ class Probe(DraftMethod):
         # a node adds its mask probability (calibrated by the planner) and k + 1
         # slots; the root and its masks take k + 1 slots anyway. After plain
         # steps the first pass only runs the root's masks (primes), and one node
-        # is verified at the re-probe
+        # is verified at a probe
         return Offer(
             [Item(p, k + 1) for p in node_p],
             build,
             base_slots=k + 1,
             item_slots=k + 1,
             primes=True,
-            reprobe_items=1,
+            probe_items=1,
         )
 
     def _propose_chain(self, ctx: Context, root: int) -> Offer:

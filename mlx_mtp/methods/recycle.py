@@ -60,7 +60,7 @@ class Recycle(SourceMethod):
         weight=4.0,
         decay=1.0,
         max_depth=len(RANK_PRIORS),
-        reset_on_reprobe_hit=False,
+        reset_on_probe_hit=False,
         calibration=CalibrationModel(decay=0.9, weight=1.0, cap=1.5),
     )
 

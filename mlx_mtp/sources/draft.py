@@ -187,7 +187,7 @@ class DraftModel:
         """
         if ctx.left is not None:  # drafts past the generation's end: passes for nothing
             depth = min(depth, ctx.left - 1)
-        if depth < 1:
+        if depth < 1 or (auto and not self._may_pay(ctx, depth)):
             return [("draft", [], [], [])]
         eng = self.engine
         with ctx.engine.clock.work_of(eng.clock):  # the draft passes: device work
@@ -232,6 +232,18 @@ class DraftModel:
         if self.vocab is not None and row.shape[-1] > self.vocab:
             row = row[:, : self.vocab]
         return row
+
+    def _may_pay(self, ctx: Context, depth: int) -> bool:
+        """Whether a draft could pay this step at all, before its first pass:
+        drafts worth at most the first depth's estimate per slot beat a step
+        without them (:meth:`~mlx_mtp.budget.PrefixBound.exhausted`), or the
+        planner may probe. Otherwise the passes are not run: a plain step
+        then costs what ``ntp``'s does."""
+        budget = ctx.budget
+        if budget.curve is None or budget.probing:
+            return True
+        bound = budget.prefix_bound(self.draft_cost, 1 + depth)
+        return not bound.exhausted(min(ctx.acceptance.q("draft", 1), 1.0))
 
     def _stepwise(
         self, ctx: Context, feed: list[int], depth: int, bound: PrefixBound | None
