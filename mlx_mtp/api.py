@@ -210,7 +210,10 @@ class MTPModel:
             raise ContextLengthError(
                 f"This model's context is {ctx} tokens; the prompt has {prompt_tokens} tokens "
                 f"and asks for {max_tokens} new ones. Shorten the prompt or lower max_tokens "
-                "(--max-tokens)."
+                "(--max-tokens).",
+                context=ctx,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
             )
         return max_tokens
 

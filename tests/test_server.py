@@ -784,3 +784,57 @@ def test_method_models_are_bounded_and_keep_the_default(server, client, monkeypa
         )
     loaded = raw(base, "GET", "/health")[2]["methods_loaded"]
     assert sorted(loaded) == ["ntp", "pld,window=3"], loaded
+
+
+#: (request, text its 400 message must hold): none may speak of a CLI flag
+API_WORDS = [
+    (dict(M, max_tokens=0), "max_tokens must be >= 1"),
+    (dict(M, seed=2**64), "seed must be in [0, 18446744073709551615]"),
+    (dict(M, temperature=-1), "temperature must be >= 0"),
+    (dict(M, top_k=-1), "top_k must be >= 0"),
+    (mtp(method="pld", colour=1), "does not take the option mtp.colour"),
+    (mtp(method="draft"), "needs the option mtp.draft_model"),
+    (mtp(method="probe", bc="abc"), "mtp.bc must be"),
+    (mtp(method="probe", tree="6,3", masks=1), "mtp.tree 6,3 has depth 2 but mtp.masks 1"),
+    (dict(M, max_tokens=4000, messages=WORDS), "lower max_tokens."),
+]
+
+
+@pytest.mark.parametrize("body,words", API_WORDS, ids=[w for _, w in API_WORDS])
+def test_400_messages_speak_the_apis_language(server, body, words):
+    base, worker = server
+    status, _, err = raw(base, "POST", CHAT, body)
+    message = err["error"]["message"]
+    assert status == 400 and words in message, message
+    assert "--" not in message and "e+" not in message, message
+    assert_healthy(base, worker)
+
+
+def test_the_cli_keeps_its_own_words():
+    """The same checks, outside the server, still name the CLI's flags."""
+    from mlx_mtp.errors import InvalidArgumentError
+    from mlx_mtp.methods import make_method
+    from mlx_mtp.validation import check_generation_args
+
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens \(--max-tokens\) must be >= 1"):
+        check_generation_args(max_tokens=0, temp=0.0)
+    with pytest.raises(InvalidArgumentError, match=r"seed \(--seed\) must be in \[0, 1844674"):
+        check_generation_args(max_tokens=1, temp=0.0, seed=2**64)
+    with pytest.raises(InvalidArgumentError, match="given as a flag or --opt key=value"):
+        make_method("pld", colour=1)
+    with pytest.raises(InvalidArgumentError, match="--draft-model MODEL"):
+        make_method("draft")
+
+
+def test_required_options_are_the_ones_methods_need():
+    """REQUIRED_OPTIONS is complete: every other method builds without options."""
+    from mlx_mtp.errors import InvalidArgumentError
+    from mlx_mtp.methods import METHODS, make_method
+    from mlx_mtp.server.worker import REQUIRED_OPTIONS
+
+    for name in METHODS:
+        if name in REQUIRED_OPTIONS:
+            with pytest.raises(InvalidArgumentError):
+                make_method(name)
+        else:
+            make_method(name)

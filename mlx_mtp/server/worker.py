@@ -37,9 +37,9 @@ from .. import distributed
 from ..engine import Engine
 from ..errors import ContextLengthError, InvalidArgumentError, MTPError
 from ..loading import load_model, share_target
-from ..methods import make_method
+from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
-from .limits import Limits
+from .limits import ARTIFACT_OPTIONS, VALUE_OPTIONS, Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
 
 log = logging.getLogger("mlx_mtp.server")
@@ -250,15 +250,53 @@ class Worker:
         try:
             self.limits.check_tokens(req.max_tokens)
             given = {**self.sampling, **sampling_of(req)}
-            check_generation_args(max_tokens=req.max_tokens or self.max_tokens, **given)
+            asked = self.max_tokens if req.max_tokens is None else req.max_tokens
+            check_generation_args(max_tokens=asked, labels=REQUEST_FIELDS, **given)
             if req.method is None:
                 return None
+            self.check_option_names(req.method, req.options)
             options = self.limits.request_options(req.method, req.options)
             method = make_method(req.method, **options)
             self.limits.check_method(method)
         except MTPError as e:
             raise openai_error(e, req) from None
         return method_key(req.method, options), method
+
+    def check_option_names(self, method: str, options: dict[str, Any]) -> None:
+        """Refuse, in the request's words, a method option the method does not
+        take and a required option left out (the package's own messages for
+        these speak of CLI flags).
+
+        Raises:
+            UnknownMethodError: ``method`` is not a method.
+            OpenAIError: 400 naming ``mtp.OPTION``.
+        """
+        takes = method_options(method_class(method))
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            s = "s" if len(unknown) > 1 else ""
+            raise OpenAIError(
+                400,
+                f"Method {method} does not take the option{s} "
+                f"{', '.join('mtp.' + u for u in unknown)}. It takes: "
+                f"{', '.join(takes) if takes else 'no options'}.",
+                param=f"mtp.{unknown[0]}",
+                code="invalid_argument_error",
+            )
+        need = REQUIRED_OPTIONS.get(method)
+        if need is not None and options.get(need) in (None, ""):
+            how = (
+                f"a path inside a folder this server allows (--allow-artifacts; "
+                f"{len(self.limits.allow_artifacts)} folder(s))"
+                if self.limits.allow_artifacts
+                else "which requests may not name on this server; choose another method"
+            )
+            raise OpenAIError(
+                400,
+                f"Method {method} needs the option mtp.{need}, {how}.",
+                param=f"mtp.{need}",
+                code="invalid_argument_error",
+            )
 
     def submit(self, job: Job) -> None:
         """Queue a job.
@@ -484,6 +522,43 @@ class Worker:
         )
 
 
+#: the API's generation arguments -> the request fields that give them (how a
+#: 400 names a bad value)
+REQUEST_FIELDS = {
+    "max_tokens": "max_tokens",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+}
+#: method -> the option it cannot run without (the package's message for a
+#: missing one names a CLI flag)
+REQUIRED_OPTIONS = {"draft": "draft_model"}
+#: method options, as a message may name them: ``--opt NAME=``, ``--NAME``
+#: (dashes for underscores) or ``option NAME``
+_OPTION_WORDS = re.compile(r"--opt (\w+)=|--([a-z][a-z0-9-]*)|\boption (\w+)")
+
+
+def api_wording(message: str) -> str:
+    """A package error's message in the words of a request: method options as
+    ``mtp.NAME`` (not ``--NAME``, ``--opt NAME=...`` or ``option NAME``), the
+    method as ``method NAME`` (not ``--method NAME``). Other flags, and
+    commands in backticks, stay (they speak to the server's operator)."""
+    options = ARTIFACT_OPTIONS | VALUE_OPTIONS
+
+    def word(m: re.Match) -> str:
+        if m.group(1):
+            return f"mtp.{m.group(1)}="
+        name = (m.group(2) or m.group(3)).replace("-", "_")
+        if m.group(2) == "method":
+            return "method"
+        return f"mtp.{name}" if name in options else m.group(0)
+
+    parts = message.split("`")  # a command in backticks is the operator's: kept as it is
+    return "`".join(p if i % 2 else _OPTION_WORDS.sub(word, p) for i, p in enumerate(parts))
+
+
 def sampling_of(req: GenRequest) -> dict[str, Any]:
     """The sampling settings a request gives (the API's keywords); the ones
     it leaves out are not in the dict."""
@@ -500,14 +575,22 @@ def sampling_of(req: GenRequest) -> dict[str, Any]:
 def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
     """The 400 of a package error raised for a request: the class name as the
     code (``InvalidArgumentError`` -> ``invalid_argument_error``), except a
-    context too short (``context_length_exceeded``, as OpenAI's)."""
+    context too short (``context_length_exceeded``, as OpenAI's); the message
+    in the request's words (:func:`api_wording`)."""
     if isinstance(e, ContextLengthError):
         param = "messages" if req.kind == "chat" else "prompt"
-        return OpenAIError(400, str(e), param=param, code="context_length_exceeded")
+        message = str(e)
+        if e.context is not None:  # the API's message names the CLI's --max-tokens
+            message = (
+                f"This model's context is {e.context} tokens; the prompt has "
+                f"{e.prompt_tokens} tokens and asks for {e.max_tokens} new ones. Shorten "
+                "the prompt or lower max_tokens."
+            )
+        return OpenAIError(400, message, param=param, code="context_length_exceeded")
     name = type(e).__name__
     param = "mtp.method" if name == "UnknownMethodError" else None
     code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-    return OpenAIError(400, str(e), param=param, code=code)
+    return OpenAIError(400, api_wording(str(e)), param=param, code=code)
 
 
 def _end_thread_streams() -> None:
