@@ -786,6 +786,178 @@ def test_method_models_are_bounded_and_keep_the_default(server, client, monkeypa
     assert sorted(loaded) == ["ntp", "pld,window=3"], loaded
 
 
+# ------------------------------------------------------- a hostile client's faults
+@contextlib.contextmanager
+def server_log() -> Iterator[list]:
+    """The records of warning level and above that the server logs meanwhile
+    (uvicorn's loggers do not reach pytest's root handler)."""
+    import logging
+
+    got: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record)
+
+    handler = Keep(logging.WARNING)
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "mlx_mtp")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield got
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def _handlers_done(srv, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while srv.server_state.tasks:
+        assert time.time() < deadline, f"{len(srv.server_state.tasks)} handlers left"
+        time.sleep(0.02)
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _head(path: str, **headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}"]
+    lines += ["Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        piece = s.recv(65536)
+        if not piece:
+            return out
+        out += piece
+
+
+def test_a_client_that_drops_mid_upload_leaves_no_traceback(server):
+    """Headers, a few bytes of the body, then the client closes: a dropped
+    upload is normal, so nothing of warning level or above is logged (it used
+    to log ``ClientDisconnect`` twice, with tracebacks)."""
+    base, worker = server
+    with server_log() as records:
+        for _ in range(3):
+            s = _connect(base)
+            s.sendall(_head(CHAT, **{"Content-Length": "1000"}) + b'{"model": "smol')
+            time.sleep(0.2)
+            s.close()
+        time.sleep(0.3)
+        _handlers_done(worker.http)
+    assert not records, [r.getMessage() for r in records]
+    assert_healthy(base, worker)
+
+
+@pytest.mark.parametrize("how", ["content-length", "chunked"])
+def test_a_large_body_sent_in_full_gets_413_not_a_reset(server, how):
+    """9 MB sent in full (declared, or chunked with no length), asking the
+    server to close after the answer: the client finishes sending and reads
+    a 413 (it used to get a connection reset while still sending)."""
+    base, worker = server
+    n = 9 << 20
+    s = _connect(base)
+    if how == "chunked":
+        s.sendall(_head(CHAT, **{"Transfer-Encoding": "chunked", "Connection": "close"}))
+        piece = b"x" * 65536
+        for _ in range(n // len(piece)):
+            s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+        s.sendall(b"0\r\n\r\n")
+    else:
+        s.sendall(_head(CHAT, **{"Content-Length": str(n), "Connection": "close"}))
+        s.sendall(b"x" * n)  # a reset would raise here
+    answer = _read_all(s)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "body_too_large"
+    # a client that waits for "100 Continue" is answered at once and sends nothing
+    s = _connect(base)
+    t0 = time.perf_counter()
+    s.sendall(_head(CHAT, **{"Content-Length": str(n), "Expect": "100-continue"}))
+    assert s.recv(64).startswith(b"HTTP/1.1 413 ") and time.perf_counter() - t0 < 10
+    s.close()
+    assert_healthy(base, worker)
+
+
+def test_slow_clients_are_disconnected_after_the_client_timeout(server, ref):
+    """Sockets that send only a request line, headers without their body, or
+    half of a second request on a kept-alive connection are closed after
+    ``client_timeout`` (the body: with a 408); a stream that runs longer than
+    that is not cut."""
+    base, worker = server
+    with serving(worker, api_key=KEY, client_timeout=1.0) as (quick, srv):
+        lines = [_connect(quick) for _ in range(5)]
+        for s in lines:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        body = _connect(quick)
+        body.sendall(_head(CHAT, **{"Content-Length": "100"}) + b'{"mo')
+        kept = _connect(quick)
+        kept.sendall(_head("/v1/models").replace(b"POST", b"GET"))
+        first = b""
+        while b"\r\n\r\n" not in first or not first.endswith(b"}"):  # one JSON answer
+            first += kept.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        kept.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 12")
+        t0 = time.perf_counter()
+        got = []
+        for s in [*lines, body, kept]:
+            got.append(_read_all(s))
+            s.close()
+        took = time.perf_counter() - t0
+        assert 0.5 < took < 10, took
+        assert got[:5] == [b""] * 5 and got[6] == b""
+        assert got[5].startswith(b"HTTP/1.1 408 ") and b"request_timeout" in got[5]
+        # a stream longer than the client timeout runs to its end
+        want = ref(LONG["messages"], n=24)
+        t0 = time.perf_counter()
+        chunks = list(
+            openai.OpenAI(
+                base_url=quick + "/v1", api_key=KEY, max_retries=0
+            ).chat.completions.create(
+                model=MODEL, messages=LONG["messages"], max_tokens=24, temperature=0, stream=True
+            )
+        )
+        assert time.perf_counter() - t0 > 1.0  # (else this proves nothing)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert_healthy(base, worker)
+
+
+def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref):
+    """The server shuts down while a stream is open: the pass under way
+    finishes, the stream gets a final chunk (``finish_reason: "cancelled"``,
+    with the usage asked for) and ``[DONE]``, and the server stops at once,
+    nothing logged above info (it used to cut the stream after its 5 s
+    graceful-shutdown time, with a ``CancelledError`` traceback). The other
+    server on the same worker goes on."""
+    base, worker = server
+    with server_log() as records, serving(worker, api_key=KEY) as (other, srv):
+        conn, resp = _open_stream(other, dict(LONG, stream_options={"include_usage": True}))
+        t0 = time.perf_counter()
+        srv.should_exit = True
+        rest = resp.fp.read().decode()  # raw, as _open_stream read: to the connection's end
+        took = time.perf_counter() - t0
+        conn.close()
+    events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    final, usage_chunk = json.loads(events[-3]), json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "cancelled"
+    assert usage_chunk["usage"]["completion_tokens"] < 100
+    assert took < 5 + worker.limits.max_forward_s, took
+    assert not records, [r.getMessage() for r in records]
+    assert worker.recent[-1].status == "cancelled"
+    assert_healthy(base, worker)
+    r = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=N, temperature=0
+    )
+    assert r.choices[0].message.content == ref(Q).text
+
+
 #: (request, text its 400 message must hold): none may speak of a CLI flag
 API_WORDS = [
     (dict(M, max_tokens=0), "max_tokens must be >= 1"),

@@ -97,6 +97,12 @@ def register(app: typer.Typer) -> None:
             "--queue-timeout",
             help="Seconds a request may wait in the queue; then it is answered 503.",
         ),
+        client_timeout: float = typer.Option(
+            30.0,
+            "--client-timeout",
+            help="Seconds a client has to send a request's headers, then as long for its "
+            "body; a slower one is disconnected (the body: 408).",
+        ),
         max_methods: int = typer.Option(
             4,
             "--max-methods",
@@ -159,6 +165,8 @@ def register(app: typer.Typer) -> None:
             raise InvalidArgumentError("--queue-size and --max-methods must be >= 1.")
         if not 0 < queue_timeout < float("inf"):
             raise InvalidArgumentError(f"--queue-timeout must be > 0, got {queue_timeout}.")
+        if not 0 < client_timeout < float("inf"):
+            raise InvalidArgumentError(f"--client-timeout must be > 0, got {client_timeout}.")
         dtype = load["dtype"]
         check_choices(load["method"], options, dtype)
         check_generation_args(
@@ -220,13 +228,16 @@ def register(app: typer.Typer) -> None:
                 allow_host,
                 allow_origin,
                 queue_timeout,
+                client_timeout,
             )
         finally:
             if sock is not None:
                 sock.close()
 
 
-def _serve(worker, sock, host, port, api_key, log_level, hosts, origins, queue_timeout) -> None:
+def _serve(
+    worker, sock, host, port, api_key, log_level, hosts, origins, queue_timeout, client_timeout
+) -> None:
     """Serve on the bound socket until Ctrl-C or SIGTERM, then stop the worker."""
     from ..server import make_server
 
@@ -255,6 +266,7 @@ def _serve(worker, sock, host, port, api_key, log_level, hosts, origins, queue_t
         allow_hosts=hosts or (),
         allow_origins=origins or (),
         queue_timeout=queue_timeout,
+        client_timeout=client_timeout,
     )
     _exit_on_sigterm()
     try:

@@ -49,7 +49,7 @@ log = logging.getLogger("mlx_mtp.server")
 IDLE_POLL = 1.0
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class Job:
     """One generation request on its way through the worker.
 
@@ -66,6 +66,8 @@ class Job:
         prepared: what :meth:`Worker.admit` made of the request's method:
             ``(cache key, method instance)``, or None (the default method, or
             not admitted here: the worker checks it then).
+        shutdown: set (with ``cancel``) when the server shuts down, so the
+            handler ends the answer properly instead of as for a client gone.
     """
 
     request: GenRequest
@@ -77,6 +79,7 @@ class Job:
     status: str = "queued"
     generated_tokens: int = 0
     prepared: tuple[tuple, Any] | None = None
+    shutdown: bool = False
 
     @property
     def queue_wait(self) -> float:
