@@ -430,7 +430,7 @@ def load(
     return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking)
 
 
-class _RowSampler:
+class RowSampler:
     """One prompt's :class:`PositionalSampler` inside mlx-lm's batch, which
     calls it once per token drawn, in order, with that row's log-probabilities
     only: it supplies the position of each draw (the prompt's length for the
@@ -533,7 +533,7 @@ def batch_generate(
         if args["temp"] > 0:
             base = args["seed"] if args["seed"] is not None else random_seed()
             row = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, base)
-            samplers.append(_RowSampler(row, len(toks)))
+            samplers.append(RowSampler(row, len(toks)))
     eos = ntp.eos_ids
     gen = BatchGenerator(
         loaded.model,

@@ -1010,3 +1010,108 @@ def test_required_options_are_the_ones_methods_need():
                 make_method(name)
         else:
             make_method(name)
+
+
+# ------------------------------------------------------- continuous batching
+def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monkeypatch):
+    """With --max-batch 4, concurrent ntp requests (chat and completion,
+    streamed or not, greedy or seeded, one with a stop string) run in one
+    batch, and each answer equals the Python API's solo answer; one client
+    leaving mid-stream leaves the others exact; a request of another method
+    waits for the batch and runs alone."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)  # six requests at once
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "Name three colours of the rainbow, and explain why."}],
+    ]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(worker.batched()))
+            time.sleep(0.01)
+
+    results: dict[str, object] = {}
+
+    def chat(i, **kw):
+        results[f"chat{i}"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=20, temperature=0, **kw
+        )
+
+    def stream(i):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=prompts[i], max_tokens=20, temperature=0, stream=True
+            )
+        )
+        results[f"stream{i}"] = "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    def sampled():
+        results["sampled"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[2], max_tokens=10, temperature=0.9, seed=5
+        )
+
+    def completion():
+        results["completion"] = client.completions.create(
+            model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0
+        )
+
+    def other_method():
+        results["pld"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[0], max_tokens=8, temperature=0,
+            extra_body={"mtp": {"method": "pld"}},
+        )  # fmt: skip
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    leaver_conn, leaver = _open_stream(base, LONG)  # joins first, leaves mid-stream
+    threads = [
+        threading.Thread(target=chat, args=(0,)),
+        threading.Thread(target=stream, args=(1,)),
+        threading.Thread(target=sampled),
+        threading.Thread(target=completion),
+        threading.Thread(target=other_method),
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    leaver.close()
+    leaver_conn.close()
+    for t in threads:
+        t.join(300)
+    done.set()
+    watcher.join()
+    assert max(seen) >= 2, "never batched"
+    assert max(seen) <= 4
+    r = results["chat0"]
+    assert r.choices[0].message.content == ref(prompts[0], n=20).text
+    assert r.model_extra["mtp"]["method"] == "ntp(batch)"
+    assert r.usage.completion_tokens == len(ref(prompts[0], n=20).tokens)
+    assert results["stream1"] == ref(prompts[1], n=20).text
+    want = ref(prompts[2], n=10, sampling={"temp": 0.9, "seed": 5}).text
+    assert results["sampled"].choices[0].message.content == want
+    want = ref("The three primary colors are", chat=False, n=12).text
+    assert results["completion"].choices[0].text == want
+    assert results["pld"].choices[0].message.content == ref(prompts[0], "pld", n=8).text
+    assert results["pld"].model_extra["mtp"]["method"].startswith("pld")
+    # the leaver was cancelled, not run to its 2000 tokens
+    deadline = time.time() + 60
+    while worker.batched():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    left = [j for j in worker.recent if j.request.max_tokens == LONG["max_tokens"]][-1]
+    assert left.status == "cancelled" and left.generated_tokens < 200
+    # a stop string ends a batched request early
+    want = ref(Q, n=N).text
+    stop = want[8:12]
+    r = client.chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=N, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].message.content == want[: want.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert_healthy(base, worker)

@@ -103,6 +103,12 @@ def register(app: typer.Typer) -> None:
             help="Seconds a client has to send a request's headers, then as long for its "
             "body; a slower one is disconnected (the body: 408).",
         ),
+        max_batch: int = typer.Option(
+            1,
+            "--max-batch",
+            help="Plain (ntp) requests decoded together in one forward pass (continuous "
+            "batching; at most the slots bound). 1: one request at a time.",
+        ),
         max_methods: int = typer.Option(
             4,
             "--max-methods",
@@ -161,8 +167,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}", param_hint="'--log-level'"
             )
-        if queue_size < 1 or max_methods < 1:
-            raise InvalidArgumentError("--queue-size and --max-methods must be >= 1.")
+        if queue_size < 1 or max_methods < 1 or max_batch < 1:
+            raise InvalidArgumentError("--queue-size, --max-methods and --max-batch must be >= 1.")
         if not 0 < queue_timeout < float("inf"):
             raise InvalidArgumentError(f"--queue-timeout must be > 0, got {queue_timeout}.")
         if not 0 < client_timeout < float("inf"):
@@ -212,6 +218,7 @@ def register(app: typer.Typer) -> None:
                 max_methods=max_methods,
                 pipeline=pipeline,
                 limits=limits,
+                max_batch=max_batch,
             )
             with interrupted_note(f"interrupted while loading {model}: the server did not start."):
                 worker.start()

@@ -110,10 +110,13 @@ class Worker:
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
+        max_batch: ``ntp`` requests decoded together in one forward pass
+            (:mod:`~.batch`; at most the slots bound); 1: one request at a
+            time, whatever its method.
 
     Raises:
-        InvalidArgumentError: queue_size or max_methods below 1, or a bad
-            sampling default.
+        InvalidArgumentError: queue_size, max_methods or max_batch below 1,
+            or a bad sampling default.
     """
 
     def __init__(
@@ -134,11 +137,15 @@ class Worker:
         max_methods: int = 4,
         pipeline: bool = False,
         limits: Limits | None = None,
+        max_batch: int = 1,
     ):
         from ..validation import check_generation_args
 
         if queue_size < 1 or max_methods < 1:
             raise InvalidArgumentError("queue_size and max_methods must be >= 1.")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidArgumentError(f"--max-batch must be an integer >= 1, got {max_batch!r}.")
+        self.max_batch = max_batch
         self.model_id = model
         self.method = method
         self.options = dict(options or {})
@@ -161,6 +168,10 @@ class Worker:
         self._durations: deque[float] = deque(maxlen=20)
         self.loaded: Any = None
         self.running: Job | None = None
+        #: the batch of ntp jobs (:class:`~.batch.BatchRunner`), made at the first one
+        self._batch: Any = None
+        #: a job taken off the queue that waits for the batch to drain (another method)
+        self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
         self.counts = {"done": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         #: the last finished jobs (for /health and tests)
@@ -198,6 +209,8 @@ class Worker:
             return
         if self.running is not None:
             self.running.cancel.set()
+        for job in self.batched():
+            job.cancel.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -335,7 +348,8 @@ class Worker:
             "status": "ok" if self.alive else "unavailable",
             "model": self.model_id,
             "method": self.method,
-            "busy": self.running is not None,
+            "busy": self.running is not None or bool(self.batched()),
+            "batch": len(self.batched()),
             "queue": {"waiting": self._queue.qsize(), "capacity": self.queue_size},
             "jobs": dict(self.counts),
             "methods_loaded": list(self._loaded_names),
@@ -369,17 +383,96 @@ class Worker:
             return
         self._ready.set()
         try:
-            while True:
-                job = self._next_job()
-                if job is None:
-                    break
-                self._serve(job)
+            self._serve_jobs()
         finally:
             # free the model and caches in the thread that made them
+            if self._batch is not None:
+                self._batch.close()
+                self._batch = None
             self._models.clear()
             self.loaded = None
             gc.collect()
             _end_thread_streams()
+
+    def batched(self) -> list[Job]:
+        """The jobs in the batch now (a snapshot, for other threads)."""
+        batch = self._batch
+        while batch is not None:
+            try:
+                return [row.job for row in tuple(batch.rows.values())]
+            except RuntimeError:  # the worker changed the rows meanwhile: look again
+                continue
+        return []
+
+    def batchable(self, job: Job) -> bool:
+        """Whether a job runs in the batch: plain ``ntp`` decoding (the
+        server's method without options, or asked for), with ``--max-batch``
+        above 1, an unbounded cache and a model on one rank."""
+        req = job.request
+        if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
+            return False
+        if req.method is None:
+            return self.method == "ntp" and not self.options
+        return req.method == "ntp" and not req.options
+
+    def _serve_jobs(self) -> None:
+        """Serve jobs until told to stop: ``ntp`` jobs join the batch while
+        it has room; a job of another method waits for the batch to drain
+        (jobs start in the order they came) and then runs alone."""
+        stopping = False
+        while True:
+            batch = self._batch
+            if batch is not None and len(batch):
+                while not stopping and self._held is None and batch.room > 0:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        stopping = True
+                    elif self.batchable(job):
+                        self._join_batch(job)
+                    else:
+                        self._held = job
+                self._step_batch()
+                continue
+            if self._held is not None:
+                job, self._held = self._held, None
+            elif stopping:
+                return
+            else:
+                job = self._next_job()
+                if job is None:
+                    return
+            if self.batchable(job):
+                self._join_batch(job)
+            else:
+                self._serve(job)
+
+    def _join_batch(self, job: Job) -> None:
+        from .batch import BatchRunner
+
+        if self._batch is None:
+            self._batch = BatchRunner(
+                self._models[self.default_key],
+                max(1, min(self.max_batch, self.limits.slots)),
+                self.limits.prefill_step,
+                self.sampling,
+                self.max_tokens,
+                self._emit,
+                self._finish,
+            )
+        self._batch.add(job, sampling_of(job.request))
+
+    def _step_batch(self) -> None:
+        try:
+            self._batch.step()
+        except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
+            log.error("batched generation failed:\n%s", traceback.format_exc())
+            batch, self._batch = self._batch, None
+            batch.fail_all(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+            for m in self._models.values():
+                m.engine.reset()
 
     def _next_job(self) -> Job | None:
         """The next job, None to stop. On a sharded model (several ranks),
