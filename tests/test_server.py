@@ -928,7 +928,8 @@ def test_slow_clients_are_disconnected_after_the_client_timeout(server, ref):
     assert_healthy(base, worker)
 
 
-def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref):
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["alone", "batched"])
+def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref, monkeypatch, max_batch):
     """The server shuts down while a stream is open: the pass under way
     finishes, the stream gets a final chunk (``finish_reason: "cancelled"``,
     with the usage asked for) and ``[DONE]``, and the server stops at once,
@@ -936,6 +937,7 @@ def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref):
     graceful-shutdown time, with a ``CancelledError`` traceback). The other
     server on the same worker goes on."""
     base, worker = server
+    monkeypatch.setattr(worker, "max_batch", max_batch)
     with server_log() as records, serving(worker, api_key=KEY) as (other, srv):
         conn, resp = _open_stream(other, dict(LONG, stream_options={"include_usage": True}))
         t0 = time.perf_counter()
@@ -947,6 +949,7 @@ def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref):
     assert events[-1] == "[DONE]", events[-3:]
     final, usage_chunk = json.loads(events[-3]), json.loads(events[-2])
     assert final["choices"][0]["finish_reason"] == "cancelled"
+    assert final["mtp"]["method"] == ("ntp(batch)" if max_batch > 1 else "ntp")
     assert usage_chunk["usage"]["completion_tokens"] < 100
     assert took < 5 + worker.limits.max_forward_s, took
     assert not records, [r.getMessage() for r in records]
@@ -1114,4 +1117,20 @@ def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monk
     )
     assert r.choices[0].message.content == want[: want.find(stop)]
     assert r.choices[0].finish_reason == "stop"
+    assert_healthy(base, worker)
+
+
+def test_a_bad_prompt_in_the_batch_is_a_400_and_the_batch_goes_on(server, monkeypatch):
+    """Prompts the API refuses (over the context, token ids outside the
+    vocabulary) are refused as they join the batch, as when alone."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    status, _, err = raw(base, "POST", CHAT, dict(M, messages=WORDS))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert "--" not in err["error"]["message"]
+    body = {"model": MODEL, "prompt": [1, 2, 10**9], "max_tokens": 2}
+    status, _, err = raw(base, "POST", "/v1/completions", body)
+    assert status == 400 and "vocabulary" in err["error"]["message"], err
+    status, _, body = raw(base, "POST", CHAT, M)
+    assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
     assert_healthy(base, worker)
