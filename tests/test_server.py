@@ -1134,3 +1134,27 @@ def test_a_bad_prompt_in_the_batch_is_a_400_and_the_batch_goes_on(server, monkey
     status, _, body = raw(base, "POST", CHAT, M)
     assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
     assert_healthy(base, worker)
+
+
+def test_a_failure_in_the_batch_is_a_500_and_the_server_goes_on(server, monkeypatch):
+    """An exception while the batch steps (a bug, an MLX failure) answers
+    its requests 500 and starts a new batch; the next request is served."""
+    from mlx_mtp.server.batch import BatchRunner
+
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    real = BatchRunner.step
+    calls = {"n": 0}
+
+    def failing_once(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated MLX failure")
+        return real(self)
+
+    monkeypatch.setattr(BatchRunner, "step", failing_once)
+    status, _, err = raw(base, "POST", CHAT, dict(M, max_tokens=8))
+    assert status == 500 and "simulated MLX failure" in err["error"]["message"], err
+    status, _, body = raw(base, "POST", CHAT, M)
+    assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
+    assert_healthy(base, worker)

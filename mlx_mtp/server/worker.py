@@ -209,7 +209,8 @@ class Worker:
             return
         if self.running is not None:
             self.running.cancel.set()
-        for job in self.batched():
+        held = self._held
+        for job in [*self.batched(), *([held] if held is not None else [])]:
             job.cancel.set()
         while True:
             try:
@@ -462,7 +463,15 @@ class Worker:
                 self._emit,
                 self._finish,
             )
-        self._batch.add(job, sampling_of(job.request))
+        try:
+            self._batch.add(job, sampling_of(job.request))
+        except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
+            log.error("a job could not join the batch:\n%s", traceback.format_exc())
+            job.status = "failed"
+            self._emit(
+                job, Failed(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+            )
+            self._finish(job)
 
     def _step_batch(self) -> None:
         try:
