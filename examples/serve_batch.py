@@ -7,6 +7,10 @@ prints the aggregate tokens per second, the latencies, and how many answers
 equal the Python API's solo answer (``MTPModel.generate``, computed after the
 server has stopped). The server is stopped with SIGINT and must exit 130.
 
+``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
+continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
+B), for a side-by-side figure; its exit status is not checked.
+
     OPENBLAS_NUM_THREADS=1 .venv/bin/python examples/serve_batch.py \\
         --clients 8 --max-tokens 64 --max-batch 8 [--json out.json]
 """
@@ -84,6 +88,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--below", type=int, default=120, help="prompts under this many tokens")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
     args = ap.parse_args()
 
     from mlx_mtp.loading import load_model
@@ -92,12 +97,17 @@ def main() -> None:
     texts = questions(lm.tokenizer, args.clients, args.below)
     port = free_port()
     exe = str(Path(sys.executable).parent / "mlx-mtp")
-    server = subprocess.Popen(
-        [exe, "serve", "--model", args.model, "--dtype", "float32", "--port", str(port),
-         "--max-batch", str(args.max_batch), "--queue-size", str(args.clients),
-         "--log-level", "warning"],
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
+    cmd = [exe, "serve", "--model", args.model, "--dtype", "float32", "--port", str(port),
+           "--max-batch", str(args.max_batch), "--queue-size", str(args.clients),
+           "--log-level", "warning"]  # fmt: skip
+    model_id = args.model
+    if args.mlx_lm:
+        b = str(args.max_batch)
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(lm.path), "--port",
+               str(port), "--decode-concurrency", b, "--prompt-concurrency", b,
+               "--log-level", "WARNING"]  # fmt: skip
+        model_id = "default_model"
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 600
         while True:
@@ -106,13 +116,13 @@ def main() -> None:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.5)
-        ask(port, args.model, "Hi", 4)  # warm-up
+        ask(port, model_id, "Hi", 4)  # warm-up
         answers: dict[int, dict] = {}
         latency: dict[int, float] = {}
 
         def client(i: int) -> None:
             t0 = time.perf_counter()
-            answers[i] = ask(port, args.model, texts[i], args.max_tokens)
+            answers[i] = ask(port, model_id, texts[i], args.max_tokens)
             latency[i] = time.perf_counter() - t0
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(texts))]
@@ -138,6 +148,7 @@ def main() -> None:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "clients": len(texts),
         "max_tokens": args.max_tokens,
+        "server": "mlx_lm.server" if args.mlx_lm else "mlx-mtp serve",
         "max_batch": args.max_batch,
         "new_tokens": tokens,
         "wall_s": round(wall, 2),
@@ -152,6 +163,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
+    if args.mlx_lm:
+        return
     if equal != len(texts) or server.returncode != 130 or "Traceback" in err:
         sys.exit(1)
 
