@@ -9,7 +9,13 @@ server has stopped). The server is stopped with SIGINT and must exit 130.
 
 ``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
 continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
-B), for a side-by-side figure; its exit status is not checked.
+B), for a side-by-side figure; its exit status is not checked. mlx-mtp
+loads a quantized model dequantized to float32 on Linux (its fastest form on
+a CPU); mlx_lm.server runs a folder as stored, so give it a dequantized
+float32 copy for a like-for-like figure:
+
+    mlx_lm convert --hf-path MODEL_FOLDER --mlx-path smol32 -d --dtype float32
+    ... examples/serve_batch.py --mlx-lm --mlx-lm-model smol32
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python examples/serve_batch.py \\
         --clients 8 --max-tokens 64 --max-batch 8 [--json out.json]
@@ -89,6 +95,7 @@ def main() -> None:
     ap.add_argument("--below", type=int, default=120, help="prompts under this many tokens")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
+    ap.add_argument("--mlx-lm-model", default=None, help="its model folder (default: ours)")
     args = ap.parse_args()
 
     from mlx_mtp.loading import load_model
@@ -103,7 +110,8 @@ def main() -> None:
     model_id = args.model
     if args.mlx_lm:
         b = str(args.max_batch)
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(lm.path), "--port",
+        folder = args.mlx_lm_model or str(lm.path)
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", folder, "--port",
                str(port), "--decode-concurrency", b, "--prompt-concurrency", b,
                "--log-level", "WARNING"]  # fmt: skip
         model_id = "default_model"
