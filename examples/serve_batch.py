@@ -11,7 +11,9 @@ server has stopped). The server is stopped with SIGINT and must exit 130.
 continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
 B), for a side-by-side figure; its exit status is not checked. mlx-mtp
 loads a quantized model dequantized to float32 on Linux (its fastest form on
-a CPU); mlx_lm.server runs a folder as stored, so give it a dequantized
+a CPU) and makes MLX use OpenBLAS (``mlx_mtp._blas``); mlx_lm.server runs a
+folder as stored, with MLX's reference BLAS. So it is started with
+``LD_PRELOAD`` of the same OpenBLAS, and should be given a dequantized
 float32 copy for a like-for-like figure:
 
     mlx_lm convert --hf-path MODEL_FOLDER --mlx-path smol32 -d --dtype float32
@@ -115,7 +117,14 @@ def main() -> None:
                str(port), "--decode-concurrency", b, "--prompt-concurrency", b,
                "--log-level", "WARNING"]  # fmt: skip
         model_id = "default_model"
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    env = dict(os.environ)
+    if args.mlx_lm:
+        from mlx_mtp._blas import openblas_path
+
+        blas = openblas_path()
+        if blas:  # the BLAS mlx-mtp makes MLX use, for mlx_lm.server too
+            env["LD_PRELOAD"] = blas
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.time() + 600
         while True:

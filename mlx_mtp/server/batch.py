@@ -3,8 +3,9 @@
 With ``--max-batch N`` above 1, the worker runs every active ``ntp`` request
 of its model in one batched forward pass per step, with mlx-lm's
 ``BatchGenerator`` (``BatchKVCache``): a request joins after its prompt is
-prefilled (alone, in chunks of the server's prefill step, so that no pass
-is larger than the time bound allows) and leaves at EOS, ``max_tokens``, a
+prefilled (with up to 7 others, each in chunks of its share of the server's
+prefill step, so that no pass is larger than the time bound allows) and
+leaves at EOS, ``max_tokens``, a
 stop string, cancellation or disconnect, between steps. Each request keeps
 its own detokenizer, stop strings and sampler (:class:`~mlx_mtp.api.RowSampler`:
 its own seed and positions), so its answer is the one it gets alone, up to
@@ -85,12 +86,16 @@ class BatchRunner:
         self.emit = emit
         self.finish = finish
         self.eos = model.eos_ids
+        # up to 8 prompts are prefilled together, each in chunks of its share
+        # of the prefill step: a prefill pass holds at most prefill_step tokens
+        # (the time bound), and short prompts join in one pass
+        together = min(max_batch, 8)
         self.gen = BatchGenerator(
             model.model,
             stop_tokens=[[t] for t in sorted(self.eos)],
             completion_batch_size=max_batch,
-            prefill_batch_size=1,  # one prompt's chunk per pass: the time bound holds
-            prefill_step_size=prefill_step,
+            prefill_batch_size=together,
+            prefill_step_size=max(16, prefill_step // together),
         )
         self.rows: dict[int, Row] = {}
 
