@@ -232,6 +232,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--method", default="ntp", help="the server's default method")
     ap.add_argument("--queue-size", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=1, help="the server's --max-batch")
     ap.add_argument("--queue-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -243,7 +244,7 @@ def main() -> int:
         exe, "serve", "--model", MODEL, "--method", args.method, "--dtype", "float32",
         "--host", HOST, "--port", str(port), "--api-key", KEY, "--queue-size",
         str(args.queue_size), "--queue-timeout", str(args.queue_timeout),
-        "--log-level", "warning",
+        "--log-level", "warning", "--max-batch", str(args.max_batch),
     ]  # fmt: skip
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     results: list[dict] = []

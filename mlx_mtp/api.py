@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -210,7 +210,10 @@ class MTPModel:
             raise ContextLengthError(
                 f"This model's context is {ctx} tokens; the prompt has {prompt_tokens} tokens "
                 f"and asks for {max_tokens} new ones. Shorten the prompt or lower max_tokens "
-                "(--max-tokens)."
+                "(--max-tokens).",
+                context=ctx,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
             )
         return max_tokens
 
@@ -425,6 +428,160 @@ def load(
     if shared is not method_options:  # the draft model is the target: its weights, once
         m = make_method(method, **shared)
     return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking)
+
+
+class RowSampler:
+    """One prompt's :class:`PositionalSampler` inside mlx-lm's batch, which
+    calls it once per token drawn, in order, with that row's log-probabilities
+    only: it supplies the position of each draw (the prompt's length for the
+    first), so that the row draws what a solo generation with the same seed
+    draws."""
+
+    def __init__(self, sampler: PositionalSampler, first_position: int):
+        self.sampler = sampler
+        self.position = first_position
+
+    def __call__(self, logprobs: Any) -> Any:
+        out = self.sampler(logprobs, [self.position])
+        self.position += 1
+        return out
+
+
+def batch_generate(
+    loaded: LoadedModel,
+    prompts: Sequence[Prompt],
+    *,
+    max_tokens: int | Sequence[int] = 256,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    chat_template: bool = True,
+    fit_context: bool = False,
+    max_batch: int = 8,
+    prefill_step: int = PREFILL_STEP,
+) -> list[Result]:
+    """Generate answers to several prompts at once with plain next-token
+    decoding (``ntp``), batched: mlx-lm's continuous batching
+    (``BatchGenerator``, ``BatchKVCache``) runs every unfinished prompt in one
+    forward pass per step; a prompt leaves the batch at EOS or ``max_tokens``
+    and the next one waiting joins after its prefill.
+
+    Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
+    with the same arguments (greedy: the argmax of each row; sampled: each
+    prompt draws with its own :class:`PositionalSampler`, keyed by ``seed``
+    and the position, as a solo generation does). A batched forward pass
+    computes the same function as a one-row pass but may round differently,
+    so where two tokens nearly tie the batch can pick the other one: the
+    agreement with solo answers is measured, not guaranteed (tests/test_batch.py).
+
+    Args:
+        loaded: the model (:meth:`LoadedModel.batch_generate
+            <mlx_mtp.loading.LoadedModel.batch_generate>` passes itself).
+        prompts: a list of prompts, each as :meth:`MTPModel.encode` takes.
+        max_tokens: new tokens per prompt: one limit for all, or one each.
+        temp / top_p / top_k / min_p / seed / chat_template / fit_context:
+            as :meth:`MTPModel.stream_generate`, the same for every prompt
+            (seed None with ``temp > 0``: a random base seed per prompt).
+        max_batch: most prompts decoded in one forward pass (>= 1).
+        prefill_step: prompt tokens per prefill pass.
+
+    Returns:
+        One :class:`Result` per prompt, in order. Its ``stats`` count the
+        prompt's own tokens; ``prefill_time`` is the seconds from the start
+        to its first new token and ``decode_time`` from then to its last (the
+        passes are shared with the rest of the batch).
+
+    Raises:
+        InvalidArgumentError: no prompts, a bad prompt or argument (naming
+            which prompt), ``max_tokens`` of the wrong length.
+        ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
+            model's context.
+    """
+    import time
+
+    from mlx_lm.generate import BatchGenerator
+
+    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidArgumentError(
+            "prompts must be a non-empty list of prompts (texts, chat message lists or "
+            f"token id lists), got {type(prompts).__name__}."
+        )
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidArgumentError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
+    if isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1:
+        raise InvalidArgumentError(f"prefill_step must be an integer >= 1, got {prefill_step!r}.")
+    limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
+    if len(limits) != len(prompts):
+        raise InvalidArgumentError(
+            f"max_tokens has {len(limits)} values for {len(prompts)} prompts; give one for "
+            "all or one per prompt."
+        )
+    ntp = MTPModel(loaded, make_method("ntp"))  # its prompt encoding and context checks
+    tokens, limit_of, samplers = [], [], []
+    for i, (prompt, n) in enumerate(zip(prompts, limits)):
+        try:
+            args = check_generation_args(
+                max_tokens=n, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+            )
+            toks = ntp.encode(prompt, chat_template)
+            limit_of.append(ntp.check_context(len(toks), args["max_tokens"], fit_context))
+        except InvalidArgumentError as e:
+            raise type(e)(f"prompts[{i}]: {e}") from None
+        tokens.append(toks)
+        if args["temp"] > 0:
+            base = args["seed"] if args["seed"] is not None else random_seed()
+            row = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, base)
+            samplers.append(RowSampler(row, len(toks)))
+    eos = ntp.eos_ids
+    gen = BatchGenerator(
+        loaded.model,
+        stop_tokens=[[t] for t in sorted(eos)],
+        completion_batch_size=max_batch,
+        prefill_batch_size=min(max_batch, 8),
+        prefill_step_size=prefill_step,
+    )
+    try:
+        uids = gen.insert(tokens, limit_of, samplers=samplers or None)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        finish: dict[int, str] = {}
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        t0 = time.perf_counter()
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                out[r.uid].append(int(r.token))
+                first.setdefault(r.uid, now)
+                last[r.uid] = now
+                if r.finish_reason is not None:
+                    finish[r.uid] = r.finish_reason
+    finally:
+        gen.close()
+    detok = loaded.tokenizer.detokenizer
+    results = []
+    for uid, toks in zip(uids, tokens):
+        new = out[uid]
+        detok.reset()
+        for t in new:
+            if t not in eos:
+                detok.add_token(t)
+        detok.finalize()
+        stats = GenerationStats(
+            method="ntp(batch)",
+            prompt_tokens=len(toks),
+            prefill_tokens=len(toks),
+            prefill_time=first[uid] - t0,
+            generated_tokens=len(new),
+            decode_time=last[uid] - first[uid],
+            forward_passes=len(new),
+            steps=len(new),
+            slots=len(new),
+            max_slots=1,
+        )
+        results.append(Result(detok.text, new, stats, finish[uid]))
+    return results
 
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`

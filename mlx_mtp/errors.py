@@ -38,7 +38,26 @@ class InvalidArgumentError(MTPError, ValueError):
 
 class ContextLengthError(InvalidArgumentError):
     """A prompt (with the new tokens asked for) longer than the model's context
-    (``max_position_embeddings``); raised before the prompt is prefilled."""
+    (``max_position_embeddings``); raised before the prompt is prefilled.
+
+    Attributes:
+        context / prompt_tokens / max_tokens: the numbers the message states
+            (None where not given), so that another front end (the server)
+            can word it for its users.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        context: int | None = None,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+    ):
+        super().__init__(message)
+        self.context = context
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
 
 
 class ModelBusyError(MTPError):

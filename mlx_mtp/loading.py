@@ -349,6 +349,14 @@ class LoadedModel:
             raise InvalidArgumentError("options go with a method name, not a method instance")
         return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking)
 
+    def batch_generate(self, prompts: Any, **kwargs: Any) -> list[Any]:
+        """Answer several prompts at once, batched (plain next-token decoding,
+        continuous batching): see :func:`mlx_mtp.api.batch_generate` for the
+        arguments. Returns one :class:`~mlx_mtp.api.Result` per prompt."""
+        from .api import batch_generate
+
+        return batch_generate(self, prompts, **kwargs)
+
 
 def share_target(loaded: LoadedModel, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` of a method, with a ``draft_model`` that names ``loaded``

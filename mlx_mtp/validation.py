@@ -34,9 +34,15 @@ class Limit:
     what: str
 
     def describe(self) -> str:
+        """The range in words: ``>= 1``, ``in [0, 1]`` (integer bounds in full:
+        ``in [0, 18446744073709551615]``, never ``1.84467e+19``)."""
+
+        def num(x: float) -> str:
+            return f"{x:g}" if self.kind is float else str(int(x))
+
         if self.hi is None:
-            return f">= {self.lo:g}" if self.kind is float else f">= {int(self.lo)}"
-        return f"in [{self.lo:g}, {self.hi:g}]"
+            return f">= {num(self.lo)}"
+        return f"in [{num(self.lo)}, {num(self.hi)}]"
 
 
 #: argument name -> its valid range (the API's keyword, the CLI's flag)
@@ -56,15 +62,23 @@ LIMITS: dict[str, Limit] = {
 GENERATION_ARGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
 
 
-def check_value(name: str, value: Any) -> Any:
+def check_value(name: str, value: Any, label: str | None = None) -> Any:
     """Check one argument against :data:`LIMITS` and return it as its type.
+
+    Args:
+        name: the argument (a key of :data:`LIMITS`).
+        value: its value.
+        label: how the message names it; None: the API keyword and the CLI
+            flag (``temp (--temp)``). The server passes the request's field
+            (``temperature``), which knows no flags.
 
     Raises:
         InvalidArgumentError: wrong type, not finite, or out of range; the
-            message names the argument (API keyword and CLI flag).
+            message names the argument.
     """
     lim = LIMITS[name]
-    label = f"{name} ({lim.cli})"
+    if label is None:
+        label = f"{name} ({lim.cli})"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{label} must be a number, got {value!r}")
     if lim.kind is int:
@@ -86,8 +100,13 @@ def check_generation_args(
     top_k: Any = 0,
     min_p: Any = 0.0,
     seed: Any = None,
+    labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Check the sampling and length arguments of one generation.
+
+    Args:
+        labels: argument -> how a message names it (see :func:`check_value`);
+            the arguments left out are named by keyword and CLI flag.
 
     Returns:
         The arguments as their types (``seed`` None stays None).
@@ -95,15 +114,19 @@ def check_generation_args(
     Raises:
         InvalidArgumentError: naming the first bad argument.
     """
-    out = {
-        "max_tokens": check_value("max_tokens", max_tokens),
-        "temp": check_value("temp", temp),
-        "top_p": check_value("top_p", top_p),
-        "top_k": check_value("top_k", top_k),
-        "min_p": check_value("min_p", min_p),
-        "seed": None if seed is None else check_value("seed", seed),
+    names = labels or {}
+    given = {
+        "max_tokens": max_tokens,
+        "temp": temp,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": seed,
     }
-    return out
+    return {
+        k: None if k == "seed" and v is None else check_value(k, v, names.get(k))
+        for k, v in given.items()
+    }
 
 
 def typer_range(name: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ float32), interrupted once it is doing its work."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -138,6 +139,68 @@ def test_serve_stops_cleanly(sig, want):
     argv = ["serve", "--port", str(port), "--log-level", "warning"]
     code, _, err = interrupt_when(argv, _serving(port), sig=sig)
     clean_exit(code, err, want)
+
+
+@pytest.mark.parametrize("sig,want", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_serve_signal_during_a_stream_ends_it_with_a_final_chunk(sig, want):
+    """A signal while a stream is open: the pass under way finishes, the
+    stream gets a final chunk (``finish_reason: "cancelled"``) and ``[DONE]``,
+    the server exits at once with 130 / 143, no traceback and no "graceful
+    shutdown exceeded" in its log (it used to cut the stream about 6 s
+    later)."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [EXE, "serve", "--port", str(port), "--dtype", "float32"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        preexec_fn=_sigint_as_from_a_terminal,
+    )
+    try:
+        err = b""
+        os.set_blocking(proc.stderr.fileno(), False)
+        deadline = time.time() + 600
+        while not _serving(port)(b"", err):
+            assert proc.poll() is None and time.time() < deadline, err[-2000:]
+            time.sleep(0.1)
+            err += proc.stderr.read() or b""
+        body = json.dumps(
+            {
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": "Count from 1 to 500."}],
+                "max_tokens": 2000,
+                "stream": True,
+            }
+        ).encode()
+        conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        conn.sendall(head.encode() + body)
+        stream = conn.makefile("rb")
+        events = 0
+        while events < 4:  # the role chunk and some text
+            line = stream.readline()
+            assert line, "the stream ended early"
+            events += line.startswith(b"data: ")
+        t0 = time.time()
+        proc.send_signal(sig)
+        rest = stream.read().decode()  # to the end of the connection
+        conn.close()
+        os.set_blocking(proc.stderr.fileno(), True)
+        err += proc.communicate(timeout=120)[1]
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = err.decode(errors="replace")
+    clean_exit(proc.returncode, log, want)
+    assert "graceful shutdown exceeded" not in log and "CancelledError" not in log, log[-3000:]
+    data = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", rest[-1000:]
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "cancelled"
+    assert took < 5, took  # one forward pass, not a graceful-shutdown timeout
 
 
 def test_serve_ctrl_c_while_loading_exits_130():

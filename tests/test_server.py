@@ -784,3 +784,377 @@ def test_method_models_are_bounded_and_keep_the_default(server, client, monkeypa
         )
     loaded = raw(base, "GET", "/health")[2]["methods_loaded"]
     assert sorted(loaded) == ["ntp", "pld,window=3"], loaded
+
+
+# ------------------------------------------------------- a hostile client's faults
+@contextlib.contextmanager
+def server_log() -> Iterator[list]:
+    """The records of warning level and above that the server logs meanwhile
+    (uvicorn's loggers do not reach pytest's root handler)."""
+    import logging
+
+    got: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record)
+
+    handler = Keep(logging.WARNING)
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "mlx_mtp")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield got
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def _handlers_done(srv, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while srv.server_state.tasks:
+        assert time.time() < deadline, f"{len(srv.server_state.tasks)} handlers left"
+        time.sleep(0.02)
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _head(path: str, **headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}"]
+    lines += ["Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        piece = s.recv(65536)
+        if not piece:
+            return out
+        out += piece
+
+
+def test_a_client_that_drops_mid_upload_leaves_no_traceback(server):
+    """Headers, a few bytes of the body, then the client closes: a dropped
+    upload is normal, so nothing of warning level or above is logged (it used
+    to log ``ClientDisconnect`` twice, with tracebacks)."""
+    base, worker = server
+    with server_log() as records:
+        for _ in range(3):
+            s = _connect(base)
+            s.sendall(_head(CHAT, **{"Content-Length": "1000"}) + b'{"model": "smol')
+            time.sleep(0.2)
+            s.close()
+        time.sleep(0.3)
+        _handlers_done(worker.http)
+    assert not records, [r.getMessage() for r in records]
+    assert_healthy(base, worker)
+
+
+@pytest.mark.parametrize("how", ["content-length", "chunked"])
+def test_a_large_body_sent_in_full_gets_413_not_a_reset(server, how):
+    """9 MB sent in full (declared, or chunked with no length), asking the
+    server to close after the answer: the client finishes sending and reads
+    a 413 (it used to get a connection reset while still sending)."""
+    base, worker = server
+    n = 9 << 20
+    s = _connect(base)
+    if how == "chunked":
+        s.sendall(_head(CHAT, **{"Transfer-Encoding": "chunked", "Connection": "close"}))
+        piece = b"x" * 65536
+        for _ in range(n // len(piece)):
+            s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+        s.sendall(b"0\r\n\r\n")
+    else:
+        s.sendall(_head(CHAT, **{"Content-Length": str(n), "Connection": "close"}))
+        s.sendall(b"x" * n)  # a reset would raise here
+    answer = _read_all(s)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "body_too_large"
+    # a client that waits for "100 Continue" is answered at once and sends nothing
+    s = _connect(base)
+    t0 = time.perf_counter()
+    s.sendall(_head(CHAT, **{"Content-Length": str(n), "Expect": "100-continue"}))
+    assert s.recv(64).startswith(b"HTTP/1.1 413 ") and time.perf_counter() - t0 < 10
+    s.close()
+    assert_healthy(base, worker)
+
+
+def test_slow_clients_are_disconnected_after_the_client_timeout(server, ref):
+    """Sockets that send only a request line, headers without their body, or
+    half of a second request on a kept-alive connection are closed after
+    ``client_timeout`` (the body: with a 408); a stream that runs longer than
+    that is not cut."""
+    base, worker = server
+    with serving(worker, api_key=KEY, client_timeout=1.0) as (quick, srv):
+        lines = [_connect(quick) for _ in range(5)]
+        for s in lines:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        body = _connect(quick)
+        body.sendall(_head(CHAT, **{"Content-Length": "100"}) + b'{"mo')
+        kept = _connect(quick)
+        kept.sendall(_head("/v1/models").replace(b"POST", b"GET"))
+        first = b""
+        while b"\r\n\r\n" not in first or not first.endswith(b"}"):  # one JSON answer
+            first += kept.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        kept.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 12")
+        t0 = time.perf_counter()
+        got = []
+        for s in [*lines, body, kept]:
+            got.append(_read_all(s))
+            s.close()
+        took = time.perf_counter() - t0
+        assert 0.5 < took < 10, took
+        assert got[:5] == [b""] * 5 and got[6] == b""
+        assert got[5].startswith(b"HTTP/1.1 408 ") and b"request_timeout" in got[5]
+        # a stream longer than the client timeout runs to its end
+        want = ref(LONG["messages"], n=24)
+        t0 = time.perf_counter()
+        chunks = list(
+            openai.OpenAI(
+                base_url=quick + "/v1", api_key=KEY, max_retries=0
+            ).chat.completions.create(
+                model=MODEL, messages=LONG["messages"], max_tokens=24, temperature=0, stream=True
+            )
+        )
+        assert time.perf_counter() - t0 > 1.0  # (else this proves nothing)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert_healthy(base, worker)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["alone", "batched"])
+def test_shutdown_ends_open_streams_with_a_final_chunk(server, ref, monkeypatch, max_batch):
+    """The server shuts down while a stream is open: the pass under way
+    finishes, the stream gets a final chunk (``finish_reason: "cancelled"``,
+    with the usage asked for) and ``[DONE]``, and the server stops at once,
+    nothing logged above info (it used to cut the stream after its 5 s
+    graceful-shutdown time, with a ``CancelledError`` traceback). The other
+    server on the same worker goes on."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", max_batch)
+    with server_log() as records, serving(worker, api_key=KEY) as (other, srv):
+        conn, resp = _open_stream(other, dict(LONG, stream_options={"include_usage": True}))
+        t0 = time.perf_counter()
+        srv.should_exit = True
+        rest = resp.fp.read().decode()  # raw, as _open_stream read: to the connection's end
+        took = time.perf_counter() - t0
+        conn.close()
+    events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    final, usage_chunk = json.loads(events[-3]), json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "cancelled"
+    assert final["mtp"]["method"] == ("ntp(batch)" if max_batch > 1 else "ntp")
+    assert usage_chunk["usage"]["completion_tokens"] < 100
+    assert took < 5 + worker.limits.max_forward_s, took
+    assert not records, [r.getMessage() for r in records]
+    assert worker.recent[-1].status == "cancelled"
+    assert_healthy(base, worker)
+    r = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=N, temperature=0
+    )
+    assert r.choices[0].message.content == ref(Q).text
+
+
+#: (request, text its 400 message must hold): none may speak of a CLI flag
+API_WORDS = [
+    (dict(M, max_tokens=0), "max_tokens must be >= 1"),
+    (dict(M, seed=2**64), "seed must be in [0, 18446744073709551615]"),
+    (dict(M, temperature=-1), "temperature must be >= 0"),
+    (dict(M, top_k=-1), "top_k must be >= 0"),
+    (mtp(method="pld", colour=1), "does not take the option mtp.colour"),
+    (mtp(method="draft"), "needs the option mtp.draft_model"),
+    (mtp(method="probe", bc="abc"), "mtp.bc must be"),
+    (mtp(method="probe", tree="6,3", masks=1), "mtp.tree 6,3 has depth 2 but mtp.masks 1"),
+    (dict(M, max_tokens=4000, messages=WORDS), "lower max_tokens."),
+]
+
+
+@pytest.mark.parametrize("body,words", API_WORDS, ids=[w for _, w in API_WORDS])
+def test_400_messages_speak_the_apis_language(server, body, words):
+    base, worker = server
+    status, _, err = raw(base, "POST", CHAT, body)
+    message = err["error"]["message"]
+    assert status == 400 and words in message, message
+    assert "--" not in message and "e+" not in message, message
+    assert_healthy(base, worker)
+
+
+def test_the_cli_keeps_its_own_words():
+    """The same checks, outside the server, still name the CLI's flags."""
+    from mlx_mtp.errors import InvalidArgumentError
+    from mlx_mtp.methods import make_method
+    from mlx_mtp.validation import check_generation_args
+
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens \(--max-tokens\) must be >= 1"):
+        check_generation_args(max_tokens=0, temp=0.0)
+    with pytest.raises(InvalidArgumentError, match=r"seed \(--seed\) must be in \[0, 1844674"):
+        check_generation_args(max_tokens=1, temp=0.0, seed=2**64)
+    with pytest.raises(InvalidArgumentError, match="given as a flag or --opt key=value"):
+        make_method("pld", colour=1)
+    with pytest.raises(InvalidArgumentError, match="--draft-model MODEL"):
+        make_method("draft")
+
+
+def test_required_options_are_the_ones_methods_need():
+    """REQUIRED_OPTIONS is complete: every other method builds without options."""
+    from mlx_mtp.errors import InvalidArgumentError
+    from mlx_mtp.methods import METHODS, make_method
+    from mlx_mtp.server.worker import REQUIRED_OPTIONS
+
+    for name in METHODS:
+        if name in REQUIRED_OPTIONS:
+            with pytest.raises(InvalidArgumentError):
+                make_method(name)
+        else:
+            make_method(name)
+
+
+# ------------------------------------------------------- continuous batching
+def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monkeypatch):
+    """With --max-batch 4, concurrent ntp requests (chat and completion,
+    streamed or not, greedy or seeded, one with a stop string) run in one
+    batch, and each answer equals the Python API's solo answer; one client
+    leaving mid-stream leaves the others exact; a request of another method
+    waits for the batch and runs alone."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)  # six requests at once
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "Name three colours of the rainbow, and explain why."}],
+    ]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(worker.batched()))
+            time.sleep(0.01)
+
+    results: dict[str, object] = {}
+
+    def chat(i, **kw):
+        results[f"chat{i}"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=20, temperature=0, **kw
+        )
+
+    def stream(i):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=prompts[i], max_tokens=20, temperature=0, stream=True
+            )
+        )
+        results[f"stream{i}"] = "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    def sampled():
+        results["sampled"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[2], max_tokens=10, temperature=0.9, seed=5
+        )
+
+    def completion():
+        results["completion"] = client.completions.create(
+            model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0
+        )
+
+    def other_method():
+        results["pld"] = client.chat.completions.create(
+            model=MODEL, messages=prompts[0], max_tokens=8, temperature=0,
+            extra_body={"mtp": {"method": "pld"}},
+        )  # fmt: skip
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    leaver_conn, leaver = _open_stream(base, LONG)  # joins first, leaves mid-stream
+    threads = [
+        threading.Thread(target=chat, args=(0,)),
+        threading.Thread(target=stream, args=(1,)),
+        threading.Thread(target=sampled),
+        threading.Thread(target=completion),
+        threading.Thread(target=other_method),
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    leaver.close()
+    leaver_conn.close()
+    for t in threads:
+        t.join(300)
+    done.set()
+    watcher.join()
+    assert max(seen) >= 2, "never batched"
+    assert max(seen) <= 4
+    r = results["chat0"]
+    assert r.choices[0].message.content == ref(prompts[0], n=20).text
+    assert r.model_extra["mtp"]["method"] == "ntp(batch)"
+    assert r.usage.completion_tokens == len(ref(prompts[0], n=20).tokens)
+    assert results["stream1"] == ref(prompts[1], n=20).text
+    want = ref(prompts[2], n=10, sampling={"temp": 0.9, "seed": 5}).text
+    assert results["sampled"].choices[0].message.content == want
+    want = ref("The three primary colors are", chat=False, n=12).text
+    assert results["completion"].choices[0].text == want
+    assert results["pld"].choices[0].message.content == ref(prompts[0], "pld", n=8).text
+    assert results["pld"].model_extra["mtp"]["method"].startswith("pld")
+    # the leaver was cancelled, not run to its 2000 tokens
+    deadline = time.time() + 60
+    while worker.batched():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    left = [j for j in worker.recent if j.request.max_tokens == LONG["max_tokens"]][-1]
+    assert left.status == "cancelled" and left.generated_tokens < 200
+    # a stop string ends a batched request early
+    want = ref(Q, n=N).text
+    stop = want[8:12]
+    r = client.chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=N, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].message.content == want[: want.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert_healthy(base, worker)
+
+
+def test_a_bad_prompt_in_the_batch_is_a_400_and_the_batch_goes_on(server, monkeypatch):
+    """Prompts the API refuses (over the context, token ids outside the
+    vocabulary) are refused as they join the batch, as when alone."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    status, _, err = raw(base, "POST", CHAT, dict(M, messages=WORDS))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert "--" not in err["error"]["message"]
+    body = {"model": MODEL, "prompt": [1, 2, 10**9], "max_tokens": 2}
+    status, _, err = raw(base, "POST", "/v1/completions", body)
+    assert status == 400 and "vocabulary" in err["error"]["message"], err
+    status, _, body = raw(base, "POST", CHAT, M)
+    assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
+    assert_healthy(base, worker)
+
+
+def test_a_failure_in_the_batch_is_a_500_and_the_server_goes_on(server, monkeypatch):
+    """An exception while the batch steps (a bug, an MLX failure) answers
+    its requests 500 and starts a new batch; the next request is served."""
+    from mlx_mtp.server.batch import BatchRunner
+
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    real = BatchRunner.step
+    calls = {"n": 0}
+
+    def failing_once(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated MLX failure")
+        return real(self)
+
+    monkeypatch.setattr(BatchRunner, "step", failing_once)
+    status, _, err = raw(base, "POST", CHAT, dict(M, max_tokens=8))
+    assert status == 500 and "simulated MLX failure" in err["error"]["message"], err
+    status, _, body = raw(base, "POST", CHAT, M)
+    assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
+    assert_healthy(base, worker)

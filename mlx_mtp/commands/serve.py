@@ -97,6 +97,18 @@ def register(app: typer.Typer) -> None:
             "--queue-timeout",
             help="Seconds a request may wait in the queue; then it is answered 503.",
         ),
+        client_timeout: float = typer.Option(
+            30.0,
+            "--client-timeout",
+            help="Seconds a client has to send a request's headers, then as long for its "
+            "body; a slower one is disconnected (the body: 408).",
+        ),
+        max_batch: int = typer.Option(
+            1,
+            "--max-batch",
+            help="Plain (ntp) requests decoded together in one forward pass (continuous "
+            "batching; at most the slots bound). 1: one request at a time.",
+        ),
         max_methods: int = typer.Option(
             4,
             "--max-methods",
@@ -155,10 +167,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}", param_hint="'--log-level'"
             )
-        if queue_size < 1 or max_methods < 1:
-            raise InvalidArgumentError("--queue-size and --max-methods must be >= 1.")
+        if queue_size < 1 or max_methods < 1 or max_batch < 1:
+            raise InvalidArgumentError("--queue-size, --max-methods and --max-batch must be >= 1.")
         if not 0 < queue_timeout < float("inf"):
             raise InvalidArgumentError(f"--queue-timeout must be > 0, got {queue_timeout}.")
+        if not 0 < client_timeout < float("inf"):
+            raise InvalidArgumentError(f"--client-timeout must be > 0, got {client_timeout}.")
         dtype = load["dtype"]
         check_choices(load["method"], options, dtype)
         check_generation_args(
@@ -204,6 +218,7 @@ def register(app: typer.Typer) -> None:
                 max_methods=max_methods,
                 pipeline=pipeline,
                 limits=limits,
+                max_batch=max_batch,
             )
             with interrupted_note(f"interrupted while loading {model}: the server did not start."):
                 worker.start()
@@ -220,13 +235,16 @@ def register(app: typer.Typer) -> None:
                 allow_host,
                 allow_origin,
                 queue_timeout,
+                client_timeout,
             )
         finally:
             if sock is not None:
                 sock.close()
 
 
-def _serve(worker, sock, host, port, api_key, log_level, hosts, origins, queue_timeout) -> None:
+def _serve(
+    worker, sock, host, port, api_key, log_level, hosts, origins, queue_timeout, client_timeout
+) -> None:
     """Serve on the bound socket until Ctrl-C or SIGTERM, then stop the worker."""
     from ..server import make_server
 
@@ -255,6 +273,7 @@ def _serve(worker, sock, host, port, api_key, log_level, hosts, origins, queue_t
         allow_hosts=hosts or (),
         allow_origins=origins or (),
         queue_timeout=queue_timeout,
+        client_timeout=client_timeout,
     )
     _exit_on_sigterm()
     try:

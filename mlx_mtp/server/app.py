@@ -8,6 +8,14 @@ its :mod:`~.events`; a client that disconnects, or whose job waited longer
 than the queue timeout, sets the job's ``cancel`` flag, so the worker stops
 before its next forward pass.
 
+Hostile or slow clients: a body is read within ``--client-timeout`` (else
+408) and up to :data:`MAX_BODY` bytes (else 413, after reading the rest so
+that the client is not reset while sending); a client that leaves during its
+upload is dropped without a traceback; a connection that has not sent full
+headers within ``--client-timeout`` is closed (:func:`_timed_h11`). On
+shutdown the app stops its jobs (``shut_down``), so open streams end with a
+``"cancelled"`` chunk and ``[DONE]`` within one forward pass.
+
 Browser safety (:class:`BrowserGuard`): a web page the user visits can send
 requests to ``127.0.0.1``, and with DNS rebinding read the answers. So the
 ``Host`` header must name this server (the bound address, the localhost
@@ -20,9 +28,11 @@ CORS preflight in a browser).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
+import math
 import socket
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -51,8 +61,12 @@ log = logging.getLogger("mlx_mtp.server")
 
 #: largest request body accepted (bytes)
 MAX_BODY = 8 * 1024 * 1024
+#: most bytes of a body over :data:`MAX_BODY` read (and dropped) before the 413
+MAX_DRAIN = 64 * 1024 * 1024
 #: default seconds a request may wait in the queue before a 503
 QUEUE_TIMEOUT = 300.0
+#: default seconds a client has to send a request's headers, and then its body
+CLIENT_TIMEOUT = 30.0
 #: host names that always mean this machine
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 #: addresses that bind every interface
@@ -160,8 +174,14 @@ def create_app(
     any_ip: bool = False,
     origins: Iterable[str] = (),
     queue_timeout: float = QUEUE_TIMEOUT,
+    client_timeout: float = CLIENT_TIMEOUT,
 ) -> Any:
     """The ASGI app serving ``worker``'s model, behind a :class:`BrowserGuard`.
+
+    The returned app has a ``shut_down()`` method: it stops every job the app
+    runs or has queued (their streams end with a ``"cancelled"`` chunk and
+    ``[DONE]``) and refuses new ones (503); the server calls it when it
+    begins to shut down.
 
     Args:
         worker: a started :class:`~.worker.Worker`.
@@ -171,8 +191,23 @@ def create_app(
         hosts / any_ip / origins: see :class:`BrowserGuard`.
         queue_timeout: seconds a request may wait for the worker before it is
             answered 503 ``queue_timeout`` (and dropped from the queue).
+        client_timeout: seconds a client has to send a request's body once
+            its headers have come (then 408, and the connection is closed).
     """
     created = int(time.time())
+    live: set[Job] = set()  # the jobs of requests being answered
+    stopping = asyncio.Event()  # set at shutdown: new requests are refused
+
+    def shut_down() -> int:
+        """Stop every job this app runs or has queued (at server shutdown):
+        the worker ends each before its next forward pass, and open streams
+        get a final chunk (``finish_reason: "cancelled"``) and ``[DONE]``.
+        Returns how many jobs were told."""
+        stopping.set()
+        for job in live:
+            job.shutdown = True
+            job.cancel.set()
+        return len(live)
 
     def authorized(request: Request) -> bool:
         if api_key is None:
@@ -234,15 +269,10 @@ def create_app(
                 f"(got {media or 'no Content-Type'!r}).",
                 code="unsupported_media_type",
             )
-        declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > MAX_BODY:
-            raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
-        raw = bytearray()
-        async for piece in request.stream():  # counted as it comes (chunked bodies too)
-            raw += piece
-            if len(raw) > MAX_BODY:
-                raise OpenAIError(413, f"The request body is over {MAX_BODY} bytes.")
-        req = parse_request(parse_json(bytes(raw)), kind)
+        body = await _read_body(request, client_timeout)
+        if body is None:  # the client left during the upload: nobody to answer
+            return Response(status_code=400)
+        req = parse_request(parse_json(body), kind)
         if req.model != worker.model_id:
             raise _unknown_model(req.model, worker.model_id)
         loop = asyncio.get_running_loop()
@@ -253,14 +283,17 @@ def create_app(
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             prepared=prepared,
         )
+        if stopping.is_set():
+            raise _shutting_down()
         worker.submit(job)
+        live.add(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             first = await _first_event(job, events)
             if isinstance(first, Failed):
                 raise first.error
             if isinstance(first, Cancelled):
-                raise _client_gone()
+                raise _shutting_down() if job.shutdown else _client_gone()
             if req.stream:
                 return StreamingResponse(
                     _stream(job, events, first, watcher),
@@ -271,11 +304,13 @@ def create_app(
         except BaseException:
             job.cancel.set()
             watcher.cancel()
+            live.discard(job)
             raise
         finally:
             if not req.stream:
                 job.cancel.set()
                 watcher.cancel()
+                live.discard(job)
 
     async def _first_event(job: Job, events: asyncio.Queue[Event]) -> Event:
         """The first event after the worker took the job (its queue wait
@@ -341,8 +376,8 @@ def create_app(
                 elif isinstance(ev, Cancelled):
                     return
                 elif isinstance(ev, Done):
-                    if ev.finish_reason == "cancelled":
-                        return
+                    if ev.finish_reason == "cancelled" and not job.shutdown:
+                        return  # the client has gone: nobody reads an end
                     yield chunk(
                         text=None if req.kind == "chat" else "",
                         finish_reason=ev.finish_reason,
@@ -356,6 +391,7 @@ def create_app(
         finally:  # also when the client disconnected (the iterator is cancelled)
             job.cancel.set()
             watcher.cancel()
+            live.discard(job)
 
     async def on_openai_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
@@ -388,7 +424,81 @@ def create_app(
             Exception: on_error,
         },
     )
-    return BrowserGuard(app, hosts, origins, any_ip)
+    guard = BrowserGuard(app, hosts, origins, any_ip)
+    guard.shut_down = shut_down
+    return guard
+
+
+async def _read_body(request: Request, timeout: float) -> bytes | None:
+    """The request body, or None when the client disconnected during the
+    upload (one info line in the log, no traceback).
+
+    Raises:
+        OpenAIError: 413 for a body over :data:`MAX_BODY` (declared or
+            counted as it comes: chunked bodies too), 408 for one that did not
+            arrive within ``timeout`` seconds; both close the connection. A
+            body over the bound is read to its end first (within the same
+            time, at most :data:`MAX_DRAIN` bytes), so that the client, still
+            sending, reads the 413 instead of a connection reset; unless it
+            asked to hear first (``Expect: 100-continue``): then it never sends.
+    """
+    declared = request.headers.get("content-length", "")
+    over = declared.isdigit() and int(declared) > MAX_BODY
+    deadline = time.monotonic() + timeout
+    raw = bytearray()
+    more = True
+    try:
+        while more and not over:
+            message = await asyncio.wait_for(
+                request.receive(), timeout=max(deadline - time.monotonic(), 0.0)
+            )
+            if message["type"] == "http.disconnect":
+                log.info("a client left during its upload (%d bytes sent)", len(raw))
+                return None
+            raw += message.get("body", b"")
+            more = message.get("more_body", False)
+            over = len(raw) > MAX_BODY
+        if over:
+            if "100-continue" not in request.headers.get("expect", "").lower():
+                await _drain(request, deadline, more_body=more)
+            raise OpenAIError(
+                413,
+                f"The request body is over {MAX_BODY} bytes.",
+                code="body_too_large",
+                headers={"Connection": "close"},
+            )
+    except asyncio.TimeoutError:
+        raise OpenAIError(
+            408,
+            f"The request body did not arrive within {timeout:g} s (--client-timeout).",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    return bytes(raw)
+
+
+async def _drain(request: Request, deadline: float, more_body: bool) -> None:
+    """Read and drop the rest of a body that is over the bound (until its
+    end, ``deadline`` or :data:`MAX_DRAIN` bytes, whichever comes first)."""
+    read = 0
+    while more_body and read < MAX_DRAIN:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout=left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect":
+            return
+        read += len(message.get("body", b""))
+        more_body = message.get("more_body", False)
+
+
+def _shutting_down() -> OpenAIError:
+    return OpenAIError(
+        503, "The server is shutting down; retry later.", type="server_error", code="shutdown"
+    )
 
 
 def _client_gone() -> OpenAIError:
@@ -470,6 +580,7 @@ def make_server(
     allow_hosts: Iterable[str] = (),
     allow_origins: Iterable[str] = (),
     queue_timeout: float = QUEUE_TIMEOUT,
+    client_timeout: float = CLIENT_TIMEOUT,
 ) -> Any:
     """A ``uvicorn.Server`` for the app (call ``.run()``, or ``.run(sockets=[s])``
     with a socket from :func:`bind_socket`; ``.should_exit = True`` stops it).
@@ -477,9 +588,27 @@ def make_server(
     The accepted ``Host`` names are the localhost names, ``host`` itself and
     ``allow_hosts``; bound to a wildcard address (``0.0.0.0``, ``::``) also
     any IP address literal.
+
+    A client has ``client_timeout`` seconds to send a request's headers (from
+    the moment it connects, or its previous answer ended), then as long for
+    the body; a slower one is disconnected (the body: answered 408 first).
+    On shutdown (a signal, ``should_exit``) the jobs of open requests are
+    stopped before their next forward pass, streams get a final chunk with
+    ``finish_reason: "cancelled"`` and ``[DONE]``, and the server waits for
+    them (up to ``--max-forward-s`` and 10 s more) before it closes what is
+    left.
+
+    Raises:
+        InvalidArgumentError: ``client_timeout`` not a number > 0.
     """
     import uvicorn
 
+    if (
+        isinstance(client_timeout, bool)
+        or not isinstance(client_timeout, (int, float))
+        or not 0 < client_timeout < math.inf
+    ):
+        raise InvalidArgumentError(f"--client-timeout must be > 0, got {client_timeout!r}.")
     hosts = {*LOCAL_NAMES, host_of(host) if ":" not in host else host.lower(), *allow_hosts}
     app = create_app(
         worker,
@@ -488,12 +617,85 @@ def make_server(
         any_ip=host in WILDCARD,
         origins=allow_origins,
         queue_timeout=queue_timeout,
+        client_timeout=client_timeout,
     )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=5,
+        http=_timed_h11(float(client_timeout)),
+        timeout_graceful_shutdown=math.ceil(worker.limits.max_forward_s) + 10,
     )
-    return uvicorn.Server(config)
+    return _server_class()(config, app.shut_down)
+
+
+def _server_class() -> type:
+    """``uvicorn.Server`` that, as its shutdown begins, stops the app's jobs
+    (``shut_down``), so open streams end with a final chunk within one forward
+    pass instead of being cut when the graceful-shutdown time runs out."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config: Any, shut_down: Any):
+            super().__init__(config)
+            self.shut_down = shut_down
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            n = self.shut_down()
+            if n:
+                log.info("shutting down: stopping %d request(s) after their forward pass", n)
+            await super().shutdown(sockets)
+
+    return Server
+
+
+def _timed_h11(timeout: float) -> type:
+    """uvicorn's h11 protocol with a bound on slow clients: a connection that
+    has not sent a request's full headers ``timeout`` seconds after it opened
+    (or after its previous answer ended) is closed. While a request is being
+    answered the app bounds the body (408) and the worker the rest."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _too_slow(self) -> None:
+            self._timer = None
+            if not self.transport.is_closing():
+                log.debug("closing a connection that sent no full request in %g s", timeout)
+                if self.conn.our_state is not h11.ERROR:
+                    with contextlib.suppress(h11.LocalProtocolError):
+                        self.conn.send(h11.ConnectionClosed())
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request is being answered
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # (may start a pipelined request)
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self._arm()  # the next request's headers (or the rest of this body)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol

@@ -37,9 +37,9 @@ from .. import distributed
 from ..engine import Engine
 from ..errors import ContextLengthError, InvalidArgumentError, MTPError
 from ..loading import load_model, share_target
-from ..methods import make_method
+from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
-from .limits import Limits
+from .limits import ARTIFACT_OPTIONS, VALUE_OPTIONS, Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
 
 log = logging.getLogger("mlx_mtp.server")
@@ -49,7 +49,7 @@ log = logging.getLogger("mlx_mtp.server")
 IDLE_POLL = 1.0
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class Job:
     """One generation request on its way through the worker.
 
@@ -66,6 +66,8 @@ class Job:
         prepared: what :meth:`Worker.admit` made of the request's method:
             ``(cache key, method instance)``, or None (the default method, or
             not admitted here: the worker checks it then).
+        shutdown: set (with ``cancel``) when the server shuts down, so the
+            handler ends the answer properly instead of as for a client gone.
     """
 
     request: GenRequest
@@ -77,6 +79,7 @@ class Job:
     status: str = "queued"
     generated_tokens: int = 0
     prepared: tuple[tuple, Any] | None = None
+    shutdown: bool = False
 
     @property
     def queue_wait(self) -> float:
@@ -107,10 +110,13 @@ class Worker:
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
+        max_batch: ``ntp`` requests decoded together in one forward pass
+            (:mod:`~.batch`; at most the slots bound); 1: one request at a
+            time, whatever its method.
 
     Raises:
-        InvalidArgumentError: queue_size or max_methods below 1, or a bad
-            sampling default.
+        InvalidArgumentError: queue_size, max_methods or max_batch below 1,
+            or a bad sampling default.
     """
 
     def __init__(
@@ -131,11 +137,15 @@ class Worker:
         max_methods: int = 4,
         pipeline: bool = False,
         limits: Limits | None = None,
+        max_batch: int = 1,
     ):
         from ..validation import check_generation_args
 
         if queue_size < 1 or max_methods < 1:
             raise InvalidArgumentError("queue_size and max_methods must be >= 1.")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidArgumentError(f"--max-batch must be an integer >= 1, got {max_batch!r}.")
+        self.max_batch = max_batch
         self.model_id = model
         self.method = method
         self.options = dict(options or {})
@@ -158,6 +168,10 @@ class Worker:
         self._durations: deque[float] = deque(maxlen=20)
         self.loaded: Any = None
         self.running: Job | None = None
+        #: the batch of ntp jobs (:class:`~.batch.BatchRunner`), made at the first one
+        self._batch: Any = None
+        #: a job taken off the queue that waits for the batch to drain (another method)
+        self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
         self.counts = {"done": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         #: the last finished jobs (for /health and tests)
@@ -195,6 +209,9 @@ class Worker:
             return
         if self.running is not None:
             self.running.cancel.set()
+        held = self._held
+        for job in [*self.batched(), *([held] if held is not None else [])]:
+            job.cancel.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -250,15 +267,53 @@ class Worker:
         try:
             self.limits.check_tokens(req.max_tokens)
             given = {**self.sampling, **sampling_of(req)}
-            check_generation_args(max_tokens=req.max_tokens or self.max_tokens, **given)
+            asked = self.max_tokens if req.max_tokens is None else req.max_tokens
+            check_generation_args(max_tokens=asked, labels=REQUEST_FIELDS, **given)
             if req.method is None:
                 return None
+            self.check_option_names(req.method, req.options)
             options = self.limits.request_options(req.method, req.options)
             method = make_method(req.method, **options)
             self.limits.check_method(method)
         except MTPError as e:
             raise openai_error(e, req) from None
         return method_key(req.method, options), method
+
+    def check_option_names(self, method: str, options: dict[str, Any]) -> None:
+        """Refuse, in the request's words, a method option the method does not
+        take and a required option left out (the package's own messages for
+        these speak of CLI flags).
+
+        Raises:
+            UnknownMethodError: ``method`` is not a method.
+            OpenAIError: 400 naming ``mtp.OPTION``.
+        """
+        takes = method_options(method_class(method))
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            s = "s" if len(unknown) > 1 else ""
+            raise OpenAIError(
+                400,
+                f"Method {method} does not take the option{s} "
+                f"{', '.join('mtp.' + u for u in unknown)}. It takes: "
+                f"{', '.join(takes) if takes else 'no options'}.",
+                param=f"mtp.{unknown[0]}",
+                code="invalid_argument_error",
+            )
+        need = REQUIRED_OPTIONS.get(method)
+        if need is not None and options.get(need) in (None, ""):
+            how = (
+                f"a path inside a folder this server allows (--allow-artifacts; "
+                f"{len(self.limits.allow_artifacts)} folder(s))"
+                if self.limits.allow_artifacts
+                else "which requests may not name on this server; choose another method"
+            )
+            raise OpenAIError(
+                400,
+                f"Method {method} needs the option mtp.{need}, {how}.",
+                param=f"mtp.{need}",
+                code="invalid_argument_error",
+            )
 
     def submit(self, job: Job) -> None:
         """Queue a job.
@@ -294,7 +349,8 @@ class Worker:
             "status": "ok" if self.alive else "unavailable",
             "model": self.model_id,
             "method": self.method,
-            "busy": self.running is not None,
+            "busy": self.running is not None or bool(self.batched()),
+            "batch": len(self.batched()),
             "queue": {"waiting": self._queue.qsize(), "capacity": self.queue_size},
             "jobs": dict(self.counts),
             "methods_loaded": list(self._loaded_names),
@@ -328,17 +384,104 @@ class Worker:
             return
         self._ready.set()
         try:
-            while True:
-                job = self._next_job()
-                if job is None:
-                    break
-                self._serve(job)
+            self._serve_jobs()
         finally:
             # free the model and caches in the thread that made them
+            if self._batch is not None:
+                self._batch.close()
+                self._batch = None
             self._models.clear()
             self.loaded = None
             gc.collect()
             _end_thread_streams()
+
+    def batched(self) -> list[Job]:
+        """The jobs in the batch now (a snapshot, for other threads)."""
+        batch = self._batch
+        while batch is not None:
+            try:
+                return [row.job for row in tuple(batch.rows.values())]
+            except RuntimeError:  # the worker changed the rows meanwhile: look again
+                continue
+        return []
+
+    def batchable(self, job: Job) -> bool:
+        """Whether a job runs in the batch: plain ``ntp`` decoding (the
+        server's method without options, or asked for), with ``--max-batch``
+        above 1, an unbounded cache and a model on one rank."""
+        req = job.request
+        if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
+            return False
+        if req.method is None:
+            return self.method == "ntp" and not self.options
+        return req.method == "ntp" and not req.options
+
+    def _serve_jobs(self) -> None:
+        """Serve jobs until told to stop: ``ntp`` jobs join the batch while
+        it has room; a job of another method waits for the batch to drain
+        (jobs start in the order they came) and then runs alone."""
+        stopping = False
+        while True:
+            batch = self._batch
+            if batch is not None and len(batch):
+                while not stopping and self._held is None and batch.room > 0:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        stopping = True
+                    elif self.batchable(job):
+                        self._join_batch(job)
+                    else:
+                        self._held = job
+                self._step_batch()
+                continue
+            if self._held is not None:
+                job, self._held = self._held, None
+            elif stopping:
+                return
+            else:
+                job = self._next_job()
+                if job is None:
+                    return
+            if self.batchable(job):
+                self._join_batch(job)
+            else:
+                self._serve(job)
+
+    def _join_batch(self, job: Job) -> None:
+        from .batch import BatchRunner
+
+        if self._batch is None:
+            self._batch = BatchRunner(
+                self._models[self.default_key],
+                max(1, min(self.max_batch, self.limits.slots)),
+                self.limits.prefill_step,
+                self.sampling,
+                self.max_tokens,
+                self._emit,
+                self._finish,
+            )
+        try:
+            self._batch.add(job, sampling_of(job.request))
+        except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
+            log.error("a job could not join the batch:\n%s", traceback.format_exc())
+            job.status = "failed"
+            self._emit(
+                job, Failed(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+            )
+            self._finish(job)
+
+    def _step_batch(self) -> None:
+        try:
+            self._batch.step()
+        except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
+            log.error("batched generation failed:\n%s", traceback.format_exc())
+            batch, self._batch = self._batch, None
+            batch.fail_all(OpenAIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+            for m in self._models.values():
+                m.engine.reset()
 
     def _next_job(self) -> Job | None:
         """The next job, None to stop. On a sharded model (several ranks),
@@ -484,6 +627,43 @@ class Worker:
         )
 
 
+#: the API's generation arguments -> the request fields that give them (how a
+#: 400 names a bad value)
+REQUEST_FIELDS = {
+    "max_tokens": "max_tokens",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+}
+#: method -> the option it cannot run without (the package's message for a
+#: missing one names a CLI flag)
+REQUIRED_OPTIONS = {"draft": "draft_model"}
+#: method options, as a message may name them: ``--opt NAME=``, ``--NAME``
+#: (dashes for underscores) or ``option NAME``
+_OPTION_WORDS = re.compile(r"--opt (\w+)=|--([a-z][a-z0-9-]*)|\boption (\w+)")
+
+
+def api_wording(message: str) -> str:
+    """A package error's message in the words of a request: method options as
+    ``mtp.NAME`` (not ``--NAME``, ``--opt NAME=...`` or ``option NAME``), the
+    method as ``method NAME`` (not ``--method NAME``). Other flags, and
+    commands in backticks, stay (they speak to the server's operator)."""
+    options = ARTIFACT_OPTIONS | VALUE_OPTIONS
+
+    def word(m: re.Match) -> str:
+        if m.group(1):
+            return f"mtp.{m.group(1)}="
+        name = (m.group(2) or m.group(3)).replace("-", "_")
+        if m.group(2) == "method":
+            return "method"
+        return f"mtp.{name}" if name in options else m.group(0)
+
+    parts = message.split("`")  # a command in backticks is the operator's: kept as it is
+    return "`".join(p if i % 2 else _OPTION_WORDS.sub(word, p) for i, p in enumerate(parts))
+
+
 def sampling_of(req: GenRequest) -> dict[str, Any]:
     """The sampling settings a request gives (the API's keywords); the ones
     it leaves out are not in the dict."""
@@ -500,14 +680,22 @@ def sampling_of(req: GenRequest) -> dict[str, Any]:
 def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
     """The 400 of a package error raised for a request: the class name as the
     code (``InvalidArgumentError`` -> ``invalid_argument_error``), except a
-    context too short (``context_length_exceeded``, as OpenAI's)."""
+    context too short (``context_length_exceeded``, as OpenAI's); the message
+    in the request's words (:func:`api_wording`)."""
     if isinstance(e, ContextLengthError):
         param = "messages" if req.kind == "chat" else "prompt"
-        return OpenAIError(400, str(e), param=param, code="context_length_exceeded")
+        message = str(e)
+        if e.context is not None:  # the API's message names the CLI's --max-tokens
+            message = (
+                f"This model's context is {e.context} tokens; the prompt has "
+                f"{e.prompt_tokens} tokens and asks for {e.max_tokens} new ones. Shorten "
+                "the prompt or lower max_tokens."
+            )
+        return OpenAIError(400, message, param=param, code="context_length_exceeded")
     name = type(e).__name__
     param = "mtp.method" if name == "UnknownMethodError" else None
     code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-    return OpenAIError(400, str(e), param=param, code=code)
+    return OpenAIError(400, api_wording(str(e)), param=param, code=code)
 
 
 def _end_thread_streams() -> None:

@@ -1,0 +1,224 @@
+"""Continuous batching of the worker's plain (``ntp``) requests.
+
+With ``--max-batch N`` above 1, the worker runs every active ``ntp`` request
+of its model in one batched forward pass per step, with mlx-lm's
+``BatchGenerator`` (``BatchKVCache``): a request joins after its prompt is
+prefilled (with up to 7 others, each in chunks of its share of the server's
+prefill step, so that no pass is larger than the time bound allows) and
+leaves at EOS, ``max_tokens``, a
+stop string, cancellation or disconnect, between steps. Each request keeps
+its own detokenizer, stop strings and sampler (:class:`~mlx_mtp.api.RowSampler`:
+its own seed and positions), so its answer is the one it gets alone, up to
+the rounding of a batched pass (see :func:`mlx_mtp.api.batch_generate`).
+Requests with another method are served one at a time, as before, when the
+batch has drained.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import RowSampler
+from ..decoding import GenerationStats
+from ..errors import MTPError
+from ..sampling import PositionalSampler, random_seed
+from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
+from .protocol import GenRequest, OpenAIError, StopCutter, usage
+from .worker import mtp_stats, openai_error
+
+
+@dataclass
+class Row:
+    """One request in the batch.
+
+    Attributes:
+        job: the worker's :class:`~.worker.Job`.
+        uid: its id in mlx-lm's ``BatchGenerator``.
+        prompt_tokens: the prompt's length.
+        detok: its own streaming detokenizer.
+        cutter: its stop strings.
+        tokens: the tokens generated so far.
+        started / first: ``time.perf_counter()`` when it joined and when its
+            first token came.
+    """
+
+    job: Any
+    uid: int
+    prompt_tokens: int
+    detok: Any
+    cutter: StopCutter
+    tokens: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+
+
+class BatchRunner:
+    """The worker's batch of ``ntp`` requests (used from the worker thread only).
+
+    Args:
+        model: the worker's default :class:`~mlx_mtp.api.MTPModel` (``ntp``):
+            its prompt encoding, context check and end-of-sequence tokens.
+        max_batch: most requests decoded in one forward pass.
+        prefill_step: prompt tokens per prefill pass.
+        sampling: the server's sampling defaults (the API's keywords).
+        max_tokens: new tokens when a request does not say.
+        emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        max_batch: int,
+        prefill_step: int,
+        sampling: dict[str, Any],
+        max_tokens: int,
+        emit: Any,
+        finish: Any,
+    ):
+        from mlx_lm.generate import BatchGenerator
+
+        self.model = model
+        self.max_batch = max_batch
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.emit = emit
+        self.finish = finish
+        self.eos = model.eos_ids
+        # up to 8 prompts are prefilled together, each in chunks of its share
+        # of the prefill step: a prefill pass holds at most prefill_step tokens
+        # (the time bound), and short prompts join in one pass
+        together = min(max_batch, 8)
+        self.gen = BatchGenerator(
+            model.model,
+            stop_tokens=[[t] for t in sorted(self.eos)],
+            completion_batch_size=max_batch,
+            prefill_batch_size=together,
+            prefill_step_size=max(16, prefill_step // together),
+        )
+        self.rows: dict[int, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def room(self) -> int:
+        """Requests that may still join."""
+        return self.max_batch - len(self.rows)
+
+    def add(self, job: Any, sampling: dict[str, Any]) -> None:
+        """Take a job off the queue into the batch (its prompt is prefilled
+        over the next steps): ``Taken``, then ``Cancelled`` if its client
+        left while it waited, or ``Failed`` for a prompt the API refuses.
+
+        Args:
+            sampling: the request's own sampling settings (over the server's).
+        """
+        req: GenRequest = job.request
+        job.started = time.perf_counter()
+        self.emit(job, Taken())
+        if job.cancel.is_set():
+            job.status = "cancelled"
+            self.emit(job, Cancelled())
+            self.finish(job)
+            return
+        given = {**self.sampling, **sampling}
+        try:
+            tokens = self.model.encode(req.prompt, req.kind == "chat")
+            asked = self.max_tokens if req.max_tokens is None else req.max_tokens
+            limit = self.model.check_context(len(tokens), asked, req.max_tokens is None)
+        except MTPError as e:  # the API's refusal: a 400 naming the problem
+            job.status = "failed"
+            self.emit(job, Failed(openai_error(e, req)))
+            self.finish(job)
+            return
+        samplers = None
+        if given["temp"] > 0:
+            seed = given["seed"] if given["seed"] is not None else random_seed()
+            row_sampler = PositionalSampler(
+                given["temp"], given["top_p"], given["top_k"], given["min_p"], seed
+            )
+            samplers = [RowSampler(row_sampler, len(tokens))]
+        (uid,) = self.gen.insert([tokens], [limit], samplers=samplers)
+        job.status = "running"
+        detok = self.model.tokenizer.detokenizer  # a copy of its own
+        detok.reset()
+        self.rows[uid] = Row(job, uid, len(tokens), detok, StopCutter(req.stop))
+
+    def step(self) -> None:
+        """Drop the cancelled rows, run one step (a decoding pass of every
+        row that has its prompt in, and one prefill chunk of a joining one)
+        and tell each request what it got."""
+        gone = [uid for uid, row in self.rows.items() if row.job.cancel.is_set()]
+        if gone:
+            self.gen.remove(gone)
+            for uid in gone:
+                self._end(self.rows.pop(uid), "cancelled")
+        if not self.rows:
+            return
+        _, responses = self.gen.next()
+        now = time.perf_counter()
+        for r in responses:
+            row = self.rows.get(r.uid)
+            if row is None:
+                continue
+            if row.first is None:
+                row.first = now
+                self.emit(row.job, Started())
+            token = int(r.token)
+            row.tokens.append(token)
+            row.job.generated_tokens = len(row.tokens)
+            if token not in self.eos:
+                row.detok.add_token(token)
+            if r.finish_reason is not None:
+                row.detok.finalize()
+            text = row.cutter.feed(row.detok.last_segment)
+            if r.finish_reason is not None and not row.cutter.stopped:
+                text += row.cutter.flush()
+            if text:
+                self.emit(row.job, Delta(text))
+            if row.cutter.stopped:
+                if r.finish_reason is None:  # still in mlx-lm's batch
+                    self.gen.remove([r.uid])
+                self._end(self.rows.pop(r.uid), "stop")
+            elif r.finish_reason is not None:
+                self._end(self.rows.pop(r.uid), r.finish_reason)
+
+    def fail_all(self, error: OpenAIError) -> None:
+        """End every row with ``error`` (after an MLX failure: the
+        generator's state is not trusted, the worker makes a new one)."""
+        for row in self.rows.values():
+            row.job.status = "failed"
+            self.emit(row.job, Failed(error))
+            self.finish(row.job)
+        self.rows.clear()
+        self.gen.close()
+
+    def close(self) -> None:
+        """Drop every row (cancelled) and the generator's state."""
+        for uid in list(self.rows):
+            self._end(self.rows.pop(uid), "cancelled")
+        self.gen.close()
+
+    def _end(self, row: Row, finish: str) -> None:
+        job = row.job
+        job.status = "cancelled" if finish == "cancelled" else "done"
+        now = time.perf_counter()
+        first = row.first if row.first is not None else now
+        n = len(row.tokens)
+        st = GenerationStats(
+            method="ntp(batch)",
+            prompt_tokens=row.prompt_tokens,
+            prefill_tokens=row.prompt_tokens,
+            prefill_time=first - row.started,
+            generated_tokens=n,
+            decode_time=now - first,
+            forward_passes=n,
+            steps=n,
+            slots=n,
+            max_slots=1,
+        )
+        event: Event = Done(finish, usage(row.prompt_tokens, n, 0), mtp_stats(st, 0, job))
+        self.emit(job, event)
+        self.finish(job)
