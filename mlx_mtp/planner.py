@@ -26,6 +26,7 @@ The ledger and shadow scoring are this package's own.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -165,6 +166,7 @@ class Planner:
         self._pending: float | None = None  # the last draft step's host sample
         self._leaving = False  # this step finishes a queued pass to draft after it
         self._drafts = 0.0  # the last draft step's item cost, in one-token forwards
+        self._waiting: float | None = None  # plain mode's probe price (costly offers)
         self._brief()
 
     # ------------------------------------------------------------- the ledger
@@ -296,6 +298,10 @@ class Planner:
         if self.auto:  # the cost of a draft slot grows with the context
             self.curve = self.curves.at(engine.offset)
         self._brief()
+        if self._waiting is not None:
+            if self._waiting > self._probe_credit():
+                return self._plain(root, queue_next=True)
+            self._waiting = None
         aside = engine.clock.aside
         offer = self.method.propose(self.ctx, root)
         if not self.auto:
@@ -314,6 +320,11 @@ class Planner:
                 self.reprobes, self._probed = self.reprobes + 1, self.time
         if not gains and not self._paid:  # plain mode, or nothing to draft
             self.plain_spells += bool(items or offer.primes) and self._last_kind != "plain"
+            if not offer.free and not offer.required:
+                # an offer that costs device work is not made again (its drafts
+                # would be wasted) until a probe of it can be paid for
+                price = self._probe_cost(offer, items, host)
+                self._waiting = math.inf if price is None else price
             return self._plain(root, queue_next=True, offer=offer, shadow=(offer, items))
         if queued:  # finish the half-done plain step first; the draft goes in after it
             self._leaving = True

@@ -197,9 +197,10 @@ class CostlyOracle(SpellOracle):
 
     def __init__(self, reference: list[int], cost: float):
         super().__init__(reference, lambda pos: True)
-        self.cost = cost
+        self.cost, self.proposals = cost, 0
 
     def propose(self, ctx, root):
+        self.proposals += 1
         ctx.engine.clock.add_beside(self.cost)
         return super().propose(ctx, root)
 
@@ -208,8 +209,9 @@ def test_the_device_work_an_offer_took_counts_against_its_draft(monkeypatch):
     """A draft whose proposal cost ten one-token forwards of device work (a
     draft model's passes) does not pay even when all of it is accepted, and
     a probe of it costs more than the ledger ever allows in a 300-token
-    generation: auto runs plain steps only; the same drafts without that
-    cost run every step."""
+    generation: auto runs plain steps only, and does not propose again (each
+    proposal's device work would be lost); the same drafts without that cost
+    run every step."""
     monkeypatch.setenv("MLX_MTP_HOST_TERM", "0")
     model = make_tiny_model("llama", seed=3)
     n = 300
@@ -221,8 +223,9 @@ def test_the_device_work_an_offer_took_counts_against_its_draft(monkeypatch):
         out, stats = decode(Context(Engine(model), curves=flat), oracle, PROMPT, n)
         assert out == ref
         logs[cost] = [kind for _, kind, _ in oracle.log]
+        proposals = oracle.proposals
     assert set(logs[0.0]) == {"draft"}
-    assert set(logs[0.1]) == {"plain"}
+    assert set(logs[0.1]) == {"plain"} and proposals == 1
 
 
 class EmptyPrimer(SpellOracle):
