@@ -112,6 +112,32 @@ class Offer:
     gains: Sequence[str] = ()
     source: str = ""
 
+    def cut(
+        self, curve: CostCurve, scale: float = 1.0, host: float = 0.0
+    ) -> tuple[list[Item], int, float]:
+        """Take the items (until no longer prefix can pay, where the offer
+        bounds what it has not produced: :class:`~mlx_mtp.budget.PrefixBound`)
+        and find the best prefix under ``curve`` (Leviathan et al. 2023,
+        §3.4), node values times ``scale``, a draft step costing ``host``
+        one-token forwards of host work besides.
+
+        Returns:
+            ``(items taken, n, rate)``: the best prefix keeps ``n`` items, at
+            ``rate`` expected tokens per one-token forward of time.
+        """
+        bound = PrefixBound(
+            curve, self.max_slots, self.base_slots, self.base_value, self.item_cost, host
+        )
+        stop = self.remaining if self.max_slots is not None else None
+        items: list[Item] = []
+        for it in self.items:
+            items.append(it)
+            bound.add(it.value * scale if it.node else it.value, it.slots)
+            if stop is not None and len(items) >= self.probe_items:
+                if bound.exhausted(stop(scale)):
+                    break
+        return items, bound.best_n, bound.best
+
 
 def chain_offer(
     root: int,

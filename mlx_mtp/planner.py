@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from . import distributed
 from .acceptance import CARRY_WEIGHT, Acceptance
-from .budget import CostCurve, CostCurves, PrefixBound, as_curves
+from .budget import CostCurve, CostCurves, as_curves
 from .costs import LiveCurves
 from .offers import Budget, Item, Offer, PlainResult, StepOutput
 from .plain import PlainSteps
@@ -72,32 +72,6 @@ class Learned:
 
 def _average(old: float | None, sample: float) -> float:
     return sample if old is None else old + RATE * (sample - old)
-
-
-def cut_offer(
-    curve: CostCurve, offer: Offer, scale: float = 1.0, host: float = 0.0
-) -> tuple[list[Item], int, float]:
-    """Take an offer's items (until no longer prefix can pay, where the offer
-    bounds what it has not produced: :class:`~mlx_mtp.budget.PrefixBound`)
-    and find the best prefix under ``curve``, node values times ``scale``, a
-    draft step costing ``host`` one-token forwards of host work besides.
-
-    Returns:
-        ``(items taken, n, rate)``: the best prefix keeps ``n`` items, at
-        ``rate`` expected tokens per one-token forward of time.
-    """
-    bound = PrefixBound(
-        curve, offer.max_slots, offer.base_slots, offer.base_value, offer.item_cost, host
-    )
-    stop = offer.remaining if offer.max_slots is not None else None
-    items: list[Item] = []
-    for it in offer.items:
-        items.append(it)
-        bound.add(it.value * scale if it.node else it.value, it.slots)
-        if stop is not None and len(items) >= offer.probe_items:
-            if bound.exhausted(stop(scale)):
-                break
-    return items, bound.best_n, bound.best
 
 
 class Planner:
@@ -310,7 +284,7 @@ class Planner:
         # a step costs the device work its offer already took too (a draft
         # model's passes): a plain step saves it
         host = self.host_cost + self._sunk(engine.clock.aside - aside)
-        items, n, rate = cut_offer(self.curve, offer, self.acceptance.factor, host)
+        items, n, rate = offer.cut(self.curve, self.acceptance.factor, host)
         # the cut: a prefix beats a plain step (while drafting has credit left)
         gains = offer.required or (items and rate * self.plain_cost > 1.0 and self.credit > 0)
         if not gains and not self._paid and (offer.primes or not offer.free):

@@ -169,7 +169,6 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     and linear curves, masks on and off, calibration above and below 1."""
     from mlx_mtp.budget import CostCurve, best_prefix
     from mlx_mtp.offers import Offer
-    from mlx_mtp.planner import cut_offer
 
     rng = np.random.default_rng(seed)
     table = _random_tree(rng)
@@ -196,7 +195,7 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
     assert [t for m, _, _, t in ref if not m] == full.tokens
     allocator = Allocator(children, 1, budget, masks, gain)
     offer = Offer(allocator, None, max_slots=budget, remaining=allocator.remaining)
-    _, n, rate = cut_offer(curve, offer, cal)  # what the planner cuts
+    _, n, rate = offer.cut(curve, cal)  # what the planner cuts
     short = allocator.alloc
     assert short.order == full.order[: len(short.order)]  # the same items, fewer
     assert len(short.order) >= min(2, len(full.order))
@@ -209,7 +208,6 @@ def test_allocation_bound_keeps_best_prefix_of_the_full_allocation(seed):
 def test_allocation_bound_stops_early_on_a_rising_curve():
     from mlx_mtp.budget import CostCurve
     from mlx_mtp.offers import Offer
-    from mlx_mtp.planner import cut_offer
 
     # a 63-node chain of q = 0.6 on this CPU's curve: only the first few pay
     table = {tuple(range(100, 100 + d)): [(100 + d, 0.6)] for d in range(63)}
@@ -217,7 +215,7 @@ def test_allocation_bound_stops_early_on_a_rising_curve():
     def taken(curve):
         allocator = Allocator(_fixed_children(table), 1, 64, 0, 0.0)
         offer = Offer(allocator, None, max_slots=64, remaining=allocator.remaining)
-        items, n, _ = cut_offer(curve, offer, 1.0)
+        items, n, _ = offer.cut(curve, 1.0)
         return len(items), n
 
     items, n = taken(CostCurve([1, 2, 4, 8, 16, 32, 64], [1.0, 1.24, 1.42, 1.66, 1.88, 2.97, 5.0]))

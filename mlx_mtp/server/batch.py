@@ -26,7 +26,7 @@ from ..errors import MTPError
 from ..sampling import PositionalSampler, random_seed
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
-from .worker import mtp_stats, openai_error
+from .replies import mtp_stats, openai_error
 
 
 @dataclass

@@ -39,7 +39,7 @@ class Done:
     Attributes:
         finish_reason: ``"stop"``, ``"length"`` or ``"cancelled"``.
         usage: the OpenAI ``usage`` object.
-        mtp: the ``mtp`` statistics object (see :func:`~.worker.mtp_stats`).
+        mtp: the ``mtp`` statistics object (see :func:`~.replies.mtp_stats`).
     """
 
     finish_reason: str

@@ -22,7 +22,6 @@ import gc
 import logging
 import math
 import queue
-import re
 import threading
 import time
 import traceback
@@ -35,12 +34,13 @@ import mlx.core as mx
 
 from .. import distributed
 from ..engine import Engine
-from ..errors import ContextLengthError, InvalidArgumentError, MTPError
+from ..errors import InvalidArgumentError, MTPError
 from ..loading import load_model, share_target
 from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
-from .limits import ARTIFACT_OPTIONS, VALUE_OPTIONS, Limits
+from .limits import Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
+from .replies import mtp_stats, openai_error
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -640,28 +640,6 @@ REQUEST_FIELDS = {
 #: method -> the option it cannot run without (the package's message for a
 #: missing one names a CLI flag)
 REQUIRED_OPTIONS = {"draft": "draft_model"}
-#: method options, as a message may name them: ``--opt NAME=``, ``--NAME``
-#: (dashes for underscores) or ``option NAME``
-_OPTION_WORDS = re.compile(r"--opt (\w+)=|--([a-z][a-z0-9-]*)|\boption (\w+)")
-
-
-def api_wording(message: str) -> str:
-    """A package error's message in the words of a request: method options as
-    ``mtp.NAME`` (not ``--NAME``, ``--opt NAME=...`` or ``option NAME``), the
-    method as ``method NAME`` (not ``--method NAME``). Other flags, and
-    commands in backticks, stay (they speak to the server's operator)."""
-    options = ARTIFACT_OPTIONS | VALUE_OPTIONS
-
-    def word(m: re.Match) -> str:
-        if m.group(1):
-            return f"mtp.{m.group(1)}="
-        name = (m.group(2) or m.group(3)).replace("-", "_")
-        if m.group(2) == "method":
-            return "method"
-        return f"mtp.{name}" if name in options else m.group(0)
-
-    parts = message.split("`")  # a command in backticks is the operator's: kept as it is
-    return "`".join(p if i % 2 else _OPTION_WORDS.sub(word, p) for i, p in enumerate(parts))
 
 
 def sampling_of(req: GenRequest) -> dict[str, Any]:
@@ -677,27 +655,6 @@ def sampling_of(req: GenRequest) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
-    """The 400 of a package error raised for a request: the class name as the
-    code (``InvalidArgumentError`` -> ``invalid_argument_error``), except a
-    context too short (``context_length_exceeded``, as OpenAI's); the message
-    in the request's words (:func:`api_wording`)."""
-    if isinstance(e, ContextLengthError):
-        param = "messages" if req.kind == "chat" else "prompt"
-        message = str(e)
-        if e.context is not None:  # the API's message names the CLI's --max-tokens
-            message = (
-                f"This model's context is {e.context} tokens; the prompt has "
-                f"{e.prompt_tokens} tokens and asks for {e.max_tokens} new ones. Shorten "
-                "the prompt or lower max_tokens."
-            )
-        return OpenAIError(400, message, param=param, code="context_length_exceeded")
-    name = type(e).__name__
-    param = "mtp.method" if name == "UnknownMethodError" else None
-    code = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-    return OpenAIError(400, api_wording(str(e)), param=param, code=code)
-
-
 def _end_thread_streams() -> None:
     """Finish and destroy the MLX streams of the calling thread. MLX keeps
     streams per thread; left to the thread's own teardown, which goes on after
@@ -708,29 +665,3 @@ def _end_thread_streams() -> None:
     mx.synchronize()
     if hasattr(mx, "clear_streams"):  # MLX >= 0.31
         mx.clear_streams()
-
-
-def mtp_stats(st: Any, cached: int, job: Job) -> dict[str, Any]:
-    """The ``mtp`` object of a response: method settings, acceptance and timing
-    (:class:`~mlx_mtp.decoding.GenerationStats`; seconds, tokens per second)."""
-    return {
-        "method": st.method,
-        "block_complexity": st.block_complexity,
-        "max_slots": st.max_slots,
-        "slots_per_forward": round(st.slots_per_forward, 3),
-        "tau": round(st.tau, 4),
-        "drafted": st.drafted,
-        "accepted": st.accepted,
-        "acceptance_rate": round(st.acceptance_rate, 4),
-        "forward_passes": st.forward_passes,
-        "plain_steps": st.plain_steps,
-        "reprobes": st.reprobes,
-        "generated_tokens": st.generated_tokens,
-        "prompt_tokens": st.prompt_tokens,
-        "cached_tokens": cached,
-        "prefill_tokens": st.prefill_tokens,
-        "prefill_s": round(st.prefill_time, 4),
-        "decode_s": round(st.decode_time, 4),
-        "tokens_per_s": round(st.decode_tps, 2),
-        "queue_wait_s": round(job.queue_wait, 4),
-    }
