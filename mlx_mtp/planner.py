@@ -141,7 +141,6 @@ class Planner:
         self._leaving = False  # this step finishes a queued pass to draft after it
         self._drafts = 0.0  # the last draft step's item cost, in one-token forwards
         self._waiting: float | None = None  # plain mode's probe price (costly offers)
-        self._hit = False  # the last draft's (or shadow's) first node was right
         self._brief()
 
     # ------------------------------------------------------------- the ledger
@@ -286,14 +285,8 @@ class Planner:
         # model's passes): a plain step saves it
         host = self.host_cost + self._sunk(engine.clock.aside - aside)
         items, n, rate = offer.cut(self.curve, self.acceptance.factor, host)
-        # the cut: a prefix beats a plain step, while drafting has credit left;
-        # past it, where the text's last draft or shadow was right and this
-        # draft is expected to win back more than drafting lost
-        gains = offer.required or (items and rate * self.plain_cost > 1.0)
-        if gains and not offer.required and self.credit <= 0:
-            slots = offer.base_slots + sum(it.slots for it in items[:n])
-            cost = self.curve(slots) + n * offer.item_cost + host
-            gains = self._hit and self.credit + cost * (rate * self.plain_cost - 1.0) > 0
+        # the cut: a prefix beats a plain step (while drafting has credit left)
+        gains = offer.required or (items and rate * self.plain_cost > 1.0 and self.credit > 0)
         if not gains and not self._paid and (offer.primes or not offer.free):
             cost = self._probe_cost(offer, items, host) if items or offer.primes else None
             if cost is not None and cost <= self._probe_credit():  # a probe
@@ -340,11 +333,8 @@ class Planner:
             self.ctx, None, PlainResult(tokens, self.plain.queued, root, self.plain.last_top)
         )
         acc = self.acceptance
-        self._shadows = [s for s in self._shadows if s.score(tokens[0], acc)]
-        new = Shadow.of(*shadow) if shadow is not None else None
-        if new is not None:  # its first node against this step's token
-            self._hit = new.score(tokens[0], acc)
-            self._shadows += [new] * self._hit
+        new = [Shadow.of(*shadow)] if shadow is not None else []
+        self._shadows = [s for s in self._shadows + new if s and s.score(tokens[0], acc)]
         return StepOutput(tokens)
 
     def _send(self, offer: Offer, items: list[Item], n: int, probe: bool) -> StepOutput:
@@ -364,5 +354,4 @@ class Planner:
         verified = speculative_step(self.ctx.engine, draft, self.sampler)
         self.method.observe(self.ctx, draft, verified)
         learn(acc, offer, items[:n], draft, verified, reset, calibrate=self.auto)
-        self._hit = bool(verified.path)
         return StepOutput(verified.tokens, draft.drafted, len(verified.path))

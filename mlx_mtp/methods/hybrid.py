@@ -330,9 +330,8 @@ class Hybrid(DraftMethod):
         trie = merge_chains(self._chains(ctx, root, drafted))
         children = CandidateChildren(trie, levels, scale, by_token=by_token)
         gains = ("probe",) * bool(levels) + ("draft",) * drafted
-        # no draft model or MTP layer: the draft took no device work (the mask
-        # candidates came with the pass before)
-        free = not drafted and self.drafter is None
+        # no mask candidates, draft model or MTP layer: the draft took no device work
+        free = not levels and not drafted and self.drafter is None
         if self.chain:
             offer = self._chain_offer(ctx, root, children, gains)
             offer.free = free
