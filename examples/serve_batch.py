@@ -7,7 +7,9 @@ prints the aggregate tokens per second, the latencies, and how many answers
 equal the Python API's solo answer (``MTPModel.generate``, computed after the
 server has stopped). The server is stopped with SIGINT and must exit 130.
 
-``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
+``--method pld`` asks mlx-mtp for greedy prompt lookup (drafts verified
+inside the batch); ``--tasks summarization,rag`` draws from the tasks that
+copy most. ``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
 continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
 B), for a side-by-side figure; its exit status is not checked. mlx-mtp
 loads a quantized model dequantized to float32 on Linux (its fastest form on
@@ -42,14 +44,14 @@ from pathlib import Path
 from mlx_mtp.data import TASKS, load_questions
 
 
-def questions(tokenizer, n: int, below: int) -> list[str]:
-    """The first ``n`` Spec-Bench questions (round-robin over the tasks)
+def questions(tokenizer, n: int, below: int, tasks: tuple[str, ...] = TASKS) -> list[str]:
+    """The first ``n`` Spec-Bench questions (round-robin over ``tasks``)
     whose chat prompt is under ``below`` tokens."""
     qs = load_questions()
-    by_task = {t: [q for q in qs if q["task"] == t] for t in TASKS}
+    by_task = {t: [q for q in qs if q["task"] == t] for t in tasks}
     out = []
     for i in range(80):
-        for t in TASKS:
+        for t in tasks:
             text = by_task[t][i]["turns"][0]
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True
@@ -68,16 +70,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ask(port: int, model: str, text: str, max_tokens: int) -> dict:
-    """One greedy chat request; the parsed answer."""
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-    ).encode()
+def ask(port: int, model: str, text: str, max_tokens: int, method: str | None = None) -> dict:
+    """One greedy chat request (with ``method``: mlx-mtp's ``mtp.method``);
+    the parsed answer."""
+    request = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if method is not None:
+        request["mtp"] = {"method": method}
+    body = json.dumps(request).encode()
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
         data=body,
@@ -98,12 +102,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
     ap.add_argument("--mlx-lm-model", default=None, help="its model folder (default: ours)")
+    ap.add_argument("--method", default="ntp", choices=("ntp", "pld"),
+                    help="mlx-mtp's method for every request")  # fmt: skip
+    ap.add_argument("--tasks", default=",".join(TASKS),
+                    help="Spec-Bench tasks to draw from (comma-separated)")  # fmt: skip
     args = ap.parse_args()
 
     from mlx_mtp.loading import load_model
 
     lm = load_model(args.model, "float32")
-    texts = questions(lm.tokenizer, args.clients, args.below)
+    texts = questions(lm.tokenizer, args.clients, args.below, tuple(args.tasks.split(",")))
+    method = None if args.mlx_lm else args.method
     port = free_port()
     exe = str(Path(sys.executable).parent / "mlx-mtp")
     cmd = [exe, "serve", "--model", args.model, "--dtype", "float32", "--port", str(port),
@@ -139,7 +148,7 @@ def main() -> None:
 
         def client(i: int) -> None:
             t0 = time.perf_counter()
-            answers[i] = ask(port, model_id, texts[i], args.max_tokens)
+            answers[i] = ask(port, model_id, texts[i], args.max_tokens, method)
             latency[i] = time.perf_counter() - t0
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(texts))]
@@ -165,7 +174,8 @@ def main() -> None:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "clients": len(texts),
         "max_tokens": args.max_tokens,
-        "server": "mlx_lm.server" if args.mlx_lm else "mlx-mtp serve",
+        "server": "mlx_lm.server" if args.mlx_lm else f"mlx-mtp serve ({args.method})",
+        "tasks": args.tasks,
         "max_batch": args.max_batch,
         "new_tokens": tokens,
         "wall_s": round(wall, 2),

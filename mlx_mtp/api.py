@@ -461,12 +461,18 @@ def batch_generate(
     fit_context: bool = False,
     max_batch: int = 8,
     prefill_step: int = PREFILL_STEP,
+    method: str = "ntp",
+    max_draft: int = 4,
 ) -> list[Result]:
-    """Generate answers to several prompts at once with plain next-token
-    decoding (``ntp``), batched: mlx-lm's continuous batching
-    (``BatchGenerator``, ``BatchKVCache``) runs every unfinished prompt in one
-    forward pass per step; a prompt leaves the batch at EOS or ``max_tokens``
-    and the next one waiting joins after its prefill.
+    """Generate answers to several prompts at once, batched: every unfinished
+    prompt runs in one forward pass per step; a prompt leaves the batch at
+    EOS or ``max_tokens`` and the next one waiting joins after its prefill.
+
+    ``method="ntp"``: plain next-token decoding with mlx-lm's continuous
+    batching (``BatchGenerator``, ``BatchKVCache``). ``method="pld"``: each
+    row drafts by prompt lookup and the drafts of every row are verified in
+    the batch's one forward pass (:class:`~mlx_mtp.batching.DraftBatch`,
+    greedy only; models whose layers all keep a full KV cache).
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -486,6 +492,9 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
+        method: ``"ntp"`` or ``"pld"``.
+        max_draft: with ``pld``, most draft tokens per row and step (the
+            width of each pass is chosen by measured cost, 0 to ``max_draft``).
 
     Returns:
         One :class:`Result` per prompt, in order. Its ``stats`` count the
@@ -495,7 +504,10 @@ def batch_generate(
 
     Raises:
         InvalidArgumentError: no prompts, a bad prompt or argument (naming
-            which prompt), ``max_tokens`` of the wrong length.
+            which prompt), ``max_tokens`` of the wrong length, another method,
+            ``pld`` with ``temp > 0``.
+        UnsupportedModelError: ``pld`` on a model with sliding-window or
+            state-space layers.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
     """
@@ -512,6 +524,18 @@ def batch_generate(
         raise InvalidArgumentError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
     if isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1:
         raise InvalidArgumentError(f"prefill_step must be an integer >= 1, got {prefill_step!r}.")
+    if method not in ("ntp", "pld"):
+        raise InvalidArgumentError(
+            f"batched generation runs method 'ntp' or 'pld', got {method!r}; decode other "
+            "methods one prompt at a time (MTPModel.generate)."
+        )
+    if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 0 <= max_draft <= 64:
+        raise InvalidArgumentError(f"max_draft must be an integer in [0, 64], got {max_draft!r}.")
+    if method == "pld" and temp > 0:
+        raise InvalidArgumentError(
+            "batched drafting (method 'pld') is greedy only; use temp=0, or method 'ntp' "
+            "for a sampled batch."
+        )
     limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
     if len(limits) != len(prompts):
         raise InvalidArgumentError(
@@ -535,6 +559,8 @@ def batch_generate(
             row = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, base)
             samplers.append(RowSampler(row, len(toks)))
     eos = ntp.eos_ids
+    if method == "pld":
+        return _draft_batch(loaded, tokens, limit_of, max_batch, prefill_step, max_draft, eos)
     gen = BatchGenerator(
         loaded.model,
         stop_tokens=[[t] for t in sorted(eos)],
@@ -581,6 +607,74 @@ def batch_generate(
             max_slots=1,
         )
         results.append(Result(detok.text, new, stats, finish[uid]))
+    return results
+
+
+def _draft_batch(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    limits: list[int],
+    max_batch: int,
+    prefill_step: int,
+    max_draft: int,
+    eos: set[int],
+) -> list[Result]:
+    """:func:`batch_generate` with ``method="pld"``: prompts join a
+    :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
+    import time
+
+    from .batching import DraftBatch
+
+    batch = DraftBatch(loaded.model, eos, max_draft=max_draft, prefill_step=prefill_step)
+    out: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    prefill: dict[int, float] = {}
+    rows: dict[int, int] = {}
+    waiting = list(range(len(prompts)))
+    while waiting or len(batch):
+        while waiting and len(batch) < max_batch:
+            i = waiting.pop(0)
+            t = time.perf_counter()
+            uid, got = batch.add(prompts[i], limits[i])
+            first[i] = last[i] = time.perf_counter()
+            prefill[i] = first[i] - t
+            out[i] = list(got.tokens)
+            rows[uid] = i
+            if got.finish_reason is not None:
+                finish[i] = got.finish_reason
+        for got in batch.step():
+            i = rows[got.uid]
+            out[i].extend(got.tokens)
+            last[i] = time.perf_counter()
+            if got.finish_reason is not None:
+                finish[i] = got.finish_reason
+    done = {i: batch.take_row(uid) for uid, i in rows.items()}
+    detok = loaded.tokenizer.detokenizer
+    results = []
+    for i, toks in enumerate(prompts):
+        new, row = out[i], done[i]
+        detok.reset()
+        for t in new:
+            if t not in eos:
+                detok.add_token(t)
+        detok.finalize()
+        stats = GenerationStats(
+            method=f"pld(batch, max_draft={max_draft})",
+            prompt_tokens=len(toks),
+            prefill_tokens=len(toks),
+            prefill_time=prefill[i],
+            generated_tokens=len(new),
+            decode_time=last[i] - first[i],
+            forward_passes=1 + (row.passes if row else 0),
+            steps=row.passes if row else 0,
+            drafted=row.drafted if row else 0,
+            accepted=row.accepted if row else 0,
+            slots=row.slots if row else 1,
+            max_slots=row.max_slots if row else 1,
+        )
+        results.append(Result(detok.text, new, stats, finish[i]))
     return results
 
 

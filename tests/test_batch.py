@@ -80,3 +80,127 @@ def test_batch_generate_refuses_bad_input(smollm, prompts, kw, needle):
 def test_batch_generate_checks_the_context(smollm):
     with pytest.raises(ContextLengthError, match=r"prompts\[1\]"):
         smollm.batch_generate(["hi", "word " * 9000], max_tokens=4)
+
+
+# ------------------------------------------------- drafting inside the batch
+def _run_draft_batch(batch, prompts, limits, max_batch, remove_at=None):
+    """Drive a DraftBatch as the API does (prompts join in order as rows
+    leave); ``remove_at=(step, index)`` drops one prompt mid-generation.
+    Returns each prompt's tokens (None for the removed one)."""
+    out, uid_of, waiting, steps = {}, {}, list(range(len(prompts))), 0
+    while waiting or len(batch):
+        while waiting and len(batch) < max_batch:
+            i = waiting.pop(0)
+            uid, got = batch.add(prompts[i], limits[i])
+            uid_of[uid], out[i] = i, list(got.tokens)
+        for got in batch.step():
+            out[uid_of[got.uid]].extend(got.tokens)
+        steps += 1
+        if remove_at and steps == remove_at[0]:
+            uid = next(u for u, i in uid_of.items() if i == remove_at[1])
+            batch.remove(uid)
+            out[remove_at[1]] = None
+    return [out[i] for i in range(len(prompts))]
+
+
+def _always_draft(batch):
+    """Make every pass as wide as the longest draft (rows with shorter or no
+    drafts padded), so rejected slots pile up in the cache."""
+    batch._width = lambda drafts: max(len(d) for d, _ in drafts)
+    batch.compact_at = 1.0
+
+
+def test_pld_batch_equals_solo_greedy_with_rejected_slots_and_compaction(
+    smollm, solo, short_spec_prompts
+):
+    """Seven prompts (six Spec-Bench tasks and a copy task) through a pld
+    batch of at most three, every pass as wide as the longest draft: rows
+    accept different numbers of tokens, so each row's cache holds rejected
+    slots (masked) and is compacted; every answer is the solo greedy one."""
+    from mlx_mtp.batching import DraftBatch
+
+    tok = smollm.tokenizer
+    copy = tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the "
+          "lazy dog, and the lazy dog sleeps under the old oak tree."}],
+        add_generation_prompt=True,
+    )  # fmt: skip
+    prompts = [list(p) for p in short_spec_prompts[:6]] + [list(copy)]
+    limits = [24, 10, 24, 16, 24, 24, 30]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4)
+    _always_draft(batch)
+    compactions = []
+    real = batch._compact
+    batch._compact = lambda: (compactions.append(1), real())[1]
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3)
+    for p, n, g in zip(prompts, limits, got):
+        assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    rows = [batch.take_row(u) for u in range(1, len(prompts) + 1)]
+    drafted = sum(r.drafted for r in rows if r)
+    accepted = sum(r.accepted for r in rows if r)
+    assert accepted > 0 and drafted > accepted  # right and wrong drafts both
+    assert compactions
+
+
+def test_pld_batch_row_removed_midway_leaves_the_others_exact(smollm, solo, short_spec_prompts):
+    from mlx_mtp.batching import DraftBatch
+
+    prompts = [list(p) for p in short_spec_prompts[6:10]]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    batch = DraftBatch(smollm.model, ntp.eos_ids)
+    _always_draft(batch)
+    got = _run_draft_batch(batch, prompts, [20] * 4, max_batch=4, remove_at=(3, 1))
+    assert got[1] is None
+    for i in (0, 2, 3):
+        assert got[i] == solo(prompts[i], max_tokens=20, temp=0.0).tokens
+
+
+def test_pld_batch_on_qwen_with_grouped_kv_heads(qwen):
+    """Qwen2.5-Coder-0.5B (2 KV heads for 14 query heads): a code edit, which
+    copies, and a question, drafted in one batch, equal their solo answers."""
+    from conftest import CODE_PROMPT, EDIT_PROMPT
+
+    from mlx_mtp.batching import DraftBatch
+
+    ntp = MTPModel(qwen, make_method("ntp"))
+    prompts = [ntp.encode(p, True) for p in (EDIT_PROMPT, CODE_PROMPT)]
+    batch = DraftBatch(qwen.model, ntp.eos_ids)
+    _always_draft(batch)
+    got = _run_draft_batch(batch, prompts, [40, 24], max_batch=2)
+    for p, n, g in zip(prompts, [40, 24], got):
+        assert g == ntp.generate(p, max_tokens=n).tokens
+    row = batch.take_row(1)
+    assert 0 < row.accepted < row.drafted  # the edit copies: right drafts and wrong ones
+
+
+def test_batch_generate_pld(smollm, solo):
+    """The API's pld batch: solo answers, and its drafts counted."""
+    got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3, method="pld")
+    for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
+        want = solo(prompt, max_tokens=n, temp=0.0)
+        assert g.tokens == want.tokens and g.text == want.text
+        assert g.finish_reason == want.finish_reason
+        assert g.stats.method.startswith("pld(batch")
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"method": "probe"}, "runs method 'ntp' or 'pld'"),
+        ({"method": "pld", "temp": 0.7}, "greedy only"),
+        ({"method": "pld", "max_draft": -1}, r"max_draft must be an integer in \[0, 64\]"),
+    ],
+)
+def test_batch_generate_refuses_other_methods_and_sampled_drafting(smollm, kw, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        smollm.batch_generate(["a"], **kw)
+
+
+def test_pld_batch_refuses_a_sliding_window_model(gemma):
+    """Gemma 3 keeps a sliding window in most layers: no drafting batch, and
+    the error says what to do."""
+    from mlx_mtp.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="full KV cache in every layer.*ntp"):
+        gemma.batch_generate(["a"], method="pld")

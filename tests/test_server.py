@@ -1158,3 +1158,57 @@ def test_a_failure_in_the_batch_is_a_500_and_the_server_goes_on(server, monkeypa
     status, _, body = raw(base, "POST", CHAT, M)
     assert status == 200 and body["mtp"]["method"] == "ntp(batch)"
     assert_healthy(base, worker)
+
+
+def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
+    server, client, ref, monkeypatch
+):
+    """With --max-batch 4, concurrent greedy pld requests run in one drafting
+    batch (each row's prompt-lookup draft verified in the batch's pass) and
+    each answer equals the Python API's solo pld answer; a sampled pld
+    request runs alone."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "Repeat exactly: one two three four five six seven."}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+    ]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(worker.batched()))
+            time.sleep(0.01)
+
+    results: dict[int, object] = {}
+
+    def chat(i):
+        results[i] = client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=20, temperature=0,
+            extra_body={"mtp": {"method": "pld"}},
+        )  # fmt: skip
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    done.set()
+    watcher.join()
+    assert max(seen) >= 2, "never batched"
+    for i, p in enumerate(prompts):
+        r = results[i]
+        assert r.choices[0].message.content == ref(p, "pld", n=20).text
+        assert r.model_extra["mtp"]["method"] == "pld(batch)"
+    r = client.chat.completions.create(
+        model=MODEL, messages=prompts[0], max_tokens=8, temperature=0.8, seed=3,
+        extra_body={"mtp": {"method": "pld"}},
+    )  # fmt: skip
+    assert r.model_extra["mtp"]["method"].startswith("pld(")
+    assert r.model_extra["mtp"]["method"] != "pld(batch)"
+    assert_healthy(base, worker)

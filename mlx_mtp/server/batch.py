@@ -1,8 +1,11 @@
-"""Continuous batching of the worker's plain (``ntp``) requests.
+"""Continuous batching of the worker's ``ntp`` and greedy ``pld`` requests.
 
-With ``--max-batch N`` above 1, the worker runs every active ``ntp`` request
-of its model in one batched forward pass per step, with mlx-lm's
-``BatchGenerator`` (``BatchKVCache``): a request joins after its prompt is
+With ``--max-batch N`` above 1, the worker runs every active request of one
+kind in one batched forward pass per step. ``ntp`` requests run with mlx-lm's
+``BatchGenerator`` (``BatchKVCache``); greedy ``pld`` requests run in a
+:class:`~mlx_mtp.batching.DraftBatch`, where each row's prompt-lookup draft
+is verified in the batch's pass (a request joins after its prompt is
+prefilled alone). An ``ntp`` request joins after its prompt is
 prefilled (with up to 7 others, each in chunks of its share of the server's
 prefill step, so that no pass is larger than the time bound allows) and
 leaves at EOS, ``max_tokens``, a
@@ -10,8 +13,8 @@ stop string, cancellation or disconnect, between steps. Each request keeps
 its own detokenizer, stop strings and sampler (:class:`~mlx_mtp.api.RowSampler`:
 its own seed and positions), so its answer is the one it gets alone, up to
 the rounding of a batched pass (see :func:`mlx_mtp.api.batch_generate`).
-Requests with another method are served one at a time, as before, when the
-batch has drained.
+Requests of the other kind, or with another method, wait until the batch
+has drained (then a ``pld`` batch starts, or the request runs alone).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Row:
 
 
 class BatchRunner:
-    """The worker's batch of ``ntp`` requests (used from the worker thread only).
+    """The worker's batch of ``ntp`` or of greedy ``pld`` requests (used from
+    the worker thread only).
 
     Args:
         model: the worker's default :class:`~mlx_mtp.api.MTPModel` (``ntp``):
@@ -65,6 +69,7 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
+        kind: ``"ntp"`` or ``"pld"``.
     """
 
     def __init__(
@@ -76,9 +81,13 @@ class BatchRunner:
         max_tokens: int,
         emit: Any,
         finish: Any,
+        kind: str = "ntp",
     ):
         from mlx_lm.generate import BatchGenerator
 
+        from ..batching import DraftBatch
+
+        self.kind = kind
         self.model = model
         self.max_batch = max_batch
         self.sampling = sampling
@@ -90,13 +99,18 @@ class BatchRunner:
         # of the prefill step: a prefill pass holds at most prefill_step tokens
         # (the time bound), and short prompts join in one pass
         together = min(max_batch, 8)
-        self.gen = BatchGenerator(
-            model.model,
-            stop_tokens=[[t] for t in sorted(self.eos)],
-            completion_batch_size=max_batch,
-            prefill_batch_size=together,
-            prefill_step_size=max(16, prefill_step // together),
-        )
+        self.drafts: DraftBatch | None = None
+        self.gen: Any = None
+        if kind == "pld":
+            self.drafts = DraftBatch(model.model, self.eos, prefill_step=prefill_step)
+        else:
+            self.gen = BatchGenerator(
+                model.model,
+                stop_tokens=[[t] for t in sorted(self.eos)],
+                completion_batch_size=max_batch,
+                prefill_batch_size=together,
+                prefill_step_size=max(16, prefill_step // together),
+            )
         self.rows: dict[int, Row] = {}
 
     def __len__(self) -> int:
@@ -133,6 +147,15 @@ class BatchRunner:
             self.emit(job, Failed(openai_error(e, req)))
             self.finish(job)
             return
+        if self.drafts is not None:  # prefilled now, alone; its first token comes with it
+            uid, got = self.drafts.add(tokens, limit)
+            job.status = "running"
+            detok = self.model.tokenizer.detokenizer
+            detok.reset()
+            row = Row(job, uid, len(tokens), detok, StopCutter(req.stop))
+            self.rows[uid] = row
+            self._take(row, got.tokens, got.finish_reason)
+            return
         samplers = None
         if given["temp"] > 0:
             seed = given["seed"] if given["seed"] is not None else random_seed()
@@ -152,10 +175,16 @@ class BatchRunner:
         and tell each request what it got."""
         gone = [uid for uid, row in self.rows.items() if row.job.cancel.is_set()]
         if gone:
-            self.gen.remove(gone)
             for uid in gone:
                 self._end(self.rows.pop(uid), "cancelled")
+            self._remove(gone)
         if not self.rows:
+            return
+        if self.drafts is not None:
+            for got in self.drafts.step():
+                row = self.rows.get(got.uid)
+                if row is not None:
+                    self._take(row, got.tokens, got.finish_reason)
             return
         _, responses = self.gen.next()
         now = time.perf_counter()
@@ -185,6 +214,42 @@ class BatchRunner:
             elif r.finish_reason is not None:
                 self._end(self.rows.pop(r.uid), r.finish_reason)
 
+    def _remove(self, uids: list[int]) -> None:
+        if self.drafts is not None:
+            for uid in uids:
+                self.drafts.remove(uid)
+        else:
+            self.gen.remove(uids)
+
+    def _take(self, row: Row, tokens: list[int], finish: str | None) -> None:
+        """Tell a ``pld`` row's request its new tokens (the last one may end
+        it: ``finish``) and end it at a stop string or ``finish``."""
+        now = time.perf_counter()
+        if row.first is None:
+            row.first = now
+            self.emit(row.job, Started())
+        text = ""
+        for i, token in enumerate(tokens):
+            row.tokens.append(token)
+            if token not in self.eos:
+                row.detok.add_token(token)
+            if finish is not None and i == len(tokens) - 1:
+                row.detok.finalize()
+            text += row.cutter.feed(row.detok.last_segment)
+            if row.cutter.stopped:
+                break
+        row.job.generated_tokens = len(row.tokens)
+        if finish is not None and not row.cutter.stopped:
+            text += row.cutter.flush()
+        if text:
+            self.emit(row.job, Delta(text))
+        if row.cutter.stopped:
+            self._end(self.rows.pop(row.uid), "stop")
+            if finish is None:
+                self.drafts.remove(row.uid)
+        elif finish is not None:
+            self._end(self.rows.pop(row.uid), finish)
+
     def fail_all(self, error: OpenAIError) -> None:
         """End every row with ``error`` (after an MLX failure: the
         generator's state is not trusted, the worker makes a new one)."""
@@ -193,13 +258,18 @@ class BatchRunner:
             self.emit(row.job, Failed(error))
             self.finish(row.job)
         self.rows.clear()
-        self.gen.close()
+        self._close()
 
     def close(self) -> None:
         """Drop every row (cancelled) and the generator's state."""
         for uid in list(self.rows):
             self._end(self.rows.pop(uid), "cancelled")
-        self.gen.close()
+        self._close()
+
+    def _close(self) -> None:
+        if self.gen is not None:
+            self.gen.close()
+        self.drafts = None
 
     def _end(self, row: Row, finish: str) -> None:
         job = row.job
@@ -219,6 +289,12 @@ class BatchRunner:
             slots=n,
             max_slots=1,
         )
+        drafted = self.drafts.take_row(row.uid) if self.drafts is not None else None
+        if drafted is not None:
+            st.method = "pld(batch)"
+            st.forward_passes = st.steps = 1 + drafted.passes
+            st.drafted, st.accepted = drafted.drafted, drafted.accepted
+            st.slots, st.max_slots = drafted.slots, drafted.max_slots
         event: Event = Done(finish, usage(row.prompt_tokens, n, 0), mtp_stats(st, 0, job))
         self.emit(job, event)
         self.finish(job)

@@ -168,8 +168,10 @@ class Worker:
         self._durations: deque[float] = deque(maxlen=20)
         self.loaded: Any = None
         self.running: Job | None = None
-        #: the batch of ntp jobs (:class:`~.batch.BatchRunner`), made at the first one
+        #: the batch of ntp or pld jobs (:class:`~.batch.BatchRunner`), made at the first one
         self._batch: Any = None
+        #: whether the model can run a drafting batch (None: not checked yet)
+        self._draft_batchable: bool | None = None
         #: a job taken off the queue that waits for the batch to drain (another method)
         self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
@@ -405,16 +407,41 @@ class Worker:
                 continue
         return []
 
-    def batchable(self, job: Job) -> bool:
-        """Whether a job runs in the batch: plain ``ntp`` decoding (the
-        server's method without options, or asked for), with ``--max-batch``
-        above 1, an unbounded cache and a model on one rank."""
+    def batchable(self, job: Job) -> str | None:
+        """The kind of batch a job runs in (None: it runs alone): ``"ntp"``
+        for plain decoding, ``"pld"`` for greedy prompt lookup on a model
+        whose layers all keep a full KV cache (the server's method without
+        options, or asked for without options); with ``--max-batch`` above 1,
+        an unbounded cache and a model on one rank."""
         req = job.request
         if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
-            return False
-        if req.method is None:
-            return self.method == "ntp" and not self.options
-        return req.method == "ntp" and not req.options
+            return None
+        method, options = (
+            (self.method, self.options) if req.method is None else (req.method, req.options)
+        )
+        if options or method not in ("ntp", "pld"):
+            return None
+        if method == "pld":
+            temp = sampling_of(req).get("temp", self.sampling["temp"])
+            if temp > 0 or not self._drafts_batch():
+                return None
+        return method
+
+    def _drafts_batch(self) -> bool:
+        """Whether this model can run a drafting batch (checked once)."""
+        if self._draft_batchable is None:
+            from ..batching import check_batchable
+
+            try:
+                check_batchable(self.loaded.model)
+                self._draft_batchable = True
+            except MTPError:
+                self._draft_batchable = False
+        return self._draft_batchable
+
+    def _fits(self, kind: str | None) -> bool:
+        """Whether a job of ``kind`` joins the batch now."""
+        return kind is not None and self._batch is not None and self._batch.kind == kind
 
     def _serve_jobs(self) -> None:
         """Serve jobs until told to stop: ``ntp`` jobs join the batch while
@@ -431,7 +458,7 @@ class Worker:
                         break
                     if job is None:
                         stopping = True
-                    elif self.batchable(job):
+                    elif self._fits(self.batchable(job)):
                         self._join_batch(job)
                     else:
                         self._held = job
@@ -445,14 +472,18 @@ class Worker:
                 job = self._next_job()
                 if job is None:
                     return
-            if self.batchable(job):
-                self._join_batch(job)
+            kind = self.batchable(job)
+            if kind is not None:
+                self._join_batch(job, kind)
             else:
                 self._serve(job)
 
-    def _join_batch(self, job: Job) -> None:
+    def _join_batch(self, job: Job, kind: str | None = None) -> None:
         from .batch import BatchRunner
 
+        if kind is not None and self._batch is not None and self._batch.kind != kind:
+            self._batch.close()  # drained: a batch of the other kind starts
+            self._batch = None
         if self._batch is None:
             self._batch = BatchRunner(
                 self._models[self.default_key],
@@ -462,6 +493,7 @@ class Worker:
                 self.max_tokens,
                 self._emit,
                 self._finish,
+                kind or "ntp",
             )
         try:
             self._batch.add(job, sampling_of(job.request))
