@@ -244,6 +244,8 @@ class DraftBatch:
         max_draft: most draft tokens per row and step (0: plain batched
             decoding).
         prefill_step: prompt tokens per prefill pass.
+        max_slots: most tokens in one decoding pass (rows x width; a pass of
+            one token per row is always allowed).
 
     Raises:
         UnsupportedModelError: see :func:`check_batchable`.
@@ -257,6 +259,7 @@ class DraftBatch:
         window: int = 3,
         max_draft: int = 4,
         prefill_step: int = 2048,
+        max_slots: int = 1024,
     ):
         check_batchable(model)
         self.model = model
@@ -265,6 +268,7 @@ class DraftBatch:
         self.window = window
         self.max_draft = max_draft
         self.prefill_step = prefill_step
+        self.max_slots = max_slots
         self.layout = BatchLayout()
         self.caches = [BatchLayerCache(self.layout) for _ in make_prompt_cache(model)]
         self.rows: list[BatchRow] = []
@@ -430,8 +434,8 @@ class DraftBatch:
         return one * (slots / rows) ** 0.5  # unmeasured: a guess, replaced once it runs
 
     def _width(self, drafts: list[tuple[list[int], int]]) -> int:
-        longest = max(len(d) for d, _ in drafts)
         rows = len(drafts)
+        longest = min(max(len(d) for d, _ in drafts), self.max_slots // rows - 1)
         best, best_rate = 0, rows / self._cost(rows)
         for depth in range(1, longest + 1):
             rate = (rows + self._expected(drafts, depth)) / self._cost(rows * (depth + 1))

@@ -1205,6 +1205,16 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
         r = results[i]
         assert r.choices[0].message.content == ref(p, "pld", n=20).text
         assert r.model_extra["mtp"]["method"] == "pld(batch)"
+    # a stop string ends a drafting row early, mid-draft or not
+    want = ref(prompts[0], "pld", n=20).text
+    stop = want[6:10]
+    r = client.chat.completions.create(
+        model=MODEL, messages=prompts[0], max_tokens=20, temperature=0, stop=[stop],
+        extra_body={"mtp": {"method": "pld"}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == want[: want.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model_extra["mtp"]["method"] == "pld(batch)"
     r = client.chat.completions.create(
         model=MODEL, messages=prompts[0], max_tokens=8, temperature=0.8, seed=3,
         extra_body={"mtp": {"method": "pld"}},

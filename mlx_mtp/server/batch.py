@@ -70,6 +70,8 @@ class BatchRunner:
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
         kind: ``"ntp"`` or ``"pld"``.
+        max_slots: with ``pld``, most tokens in one decoding pass (the
+            server's slots bound: rows x draft width).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class BatchRunner:
         emit: Any,
         finish: Any,
         kind: str = "ntp",
+        max_slots: int = 1024,
     ):
         from mlx_lm.generate import BatchGenerator
 
@@ -102,7 +105,9 @@ class BatchRunner:
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
         if kind == "pld":
-            self.drafts = DraftBatch(model.model, self.eos, prefill_step=prefill_step)
+            self.drafts = DraftBatch(
+                model.model, self.eos, prefill_step=prefill_step, max_slots=max_slots
+            )
         else:
             self.gen = BatchGenerator(
                 model.model,

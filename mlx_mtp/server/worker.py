@@ -494,6 +494,7 @@ class Worker:
                 self._emit,
                 self._finish,
                 kind or "ntp",
+                self.limits.slots,
             )
         try:
             self._batch.add(job, sampling_of(job.request))
