@@ -226,3 +226,27 @@ def test_chat_keeps_its_session_after_a_failed_turn():
     assert len(re.findall(r"\[ntp\] [1-4] tokens", err)) == 2  # both later turns answered
     # the error is on a line of its own, never glued to an answer
     assert all(ln.startswith("error:") for ln in err.splitlines() if "error:" in ln)
+
+
+def test_serve_exit_status_follows_the_signal_that_stopped_the_server():
+    """The server records the first signal that stopped it, and ``serve``
+    turns it into its exit status itself (SIGINT: KeyboardInterrupt, which
+    the CLI makes 130; SIGTERM: 143), so the status does not depend on
+    uvicorn's re-raised signal reaching asyncio's runner in time (a 600 s
+    soak once exited 0 on SIGINT)."""
+    import uvicorn
+
+    from mlx_mtp.commands.serve import exit_for_signal
+    from mlx_mtp.server.app import _server_class
+
+    server = _server_class()(uvicorn.Config(app=lambda scope, receive, send: None), lambda: 0)
+    assert server.signalled is None
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.signalled == signal.SIGINT and server.should_exit
+    with pytest.raises(KeyboardInterrupt):
+        exit_for_signal(server.signalled)
+    with pytest.raises(SystemExit) as e:
+        exit_for_signal(signal.SIGTERM)
+    assert e.value.code == 143
+    exit_for_signal(None)  # stopped otherwise: no status of its own

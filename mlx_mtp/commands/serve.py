@@ -280,3 +280,16 @@ def _serve(
         server.run(sockets=[sock])
     finally:
         worker.stop()
+    exit_for_signal(getattr(server, "signalled", None))
+
+
+def exit_for_signal(sig: int | None) -> None:
+    """After the server stopped on ``sig``: raise ``KeyboardInterrupt`` for
+    SIGINT (the CLI exits 130) or exit 143 for SIGTERM. uvicorn re-raises the
+    signal itself, but asyncio's runner, whose SIGINT handler uvicorn
+    restores, turns it into a cancellation of a task that may already have
+    finished, and the process then exited 0."""
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt
+    if sig == signal.SIGTERM:
+        sys.exit(128 + sig)

@@ -633,13 +633,21 @@ def make_server(
 def _server_class() -> type:
     """``uvicorn.Server`` that, as its shutdown begins, stops the app's jobs
     (``shut_down``), so open streams end with a final chunk within one forward
-    pass instead of being cut when the graceful-shutdown time runs out."""
+    pass instead of being cut when the graceful-shutdown time runs out, and
+    records the signal that stopped it (``signalled``)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def __init__(self, config: Any, shut_down: Any):
             super().__init__(config)
             self.shut_down = shut_down
+            #: the first signal that stopped it (None: none)
+            self.signalled: int | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.signalled is None:
+                self.signalled = sig
+            super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             n = self.shut_down()
