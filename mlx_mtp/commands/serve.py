@@ -286,9 +286,9 @@ def _serve(
 def exit_for_signal(sig: int | None) -> None:
     """After the server stopped on ``sig``: raise ``KeyboardInterrupt`` for
     SIGINT (the CLI exits 130) or exit 143 for SIGTERM. uvicorn re-raises the
-    signal itself, but asyncio's runner, whose SIGINT handler uvicorn
-    restores, turns it into a cancellation of a task that may already have
-    finished, and the process then exited 0."""
+    signal itself, but the SIGINT handler it restores is asyncio's runner's,
+    which only cancels the main task (nothing once that task is done), and a
+    600 s soak once exited 0."""
     if sig == signal.SIGINT:
         raise KeyboardInterrupt
     if sig == signal.SIGTERM:
