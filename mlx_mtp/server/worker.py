@@ -110,9 +110,10 @@ class Worker:
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
-        max_batch: ``ntp`` requests decoded together in one forward pass
-            (:mod:`~.batch`; at most the slots bound); 1: one request at a
-            time, whatever its method.
+        max_batch: ``ntp`` requests, or greedy ``pld`` requests with their
+            drafts, decoded together in one forward pass (:mod:`~.batch`; at
+            most the slots bound); 1: one request at a time, whatever its
+            method.
 
     Raises:
         InvalidArgumentError: queue_size, max_methods or max_batch below 1,
