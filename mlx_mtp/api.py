@@ -589,11 +589,6 @@ def batch_generate(
     results = []
     for uid, toks in zip(uids, tokens):
         new = out[uid]
-        detok.reset()
-        for t in new:
-            if t not in eos:
-                detok.add_token(t)
-        detok.finalize()
         stats = GenerationStats(
             method="ntp(batch)",
             prompt_tokens=len(toks),
@@ -606,8 +601,18 @@ def batch_generate(
             slots=len(new),
             max_slots=1,
         )
-        results.append(Result(detok.text, new, stats, finish[uid]))
+        results.append(Result(_detokenize(detok, new, eos), new, stats, finish[uid]))
     return results
+
+
+def _detokenize(detok: Any, tokens: list[int], eos: set[int]) -> str:
+    """The text of one batched answer (end-of-sequence tokens left out)."""
+    detok.reset()
+    for t in tokens:
+        if t not in eos:
+            detok.add_token(t)
+    detok.finalize()
+    return detok.text
 
 
 def _draft_batch(
@@ -655,11 +660,6 @@ def _draft_batch(
     results = []
     for i, toks in enumerate(prompts):
         new, row = out[i], done[i]
-        detok.reset()
-        for t in new:
-            if t not in eos:
-                detok.add_token(t)
-        detok.finalize()
         stats = GenerationStats(
             method=f"pld(batch, max_draft={max_draft})",
             prompt_tokens=len(toks),
@@ -674,7 +674,7 @@ def _draft_batch(
             slots=row.slots if row else 1,
             max_slots=row.max_slots if row else 1,
         )
-        results.append(Result(detok.text, new, stats, finish[i]))
+        results.append(Result(_detokenize(detok, new, eos), new, stats, finish[i]))
     return results
 
 

@@ -1016,6 +1016,26 @@ def test_required_options_are_the_ones_methods_need():
 
 
 # ------------------------------------------------------- continuous batching
+@contextlib.contextmanager
+def batch_sizes(worker):
+    """The worker's batch size sampled every 10 ms while the block runs."""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(worker.batched()))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join()
+
+
 def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monkeypatch):
     """With --max-batch 4, concurrent ntp requests (chat and completion,
     streamed or not, greedy or seeded, one with a stop string) run in one
@@ -1031,14 +1051,6 @@ def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monk
         [{"role": "user", "content": "Write a haiku about the sea."}],
         [{"role": "user", "content": "Name three colours of the rainbow, and explain why."}],
     ]
-    seen: list[int] = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(len(worker.batched()))
-            time.sleep(0.01)
-
     results: dict[str, object] = {}
 
     def chat(i, **kw):
@@ -1070,25 +1082,22 @@ def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monk
             extra_body={"mtp": {"method": "pld"}},
         )  # fmt: skip
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    leaver_conn, leaver = _open_stream(base, LONG)  # joins first, leaves mid-stream
-    threads = [
-        threading.Thread(target=chat, args=(0,)),
-        threading.Thread(target=stream, args=(1,)),
-        threading.Thread(target=sampled),
-        threading.Thread(target=completion),
-        threading.Thread(target=other_method),
-    ]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    leaver.close()
-    leaver_conn.close()
-    for t in threads:
-        t.join(300)
-    done.set()
-    watcher.join()
+    with batch_sizes(worker) as seen:
+        leaver_conn, leaver = _open_stream(base, LONG)  # joins first, leaves mid-stream
+        threads = [
+            threading.Thread(target=chat, args=(0,)),
+            threading.Thread(target=stream, args=(1,)),
+            threading.Thread(target=sampled),
+            threading.Thread(target=completion),
+            threading.Thread(target=other_method),
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        leaver.close()
+        leaver_conn.close()
+        for t in threads:
+            t.join(300)
     assert max(seen) >= 2, "never batched"
     assert max(seen) <= 4
     r = results["chat0"]
@@ -1175,14 +1184,6 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
         [{"role": "user", "content": "Write a haiku about the sea."}],
         [{"role": "user", "content": "What is the capital of France?"}],
     ]
-    seen: list[int] = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(len(worker.batched()))
-            time.sleep(0.01)
-
     results: dict[int, object] = {}
 
     def chat(i):
@@ -1191,15 +1192,12 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
             extra_body={"mtp": {"method": "pld"}},
         )  # fmt: skip
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    done.set()
-    watcher.join()
+    with batch_sizes(worker) as seen:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
     assert max(seen) >= 2, "never batched"
     for i, p in enumerate(prompts):
         r = results[i]
