@@ -282,9 +282,6 @@ class DraftBatch:
         self.next = np.array([0.8, 1.0])
         # seconds per pass by slots (rows x width): exponential averages
         self.seconds: dict[int, float] = {}
-        self.passes = 0
-        self.slots = 0
-        self.decode_time = 0.0
         #: the cache is compacted when its slots exceed this many times the
         #: longest row's kept tokens
         self.compact_at = 2.0
@@ -475,12 +472,9 @@ class DraftBatch:
             pred[at] = np.array(mx.argmax(self.head(flat), axis=-1))
             pred = pred.reshape(real.shape)
         seconds = time.perf_counter() - t0
-        self.decode_time += seconds
         slots = inputs.size
         old = self.seconds.get(slots)
         self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        self.passes += 1
-        self.slots += slots
         kept = np.empty(len(self.rows), np.int64)
         out, done = [], []
         for r, (row, (d, n)) in enumerate(zip(self.rows, drafts)):
