@@ -192,32 +192,10 @@ class BatchRunner:
                     self._take(row, got.tokens, got.finish_reason)
             return
         _, responses = self.gen.next()
-        now = time.perf_counter()
         for r in responses:
             row = self.rows.get(r.uid)
-            if row is None:
-                continue
-            if row.first is None:
-                row.first = now
-                self.emit(row.job, Started())
-            token = int(r.token)
-            row.tokens.append(token)
-            row.job.generated_tokens = len(row.tokens)
-            if token not in self.eos:
-                row.detok.add_token(token)
-            if r.finish_reason is not None:
-                row.detok.finalize()
-            text = row.cutter.feed(row.detok.last_segment)
-            if r.finish_reason is not None and not row.cutter.stopped:
-                text += row.cutter.flush()
-            if text:
-                self.emit(row.job, Delta(text))
-            if row.cutter.stopped:
-                if r.finish_reason is None:  # still in mlx-lm's batch
-                    self.gen.remove([r.uid])
-                self._end(self.rows.pop(r.uid), "stop")
-            elif r.finish_reason is not None:
-                self._end(self.rows.pop(r.uid), r.finish_reason)
+            if row is not None:
+                self._take(row, [int(r.token)], r.finish_reason)
 
     def _remove(self, uids: list[int]) -> None:
         if self.drafts is not None:
@@ -227,8 +205,9 @@ class BatchRunner:
             self.gen.remove(uids)
 
     def _take(self, row: Row, tokens: list[int], finish: str | None) -> None:
-        """Tell a ``pld`` row's request its new tokens (the last one may end
-        it: ``finish``) and end it at a stop string or ``finish``."""
+        """Tell a row's request its new tokens (the last one may end it:
+        ``finish``) and end it at a stop string (leaving the batch) or
+        ``finish``."""
         now = time.perf_counter()
         if row.first is None:
             row.first = now
@@ -250,8 +229,8 @@ class BatchRunner:
             self.emit(row.job, Delta(text))
         if row.cutter.stopped:
             self._end(self.rows.pop(row.uid), "stop")
-            if finish is None:
-                self.drafts.remove(row.uid)
+            if finish is None:  # still in the generator's batch
+                self._remove([row.uid])
         elif finish is not None:
             self._end(self.rows.pop(row.uid), finish)
 
