@@ -1178,6 +1178,7 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
     request runs alone."""
     base, worker = server
     monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)  # three requests at once
     wait_idle(worker)
     prompts = [
         [{"role": "user", "content": "Repeat exactly: one two three four five six seven."}],
