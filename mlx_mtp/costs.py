@@ -4,8 +4,9 @@
 finds it for the model and device at hand. Read top to bottom:
 
 1. :func:`measure_cost_curve` times the engine's own tree forward pass at
-   chosen sizes, interleaved (size 1, 2, 3, ... then again) so that a load
-   change hits every size alike, and keeps medians; the cache, its tokens and
+   chosen sizes, each against a one-slot pass just before it (so that a
+   load change or one slow pass shifts no size), keeps medians and fits a
+   non-decreasing curve to them; the cache, its tokens and
    the engine's statistics are left as they were
    (:meth:`Engine.scratch <mlx_mtp.engine.Engine.scratch>`).
    :func:`measure_cost_curves` also measures at 1024 more tokens of context.
@@ -80,9 +81,11 @@ def measure_cost_curve(
 ) -> CostCurve:
     """Time the engine's tree forward pass (a chain of ``n`` slots, logits for
     every slot, as a chain-verifying method runs it) at each size in
-    ``sizes``, interleaved over ``repeats`` rounds after one warm-up round,
-    and return the medians relative to one slot (``seconds``: the one-slot
-    time).
+    ``sizes``, over ``repeats`` rounds after one warm-up round, and return
+    ``c(n)``: the median over rounds of the time of ``n`` slots relative to
+    a one-slot pass timed just before it (a change of load between sizes,
+    or one slow one-slot pass, shifts no size), made non-decreasing by
+    :func:`monotone`; ``seconds`` is the median one-slot time.
 
     Runs on the current cache, which is left exactly as it was; the timing
     passes are not counted in the engine's forward statistics. On a hybrid
@@ -133,7 +136,8 @@ def measure_cost_curve(
         engine.trim_to(start)
         return dt
 
-    times: dict[int, list[float]] = {s: [] for s in sizes}
+    ones: list[float] = []
+    ratios: dict[int, list[float]] = {s: [] for s in sizes[1:]}
     rounds: Any = range(repeats + 1)
     if progress:
         rounds = tqdm(
@@ -144,13 +148,34 @@ def measure_cost_curve(
         )
     with engine.scratch():
         for r in rounds:
-            for s in sizes:
-                dt = timed(s)
+            for s in sizes[1:] or [1]:
+                one = timed(1)  # each size is timed against a one-slot pass just before it
+                dt = timed(s) if s > 1 else one
                 if r > 0:  # round 0 warms up every size
-                    times[s].append(dt)
-    t1 = float(np.median(times[1]))
-    costs = [float(np.median(times[s])) / t1 for s in sizes]
+                    ones.append(one)
+                    if s > 1:
+                        ratios[s].append(dt / one)
+    t1 = float(np.median(ones))
+    costs = monotone([1.0, *(float(np.median(ratios[s])) for s in sizes[1:])])
     return CostCurve(sizes, costs, context=start, seconds=t1, measured=True)
+
+
+def monotone(costs: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest to ``costs`` in least squares, at
+    least 1 (pool-adjacent-violators, Ayer et al. 1955): one size timed high
+    by noise is averaged with its neighbours instead of raising every larger
+    size to its value (what flattening by a running maximum would do)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for c in costs:
+        blocks.append([float(c), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out.extend([max(total / count, 1.0)] * int(count))
+    return out
 
 
 def measure_cost_curves(
@@ -302,7 +327,11 @@ class LiveCurves:
     :meth:`observe` takes a pass of ``n`` slots that took ``seconds``: one
     slot updates the one-slot time ``t1`` (an exponential average); more
     update ``k`` at the two sizes around ``n`` towards
-    ``seconds / (t1 c_L(n))``, in proportion to the interpolation weights.
+    ``seconds / (t1 c_L(n))``, in proportion to the interpolation weights,
+    and move every smaller size priced above ``seconds / t1`` towards it
+    (``c`` never falls with more slots, so a wide pass bounds the narrower
+    ones: a size the cut avoids because one timing priced it high is still
+    corrected).
 
     Args:
         base: the measured or cached curves.
@@ -358,6 +387,15 @@ class LiveCurves:
         for j, wj in w.items():
             if j > 0:  # k(1) stays 1
                 self.k[j] = max(self.k[j] + lr * wj * err, 1e-3)
+        # c never falls with more slots, so this pass also bounds every smaller
+        # size: one priced above it moves down towards it (a high warm-up
+        # timing at a size the cut then avoids is corrected by wider passes)
+        cost = seconds / self.t1
+        at = self.base.at(context)
+        for j in range(1, i if self.sizes[i] == slots else i - 1):
+            b = at(self.sizes[j])
+            if b * self.k[j] > cost:
+                self.k[j] = max(self.k[j] + lr * (cost / b - self.k[j]), 1e-3)
         self.version += 1  # (CostCurve flattens a refined curve that would fall)
         self.changed = True
 

@@ -355,6 +355,36 @@ def test_live_curve_learns_from_the_passes_a_generation_runs(tmp_path, monkeypat
     assert pinned.at(0)(8) == pytest.approx(1.5)
 
 
+def test_a_wide_pass_corrects_the_narrower_sizes_it_bounds():
+    """A size priced high (a noisy warm-up timing) that the cut then avoids is
+    still corrected: a pass of more slots that cost less bounds it, since
+    ``c`` never falls with more slots; sizes priced below it are left."""
+    base = CostCurves(
+        [CostCurve([1, 2, 3, 4, 8], [1.0, 1.45, 1.45, 1.45, 1.6], context=0, seconds=1.0)]
+    )
+    live = LiveCurves(base)
+    assert live.at(0)(2) == pytest.approx(1.45)
+    for _ in range(30):  # passes of 4 slots take 1.1 one-slot times
+        live.observe(1, 1.0, context=0)
+        live.observe(4, 1.1, context=0)
+    c = live.at(0)
+    assert c(4) == pytest.approx(1.1, rel=0.02)
+    assert c(2) <= 1.12 and c(3) <= 1.12
+    assert c(8) == pytest.approx(1.6)  # larger sizes: no evidence either way
+    cheap = LiveCurves(CostCurves([CostCurve([1, 2, 4], [1.0, 1.02, 1.3], seconds=1.0)]))
+    for _ in range(10):
+        cheap.observe(4, 1.3, context=0)
+    assert cheap.at(0)(2) == pytest.approx(1.02)  # already below: unchanged
+
+
+def test_monotone_fit_pools_an_outlier_instead_of_raising_every_larger_size():
+    assert costs.monotone([1.0, 1.45, 1.1, 1.1, 1.5]) == pytest.approx(
+        [1.0, 1.2167, 1.2167, 1.2167, 1.5], abs=1e-3
+    )
+    assert costs.monotone([1.0, 1.1, 1.3]) == [1.0, 1.1, 1.3]  # already increasing
+    assert costs.monotone([1.0, 0.9, 0.95, 1.2]) == [1.0, 1.0, 1.0, 1.2]  # never below 1
+
+
 def test_curves_follow_the_context_length():
     short = CostCurve([1, 16, 32], [1.0, 1.6, 2.4], context=128)
     long = CostCurve([1, 16, 32], [1.0, 2.0, 3.2], context=1152)
