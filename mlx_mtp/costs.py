@@ -148,13 +148,15 @@ def measure_cost_curve(
         )
     with engine.scratch():
         for r in rounds:
+            if r == 0:  # round 0 warms up every size
+                for s in sizes:
+                    timed(s)
+                continue
             for s in sizes[1:] or [1]:
                 one = timed(1)  # each size is timed against a one-slot pass just before it
-                dt = timed(s) if s > 1 else one
-                if r > 0:  # round 0 warms up every size
-                    ones.append(one)
-                    if s > 1:
-                        ratios[s].append(dt / one)
+                ones.append(one)
+                if s > 1:
+                    ratios[s].append(timed(s) / one)
     t1 = float(np.median(ones))
     costs = monotone([1.0, *(float(np.median(ratios[s])) for s in sizes[1:])])
     return CostCurve(sizes, costs, context=start, seconds=t1, measured=True)
