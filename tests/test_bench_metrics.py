@@ -83,6 +83,9 @@ def test_summarize_host_ms_per_step():
     assert metrics.summarize(recs)["slots_per_forward"] is None
     recs[0]["slots"], recs[1]["slots"] = 50, 10  # 60 slots over 10 forwards
     assert metrics.summarize(recs)["slots_per_forward"] == pytest.approx(6.0)
+    assert metrics.summarize(recs)["plain_step_share"] is None  # older records
+    recs[0]["plain_steps"], recs[1]["plain_steps"] = 4, 1  # 5 of 10 steps plain
+    assert metrics.summarize(recs)["plain_step_share"] == pytest.approx(0.5)
 
 
 def test_summarize_accuracy():

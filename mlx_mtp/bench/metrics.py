@@ -159,8 +159,10 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         idle time waiting for the host per step: the host work on the
         critical path, known on a simulated device; None when records lack
         ``idle_time``), ``slots_per_forward`` (mean input
-        slots per forward pass; None when records lack ``slots``) and, when
-        records carry it, ``accuracy``.
+        slots per forward pass; None when records lack ``slots``),
+        ``plain_step_share`` (the share of decoding steps that ran one token
+        instead of a draft at ``auto``; None when records lack
+        ``plain_steps``) and, when records carry it, ``accuracy``.
     """
     toks = sum(r["generated_tokens"] for r in records)
     fwd = sum(r["forward_passes"] for r in records)
@@ -183,7 +185,12 @@ def summarize(records: Sequence[dict], ref: dict[tuple, dict] | None = None) -> 
         "host_ms_per_step": None,
         "idle_ms_per_step": None,
         "slots_per_forward": None,
+        "plain_step_share": None,
     }
+    if records and all("plain_steps" in r and r.get("steps") for r in records):
+        out["plain_step_share"] = sum(r["plain_steps"] for r in records) / sum(
+            r["steps"] for r in records
+        )
     if records and all("slots" in r for r in records) and fwd:
         out["slots_per_forward"] = sum(r["slots"] for r in records) / fwd
     if records and all("forward_time" in r and r.get("steps") for r in records):

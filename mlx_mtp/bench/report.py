@@ -294,10 +294,10 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "## Details (overall)",
         "",
-        "| Method | settings | prompts | tokens | forwards/token | slots/forward | decode tok/s "
-        "| peak mem GB | host ms/step | idle ms/step | rep. rate (4-gram) | drafted / accepted "
-        "| exact vs ntp |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| Method | settings | prompts | tokens | forwards/token | slots/forward | plain steps "
+        "| decode tok/s | peak mem GB | host ms/step | idle ms/step | rep. rate (4-gram) "
+        "| drafted / accepted | exact vs ntp |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for m in results["methods"]:
         o, ex = m["overall"], m["exactness"]
@@ -315,7 +315,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {m['label']} | {m['describe']} | {o['n']} | {o['generated_tokens']} "
             f"| {_fmt(o['forwards_per_token'], '.3f')} | {_fmt(o['slots_per_forward'], '.1f')} "
-            f"| {_fmt(o['decode_tps'], '.1f')} "
+            f"| {_fmt(o.get('plain_step_share'), '.0%')} | {_fmt(o['decode_tps'], '.1f')} "
             f"| {_fmt(o['peak_memory_gb'])} | {_fmt(o['host_ms_per_step'], '.2f')} "
             f"| {_fmt(o.get('idle_ms_per_step'), '.2f')} "
             f"| {_fmt(o['repetition_rate'], '.3f')} "
