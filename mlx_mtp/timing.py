@@ -37,6 +37,12 @@ class DeviceClock:
             a measurement of its forward cost: :meth:`beside`).
         pending: a pass started without waiting: (start time, its outputs,
             when it is done).
+        outside: seconds spent waiting for this engine's queued pass outside
+            its decoding steps (an interleaved benchmark synchronises the
+            device after each step, so that the pass a pipelined plain step
+            left queued does not run in another method's time); the next
+            step's timing counts them (:meth:`take_outside`), as the step
+            would have waited for that pass itself.
     """
 
     #: seconds the device sat idle waiting for the host, where the clock
@@ -49,6 +55,7 @@ class DeviceClock:
         self.seconds = 0.0
         self.aside = 0.0
         self.pending: tuple[float, list[mx.array], float] | None = None
+        self.outside = 0.0
 
     def now(self) -> float:
         """The clock's time in seconds (``time.perf_counter`` here)."""
@@ -138,6 +145,12 @@ class DeviceClock:
     def sync(self) -> None:
         """Wait until the device has finished everything queued."""
         mx.synchronize()
+
+    def take_outside(self) -> float:
+        """The seconds waited for this engine's work outside its steps since
+        the last call (:attr:`outside`; not in :attr:`seconds`)."""
+        waited, self.outside = self.outside, 0.0
+        return waited
 
     def start_idle_count(self) -> None:
         """Decoding starts (the idle time is not known here)."""

@@ -280,3 +280,40 @@ def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch, s
     # a draft step of six rejected tokens: c(7) and the host work measured
     worst = p.curve(7) + p.host_cost - p.plain_cost
     assert p.loss <= planner.EPSILON * p.time + p.plain_cost + worst
+
+
+def test_a_wait_for_the_queued_pass_outside_the_steps_counts_in_the_next_step(smollm, monkeypatch):
+    """An interleaved benchmark waits for the pass a pipelined plain step left
+    queued after the step returns (``DeviceClock.outside``); the planner counts
+    that wait in the next step's time, as a run alone would, instead of seeing
+    plain steps cheaper than they are."""
+    from mlx_mtp import costs
+    from mlx_mtp.api import MTPModel
+
+    seen: list[tuple[int, float]] = []
+    real = costs.LiveCurves.observe
+
+    def observe(self, slots, seconds, context):
+        seen.append((slots, seconds))
+        return real(self, slots, seconds, context)
+
+    monkeypatch.setattr(costs.LiveCurves, "observe", observe)
+    m = MTPModel(smollm, make_method("pld"))
+    prompt = "Write a short poem about rain."
+    ref = m.generate(prompt, max_tokens=12, temp=0.0).tokens
+    it = m.stream_generate(prompt, max_tokens=12, temp=0.0)
+    got = list(next(it).tokens)
+    seen.clear()
+    m.engine.clock.outside = 5.0  # the benchmark waited 5 s after the step
+    got += next(it).tokens
+    assert [s for n, s in seen if n == 1] and all(s >= 5.0 for n, s in seen if n == 1)
+    seen.clear()
+    got += next(it).tokens  # taken once
+    assert all(s < 5.0 for _, s in seen)
+    for chunk in it:
+        got += chunk.tokens
+    assert got == ref
+    m.engine.clock.outside = 3.0  # left over after a generation: not the next one's
+    seen.clear()
+    m.generate(prompt, max_tokens=4, temp=0.0)
+    assert all(s < 3.0 for _, s in seen)

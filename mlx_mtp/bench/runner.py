@@ -539,6 +539,7 @@ def _run_interleaved(
                     _synchronize_streams()
                     clock.sync()
                     t2 = clock.now()
+                    clock.outside += t2 - t1  # its planner counts it in the next step
                 # the first call also prefills: take its decode part from the loop's clock
                 g["decode"] += (
                     t2 - t0 if g["last"] is not None else chunk.stats.decode_time + t2 - t1
