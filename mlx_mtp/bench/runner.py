@@ -582,7 +582,7 @@ def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[s
         "generated_tokens": s.generated_tokens,
         "forward_passes": s.forward_passes,
         "steps": s.steps,
-        "plain_steps": getattr(s, "plain_steps", 0),
+        "plain_steps": s.plain_steps,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "decode_time": s.decode_time,
