@@ -140,8 +140,12 @@ class Planner:
         self._kind = self._last_kind = ""
         self._pending: float | None = None  # the last draft step's host sample
         self._leaving = False  # this step finishes a queued pass to draft after it
+        self._held = False  # this step found its pass queued by the last one
+        self._lead = 0.0  # what the last step, stopping the pipeline, took less than one
         self._drafts = 0.0  # the last draft step's item cost, in one-token forwards
         self._waiting: float | None = None  # plain mode's probe price (costly offers)
+        self._price: float | None = None  # this step's offer's probe price (costly offers)
+        self._costly = False  # the last offer took device work beside the passes
         self._brief()
 
     # ------------------------------------------------------------- the ledger
@@ -184,13 +188,19 @@ class Planner:
         """The worst case of a probe of this offer over plain steps, in
         one-token forwards (its steps' time less a plain step's each: every
         draft rejected), or None where even certain drafts would not pay."""
-        r = offer.probe_items
-        few = items[:r]
-        slots = offer.base_slots + sum(it.slots for it in few) + offer.item_slots * (r - len(few))
-        steps = (offer.base_slots, slots) if offer.primes and not items else (slots,)
         plain = self.plain_cost
-        if (1 + r) * plain <= self.curve(slots) + host + r * offer.item_cost:
+
+        def slots(r: int) -> int:  # of the first r items (unmade ones sized by item_slots)
+            few = items[:r]
+            return (
+                offer.base_slots + sum(it.slots for it in few) + offer.item_slots * (r - len(few))
+            )
+
+        k = max(offer.probe_items, len(items))  # every item certain: k tokens more
+        if (1 + k) * plain <= self.curve(slots(k)) + host + k * offer.item_cost:
             return None
+        r = offer.probe_items
+        steps = (offer.base_slots, slots(r)) if offer.primes and not items else (slots(r),)
         drafts = r * offer.item_cost
         return sum(max(self.curve(s) + host - plain, 0.0) for s in steps) + drafts
 
@@ -208,7 +218,7 @@ class Planner:
         clock = self.ctx.engine.clock
         t0, seconds, slots, aside = clock.now(), clock.seconds, clock.slots, clock.aside
         start = self.ctx.engine.offset
-        self._kind, self._leaving = "", False
+        self._kind, self._leaving, self._price = "", False, None
         out = self._step(root)
         # the wait for the pass this step used, where a benchmark took it
         # outside the steps, is this step's time as it would be in a run alone
@@ -218,7 +228,11 @@ class Planner:
         if not self.auto or self._kind == "last":
             return out
         device, n = clock.seconds - seconds, clock.slots - slots
-        if out.forwards == 1 and n > 0:  # a measurement of the curve at this step's slots
+        # a pipelined plain step takes a pass's time only in the steady state:
+        # where the pipeline stops (to draft) the pass is mostly done before
+        # the step begins, and where it starts again the step waits for two
+        steady = self._kind != "plain" or self._held == self.plain.queued
+        if out.forwards == 1 and n > 0 and steady:  # the curve at this step's slots
             self.curves.observe(n, device - (clock.aside - aside), start)
         wall, tokens, draft = clock.now() - t0, len(out.tokens), self._kind == "draft"
         # priced: a pass of its slots and the work beside it
@@ -229,20 +243,35 @@ class Planner:
         else:
             cost, plain = priced, 1.0
         self.time += cost
-        if draft or self._last_kind == "draft" or leaving:
+        # drafting's loss: draft steps, the steps that stop and restart the
+        # pipeline around them (the restart counts after a stop that did not
+        # draft), and plain steps whose offer took device work (declined drafts)
+        sunk = clock.aside > aside
+        if draft or leaving or sunk or self._last_kind in ("draft", "stop"):
             self.loss += cost - tokens * plain
-        if draft:  # host work: all but the device time the curve prices
+        # a draft step's host work: all but the device time the curve prices,
+        # with what the steps that stop and restart the pipeline around it
+        # take beyond a pipelined step (the stop is short, the restart long)
+        lead, self._lead = self._lead, 0.0
+        if leaving and self.plain_time is not None:
+            self._lead = wall - self.plain_time
+        elif draft:
             known = self.t1 and out.forwards == 1 and n > 0
             device = self.t1 * self.curve(n) + clock.aside - aside if known else device
             self._flush()
-            self._pending = wall - device
-        elif self._pending is not None:  # the restart after a draft step is its cost too
+            self._pending = wall - device + lead
+        elif self._pending is not None:
             if self.plain_time is not None:
-                self._pending += max(wall - self.plain_time, 0.0)
+                self._pending += wall - self.plain_time
             self._flush()
-        elif not leaving:
+        elif steady:
             self.plain_time = _average(self.plain_time, wall)
-        self._last_kind = self._kind
+        self._last_kind = "stop" if leaving else self._kind
+        if self._price is not None and self._price > self.credit:
+            # an offer that costs device work is made again while the credit
+            # pays for a probe of it; past that, not until a probe can be paid
+            # for (plain mode: its drafts would be wasted)
+            self._waiting = self._price
         return out
 
     def _flush(self) -> None:
@@ -271,7 +300,7 @@ class Planner:
             self._kind = "last"
             return out
         # root's pass is queued when the last step was a pipelined plain step
-        queued = self.auto and self.plain.holds(engine, root)
+        queued = self._held = self.auto and self.plain.holds(engine, root)
         if not queued:
             self.plain.unqueue(engine, root)
         if self.auto:  # the cost of a draft slot grows with the context
@@ -281,17 +310,26 @@ class Planner:
             if self._waiting > self._probe_credit():
                 return self._plain(root, queue_next=True)
             self._waiting = None
+        if queued and self._costly:  # finish the half-done plain step before drafting
+            self._leaving = True
+            return self._plain(root, queue_next=False)
         aside = engine.clock.aside
         offer = self.method.propose(self.ctx, root)
         if not self.auto:
             items = list(offer.items)
             return self._send(offer, items, len(items), probe=False)
-        # a step costs the device work its offer already took too (a draft
-        # model's passes): a plain step saves it
+        # the device work the offer already took (a draft model's passes) is
+        # spent whatever this step sends, so only what sending adds is priced,
+        # and drafts made are sent where they pay; a probe would take it again
+        items, n, rate = offer.cut(self.curve, self.acceptance.factor, self.host_cost)
         host = self.host_cost + self._sunk(engine.clock.aside - aside)
-        items, n, rate = offer.cut(self.curve, self.acceptance.factor, host)
+        self._costly = engine.clock.aside > aside
+        if not offer.free and not offer.required:
+            price = self._probe_cost(offer, items, host)
+            self._price = math.inf if price is None else price
         # the cut: a prefix beats a plain step (while drafting has credit left)
-        gains = offer.required or (items and rate * self.plain_cost > 1.0 and self.credit > 0)
+        credit = self.credit > 0 or self._costly
+        gains = offer.required or (items and rate * self.plain_cost > 1.0 and credit)
         if not gains and not self._paid and (offer.primes or not offer.free):
             cost = self._probe_cost(offer, items, host) if items or offer.primes else None
             if cost is not None and cost <= self._probe_credit():  # a probe
@@ -299,11 +337,6 @@ class Planner:
                 self.reprobes, self._probed = self.reprobes + 1, self.time
         if not gains and not self._paid:  # plain mode, or nothing to draft
             self.plain_spells += bool(items or offer.primes) and self._last_kind != "plain"
-            if not offer.free and not offer.required:
-                # an offer that costs device work is not made again (its drafts
-                # would be wasted) until a probe of it can be paid for
-                price = self._probe_cost(offer, items, host)
-                self._waiting = math.inf if price is None else price
             return self._plain(root, queue_next=True, offer=offer, shadow=(offer, items))
         if queued:  # finish the half-done plain step first; the draft goes in after it
             self._leaving = True
