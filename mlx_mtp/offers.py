@@ -112,6 +112,12 @@ class Offer:
     gains: Sequence[str] = ()
     source: str = ""
 
+    def slots(self, items: list[Item], n: int) -> int:
+        """Slots of a pass with the first ``n`` of ``items`` (taken from this
+        offer; those past them sized by ``item_slots``)."""
+        few = items[:n]
+        return self.base_slots + sum(it.slots for it in few) + self.item_slots * (n - len(few))
+
     def cut(
         self, curve: CostCurve, scale: float = 1.0, host: float = 0.0
     ) -> tuple[list[Item], int, float]:

@@ -6,20 +6,21 @@ what was committed. The :class:`Planner` decides the rest (docs/budget.md):
 
 1. Fixed settings (``auto`` off): the whole offer is sent.
 2. *The cut*: the prefix that maximises expected tokens per unit of time
-   (Leviathan et al. 2023, §3.4) under the device's cost curve and this
-   method's measured host work per draft step, sent where it beats a plain
-   step's measured, pipelined time.
-3. *The ledger*: per generation, drafting may lose at most ``EPSILON`` of
-   the generation's time so far plus one plain step (measured against plain
-   steps of the same tokens). It bounds what wrong estimates cost, and pays
-   for *probes* (a few items where the cut predicts no gain, where certain
-   drafts would pay), which cost at most ``EPSILON`` of the time since the
-   last one. Otherwise the step is a
-   pipelined one-token step exactly as ``ntp`` runs it (*plain mode*).
-4. *Shadow scoring*: a free offer (no device work: prompt lookup, the
-   recycling table) is made at plain steps too and scored against the
-   tokens they commit (:class:`~mlx_mtp.scoring.Shadow`), so its estimates
-   follow the text without probes.
+   (Leviathan et al. 2023, §3.4) under the device's cost curve and the
+   measured host work of a draft step (:mod:`~mlx_mtp.steptimes`), sent
+   where it beats a measured, pipelined plain step. Device work an offer
+   already took (a draft model's passes) is spent either way: not priced.
+3. *The ledger*: per generation, drafting (draft steps, the pipeline's stop
+   and restart around them, drafts made and not sent) may lose at most
+   ``EPSILON`` of the time so far plus one plain step, against plain steps
+   of the same tokens. Past that, and for an offer that takes device work
+   once the credit cannot pay a probe of it, the steps are pipelined
+   one-token steps as ``ntp`` runs them (*plain mode*); *probes* (a few
+   items the cut does not send, where certain drafts would pay) cost at
+   most ``EPSILON`` of the time since the last one.
+4. *Shadow scoring*: a free offer (prompt lookup, the recycling table) is
+   made at plain steps too and scored against the tokens they commit
+   (:class:`~mlx_mtp.scoring.Shadow`): its estimates follow the text.
 
 The ledger and shadow scoring are this package's own.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import distributed
@@ -39,6 +40,7 @@ from .offers import Budget, Item, Offer, PlainResult, StepOutput
 from .plain import PlainSteps
 from .scoring import Shadow, learn
 from .speculative import speculative_step
+from .steptimes import StepTimes
 from .verify import Sampler
 
 if TYPE_CHECKING:
@@ -48,8 +50,6 @@ if TYPE_CHECKING:
 #: share of a generation's time drafting may lose (besides one plain step):
 #: 1% keeps a 64-token reply within 3% of plain decoding at worst
 EPSILON = 0.01
-#: weight of a new sample in the averages of measured step times
-RATE = 0.2
 
 
 @dataclass
@@ -59,19 +59,12 @@ class Learned:
 
     Attributes:
         acceptance: the acceptance estimates.
-        host: seconds a draft step takes beyond the device time of its pass,
-            the pipeline's restart in the plain step after it included
-            (None: none measured).
-        plain_time: seconds of a pipelined plain step (None: none measured).
+        times: the measured step times (a draft step's host work, a
+            pipelined plain step).
     """
 
     acceptance: Acceptance
-    host: float | None = None
-    plain_time: float | None = None
-
-
-def _average(old: float | None, sample: float) -> float:
-    return sample if old is None else old + RATE * (sample - old)
+    times: StepTimes = field(default_factory=StepTimes)
 
 
 class Planner:
@@ -118,11 +111,8 @@ class Planner:
             learned = Learned(Acceptance(method.acceptance_model()))
         else:  # what one text taught counts less in the next
             learned.acceptance.soften(CARRY_WEIGHT)
-        self.acceptance, self.host, self.plain_time = (
-            learned.acceptance,
-            learned.host,
-            learned.plain_time,
-        )
+        self.acceptance, self.times = learned.acceptance, learned.times
+        self.times.flush()
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
         self.plain = ctx.plain = PlainSteps(sampler, method.plain_topk)
         ctx.engine.clock.take_outside()  # a wait after the last generation is not this one's
@@ -138,14 +128,13 @@ class Planner:
         self._probed = 0.0  # the generation's time when the last probe began
         self._shadows: list[Shadow] = []
         self._kind = self._last_kind = ""
-        self._pending: float | None = None  # the last draft step's host sample
-        self._leaving = False  # this step finishes a queued pass to draft after it
-        self._held = False  # this step found its pass queued by the last one
-        self._lead = 0.0  # what the last step, stopping the pipeline, took less than one
+        # this step: finishes a queued pass to draft after it, found its pass
+        # queued; the last offer took device work beside the passes
+        self._leaving = self._held = self._costly = False
         self._drafts = 0.0  # the last draft step's item cost, in one-token forwards
-        self._waiting: float | None = None  # plain mode's probe price (costly offers)
-        self._price: float | None = None  # this step's offer's probe price (costly offers)
-        self._costly = False  # the last offer took device work beside the passes
+        # plain mode's probe price, this step offer's (offers that take device work)
+        self._waiting: float | None = None
+        self._price: float | None = None
         self._brief()
 
     # ------------------------------------------------------------- the ledger
@@ -159,14 +148,15 @@ class Planner:
     def host_cost(self) -> float:
         """A draft step's host work in one-token forwards (0 without the host
         term or a measurement)."""
-        return max(self.host, 0.0) / self.t1 if self.host_term and self.host is not None else 0.0
+        host = self.times.host
+        return max(host, 0.0) / self.t1 if self.host_term and host is not None else 0.0
 
     @property
     def plain_cost(self) -> float:
         """A plain step's time in one-token forwards (1 until measured)."""
-        if not self.host_term or self.plain_time is None:
+        if not self.host_term or self.times.plain is None:
             return 1.0
-        return max(self.plain_time / self.t1, 1e-3)
+        return max(self.times.plain / self.t1, 1e-3)
 
     @property
     def credit(self) -> float:
@@ -188,19 +178,11 @@ class Planner:
         """The worst case of a probe of this offer over plain steps, in
         one-token forwards (its steps' time less a plain step's each: every
         draft rejected), or None where even certain drafts would not pay."""
-        plain = self.plain_cost
-
-        def slots(r: int) -> int:  # of the first r items (unmade ones sized by item_slots)
-            few = items[:r]
-            return (
-                offer.base_slots + sum(it.slots for it in few) + offer.item_slots * (r - len(few))
-            )
-
-        k = max(offer.probe_items, len(items))  # every item certain: k tokens more
-        if (1 + k) * plain <= self.curve(slots(k)) + host + k * offer.item_cost:
-            return None
-        r = offer.probe_items
-        steps = (offer.base_slots, slots(r)) if offer.primes and not items else (slots(r),)
+        plain, k, r = self.plain_cost, max(offer.probe_items, len(items)), offer.probe_items
+        if (1 + k) * plain <= self.curve(offer.slots(items, k)) + host + k * offer.item_cost:
+            return None  # every item made (at least r) certain: k tokens more
+        slots = offer.slots(items, r)
+        steps = (offer.base_slots, slots) if offer.primes and not items else (slots,)
         drafts = r * offer.item_cost
         return sum(max(self.curve(s) + host - plain, 0.0) for s in steps) + drafts
 
@@ -222,9 +204,8 @@ class Planner:
         out = self._step(root)
         # the wait for the pass this step used, where a benchmark took it
         # outside the steps, is this step's time as it would be in a run alone
-        waited = clock.take_outside()
+        waited, leaving = clock.take_outside(), self._leaving
         t0, seconds = t0 - waited, seconds - waited
-        leaving = self._leaving
         if not self.auto or self._kind == "last":
             return out
         device, n = clock.seconds - seconds, clock.slots - slots
@@ -249,23 +230,9 @@ class Planner:
         sunk = clock.aside > aside
         if draft or leaving or sunk or self._last_kind in ("draft", "stop"):
             self.loss += cost - tokens * plain
-        # a draft step's host work: all but the device time the curve prices,
-        # with what the steps that stop and restart the pipeline around it
-        # take beyond a pipelined step (the stop is short, the restart long)
-        lead, self._lead = self._lead, 0.0
-        if leaving and self.plain_time is not None:
-            self._lead = wall - self.plain_time
-        elif draft:
-            known = self.t1 and out.forwards == 1 and n > 0
-            device = self.t1 * self.curve(n) + clock.aside - aside if known else device
-            self._flush()
-            self._pending = wall - device + lead
-        elif self._pending is not None:
-            if self.plain_time is not None:
-                self._pending += wall - self.plain_time
-            self._flush()
-        elif steady:
-            self.plain_time = _average(self.plain_time, wall)
+        if draft and self.t1 and out.forwards == 1 and n > 0:  # the device time priced
+            device = self.t1 * self.curve(n) + clock.aside - aside
+        self.times.record("stop" if leaving else self._kind, wall, device, steady)
         self._last_kind = "stop" if leaving else self._kind
         if self._price is not None and self._price > self.credit:
             # an offer that costs device work is made again while the credit
@@ -273,10 +240,6 @@ class Planner:
             # for (plain mode: its drafts would be wasted)
             self._waiting = self._price
         return out
-
-    def _flush(self) -> None:
-        if self._pending is not None:
-            self.host, self._pending = _average(self.host, self._pending), None
 
     def _sunk(self, seconds: float) -> float:
         """``seconds`` of device work beside the target's passes in one-token
@@ -288,9 +251,9 @@ class Planner:
         """The generation ended: cache what the cost curve learned, keep what
         this generation learned for the next one on the context."""
         if self.auto:
-            self._flush()
+            self.times.flush()
             self.curves.save()
-            self.ctx.learned[self._key] = Learned(self.acceptance, self.host, self.plain_time)
+            self.ctx.learned[self._key] = Learned(self.acceptance, self.times)
 
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine
@@ -318,9 +281,9 @@ class Planner:
         if not self.auto:
             items = list(offer.items)
             return self._send(offer, items, len(items), probe=False)
-        # the device work the offer already took (a draft model's passes) is
-        # spent whatever this step sends, so only what sending adds is priced,
-        # and drafts made are sent where they pay; a probe would take it again
+        # device work the offer already took (a draft model's passes) is spent
+        # whatever this step sends: the cut prices what sending adds, and
+        # drafts made go where they pay; a probe would take that work again
         items, n, rate = offer.cut(self.curve, self.acceptance.factor, self.host_cost)
         host = self.host_cost + self._sunk(engine.clock.aside - aside)
         self._costly = engine.clock.aside > aside
@@ -328,8 +291,8 @@ class Planner:
             price = self._probe_cost(offer, items, host)
             self._price = math.inf if price is None else price
         # the cut: a prefix beats a plain step (while drafting has credit left)
-        credit = self.credit > 0 or self._costly
-        gains = offer.required or (items and rate * self.plain_cost > 1.0 and credit)
+        pays = items and rate * self.plain_cost > 1.0 and (self.credit > 0 or self._costly)
+        gains = offer.required or pays
         if not gains and not self._paid and (offer.primes or not offer.free):
             cost = self._probe_cost(offer, items, host) if items or offer.primes else None
             if cost is not None and cost <= self._probe_credit():  # a probe

@@ -217,6 +217,27 @@ def test_a_draft_steps_host_work_and_the_restart_after_it_are_measured(simulate)
     assert probes[0.03] <= 2 < 4 <= probes[0.0], probes
 
 
+def test_step_times_net_the_stop_before_a_draft_step_against_the_restart_after_it():
+    """A draft step's host sample is its wall time less the device time
+    priced, plus what the stop before it took less than a plain step and
+    the restart after it took more; the stop and restart leave the plain
+    step's average alone, and a draft step without a stop before it has no
+    lead."""
+    from mlx_mtp.steptimes import StepTimes
+
+    t = StepTimes()
+    t.record("plain", 0.080)
+    t.record("plain", 0.080, steady=False)  # a restart not after a draft step: not timed
+    t.record("stop", 0.020)
+    t.record("draft", 0.100, device=0.090)
+    t.record("plain", 0.140)  # the restart: 60 ms over a plain step
+    assert t.plain == pytest.approx(0.080) and t.host == pytest.approx(0.010 - 0.060 + 0.060)
+    t.record("draft", 0.100, device=0.090)
+    t.record("draft", 0.100, device=0.070)  # no restart between the two
+    t.flush()
+    assert t.host == pytest.approx(0.010 + 0.2 * (0.010 - 0.010) + 0.2 * (0.030 - 0.010))
+
+
 def test_a_draft_steps_host_work_nets_the_pipelines_stop_against_its_restart(smollm):
     """Where a draft step breaks the pipeline, the plain step that stops it
     finds its queued pass mostly done and the one that restarts it waits for
@@ -259,8 +280,9 @@ def test_a_draft_steps_host_work_nets_the_pipelines_stop_against_its_restart(smo
         out, stats = decode(ctx, method, prompt, 60)
         assert out == ref[len(prompt) :]
         learned = ctx.learned[method.settings_key()]
-        assert stats.drafted > 0 and learned.host is not None and learned.plain_time
-        shares.append(learned.host / learned.plain_time)
+        times = learned.times
+        assert stats.drafted > 0 and times.host is not None and times.plain
+        shares.append(times.host / times.plain)
     assert sorted(shares)[1] < 0.35, shares
 
 
