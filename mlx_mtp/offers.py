@@ -11,6 +11,7 @@ tells the sources what a step costs as data (:class:`Budget`, ``ctx.budget``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +207,8 @@ class Budget:
         plain_cost: a plain step's time, in one-token forwards.
         probing: this step may send a draft token whatever it is worth (a
             probe the planner's ledger can pay for).
+        credit: what drafting may still lose in this generation, in
+            one-token forwards (the planner's ledger; inf: fixed settings).
     """
 
     acceptance: Acceptance
@@ -214,6 +217,16 @@ class Budget:
     host_cost: float = 0.0
     plain_cost: float = 1.0
     probing: bool = False
+    credit: float = math.inf
+
+    def worst(self, drafts: int, item_cost: float) -> float:
+        """What a step of a chain of ``drafts`` tokens, each costing
+        ``item_cost`` one-token forwards to make, loses against a plain step
+        where every draft is rejected (0 with fixed settings)."""
+        if self.curve is None:
+            return 0.0
+        made = drafts * item_cost + self.curve(1 + drafts) + self.host_cost
+        return made - self.plain_cost
 
     def chain_length(self, source: str, most: int, item_cost: float) -> int:
         """How many drafts a source whose drafts cost ``item_cost`` one-token

@@ -40,7 +40,7 @@ from .offers import Budget, Item, Offer, PlainResult, StepOutput
 from .plain import PlainSteps
 from .scoring import Shadow, learn
 from .speculative import speculative_step
-from .steptimes import StepTimes
+from .steptimes import StepTimes, average
 from .verify import Sampler
 
 if TYPE_CHECKING:
@@ -61,10 +61,14 @@ class Learned:
         acceptance: the acceptance estimates.
         times: the measured step times (a draft step's host work, a
             pipelined plain step).
+        gain: what the steps of an offer that takes device work (a draft
+            model's) gained over plain steps, in one-token forwards per step,
+            averaged (None: none measured).
     """
 
     acceptance: Acceptance
     times: StepTimes = field(default_factory=StepTimes)
+    gain: float | None = None
 
 
 class Planner:
@@ -111,7 +115,8 @@ class Planner:
             learned = Learned(Acceptance(method.acceptance_model()))
         else:  # what one text taught counts less in the next
             learned.acceptance.soften(CARRY_WEIGHT)
-        self.acceptance, self.times = learned.acceptance, learned.times
+        self.acceptance, self.times, self.gain = learned.acceptance, learned.times, learned.gain
+        self._step_gain: float | None = None  # the last draft step's, its restart to come
         self.times.flush()
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
         self.plain = ctx.plain = PlainSteps(sampler, method.plain_topk)
@@ -192,6 +197,7 @@ class Planner:
         b.curve, b.t1, b.host_cost, b.plain_cost = self.curve, self.t1, host, self.plain_cost
         probe = self._probe_cost(Offer([], probe_items=1), [], host) if self.auto else None
         b.probing = self._paid > 0 or (probe is not None and probe <= self._probe_credit())
+        b.credit = self.credit if self.auto else math.inf
 
     # ------------------------------------------------------------------ step
     def step(self, root: int) -> StepOutput:
@@ -230,14 +236,23 @@ class Planner:
         sunk = clock.aside > aside
         if draft or leaving or sunk or self._last_kind in ("draft", "stop"):
             self.loss += cost - tokens * plain
+        # what the steps of an offer that takes device work gained over plain
+        # steps (forwards per step; a draft step's with the restart after it)
+        if self._step_gain is not None:
+            after = 0.0 if draft or sunk else tokens * plain - cost  # the restart
+            self.gain = average(self.gain, self._step_gain + after)
+        self._step_gain = tokens * plain - cost if sunk and draft else None
+        if sunk and not draft:
+            self.gain = average(self.gain, tokens * plain - cost)
         if draft and self.t1 and out.forwards == 1 and n > 0:  # the device time priced
             device = self.t1 * self.curve(n) + clock.aside - aside
         self.times.record("stop" if leaving else self._kind, wall, device, steady)
         self._last_kind = "stop" if leaving else self._kind
-        if self._price is not None and self._price > self.credit:
-            # an offer that costs device work is made again while the credit
-            # pays for a probe of it; past that, not until a probe can be paid
-            # for (plain mode: its drafts would be wasted)
+        paying = self.gain is not None and self.gain > 0 and self.credit > 0
+        if self._price is not None and self._price > self.credit and not paying:
+            # an offer that costs device work is made again while its steps
+            # gain, or the credit pays for a probe of it; past that, not until
+            # a probe can be paid for (plain mode: its drafts would be wasted)
             self._waiting = self._price
         return out
 
@@ -253,7 +268,7 @@ class Planner:
         if self.auto:
             self.times.flush()
             self.curves.save()
-            self.ctx.learned[self._key] = Learned(self.acceptance, self.times)
+            self.ctx.learned[self._key] = Learned(self.acceptance, self.times, self.gain)
 
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..acceptance import AcceptanceModel, chain_values
+from ..acceptance import AcceptanceModel, CalibrationModel, chain_values
 from ..allocate import Allocator, CandidateChildren, merge_chains
 from ..context import Context
 from ..errors import InvalidArgumentError
@@ -55,8 +55,15 @@ class DraftModelMethod(SourceMethod):
 
     name = "draft"
     lossless = True
-    #: draft probabilities, calibrated per depth against what was accepted
-    ACCEPTANCE = AcceptanceModel(priors={"draft": 1.0}, weight=4.0, decay=0.95)
+    #: draft probabilities, calibrated per depth against what was accepted,
+    #: and the whole draft's estimate against its accepted length (a draft
+    #: model is overconfident on text it cannot predict)
+    ACCEPTANCE = AcceptanceModel(
+        priors={"draft": 1.0},
+        weight=4.0,
+        decay=0.95,
+        calibration=CalibrationModel(decay=0.9, weight=1.0, cap=1.5),
+    )
 
     def __init__(
         self,

@@ -240,10 +240,15 @@ class DraftModel:
         planner may probe. Otherwise the passes are not run: a plain step
         then costs what ``ntp``'s does."""
         budget = ctx.budget
-        if budget.curve is None or budget.probing:
+        if budget.curve is None:
+            return True
+        if budget.worst(1, self.draft_cost) > max(budget.credit, 0.0):
+            return False  # even one rejected draft would lose more than the credit
+        if budget.probing:
             return True
         bound = budget.prefix_bound(self.draft_cost, 1 + depth)
-        return not bound.exhausted(min(ctx.acceptance.q("draft", 1), 1.0))
+        acc = ctx.acceptance
+        return not bound.exhausted(min(acc.q("draft", 1), 1.0) * acc.factor)
 
     def _stepwise(
         self, ctx: Context, feed: list[int], depth: int, bound: PrefixBound | None
@@ -260,10 +265,14 @@ class DraftModel:
             eng.timed_eval(top, top_p)
             rows.append(candidate_lists(top, top_p)[0])
             feed = [int(rows[-1][0][0])]
-            if bound is not None:
+            if bound is not None:  # node values as the cut scales them
                 path *= min(float(rows[-1][1][0]) * acc.q("draft", d), 1.0)
-                bound.add(path, 1)
-                if bound.exhausted(path):  # a longer chain's nodes are worth at most this
+                bound.add(path * acc.factor, 1)
+                if bound.exhausted(path * acc.factor):  # a longer chain's nodes: at most this
+                    break
+                # a longer chain, every draft rejected, may lose at most half the
+                # credit: one step's misses leave the next one room to draft
+                if ctx.budget.worst(d + 1, self.draft_cost) > ctx.budget.credit / 2:
                     break
         return rows
 
