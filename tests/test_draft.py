@@ -147,6 +147,34 @@ def test_auto_stops_drafting_when_draft_passes_cost_too_much(pair):
     assert outs == ref and max(s.slots_per_forward for s in stats) > 3
 
 
+def test_auto_opens_with_short_chains_and_drafts_deeper_as_drafts_gain(pair):
+    """The draft model sizes its chain by the planner's ledger: a chain whose
+    drafts, all rejected, would lose more than half the credit is not made.
+    A generation opens with a one-token chain (a draft pass as dear as a
+    target one: a second would risk more than half of one plain step) and
+    chains grow once drafts have gained."""
+    target, close, _ = pair
+    prompts = _prompts(2, seed=5)
+    ref, _, _ = _run(target, "ntp", prompts, n=40)
+    ctx = Context(Engine(target.model), target, curves=CostCurve.flat(64, 0.0))
+    m = make_method("draft", draft_model=close)
+    m.prepare(ctx)
+    for p in prompts:
+        chains: list[int] = []
+        inner = m.source._stepwise
+
+        def stepwise(*args, inner=inner, chains=chains, **kwargs):
+            rows = inner(*args, **kwargs)
+            chains.append(len(rows))
+            return rows
+
+        m.source._stepwise = stepwise
+        out, _ = decode(ctx, m, p, 40)
+        m.source._stepwise = inner
+        assert out == ref[prompts.index(p)]
+        assert chains[0] == 1 and max(chains) >= 3, chains
+
+
 def _count_calls(obj, name, log):
     """Wrap ``obj.name`` so that each call appends to ``log``."""
     inner = getattr(obj, name)
