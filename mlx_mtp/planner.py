@@ -238,16 +238,19 @@ class Planner:
             self.loss += cost - tokens * plain
         # what the steps of an offer that takes device work gained over plain
         # steps (forwards per step; a draft step's with the restart after it)
-        if self._step_gain is not None:
-            after = 0.0 if draft or sunk else tokens * plain - cost  # the restart
-            self.gain = average(self.gain, self._step_gain + after)
-        self._step_gain = tokens * plain - cost if sunk and draft else None
-        if sunk and not draft:
-            self.gain = average(self.gain, tokens * plain - cost)
+        gained, pending, self._step_gain = tokens * plain - cost, self._step_gain, None
+        if pending is not None:
+            after = 0.0 if draft or sunk else gained  # the restart
+            self.gain = average(self.gain, pending + after)
+        if sunk and draft:
+            self._step_gain = gained
+        elif sunk:
+            self.gain = average(self.gain, gained)
         if draft and self.t1 and out.forwards == 1 and n > 0:  # the device time priced
             device = self.t1 * self.curve(n) + clock.aside - aside
-        self.times.record("stop" if leaving else self._kind, wall, device, steady)
-        self._last_kind = "stop" if leaving else self._kind
+        kind = "stop" if leaving else self._kind
+        self.times.record(kind, wall, device, steady)
+        self._last_kind = kind
         paying = self.gain is not None and self.gain > 0 and self.credit > 0
         if self._price is not None and self._price > self.credit and not paying:
             # an offer that costs device work is made again while its steps
