@@ -133,6 +133,7 @@ class Planner:
         self._probed = 0.0  # the generation's time when the last probe began
         self._shadows: list[Shadow] = []
         self._kind = self._last_kind = ""
+        self._piped = False  # a plain step has queued a pass in this generation
         # this step: finishes a queued pass to draft after it, found its pass
         # queued; the last offer took device work beside the passes
         self._leaving = self._held = self._costly = False
@@ -232,15 +233,16 @@ class Planner:
         self.time += cost
         # drafting's loss: draft steps, the steps that stop and restart the
         # pipeline around them (the restart counts after a stop that did not
-        # draft), and plain steps whose offer took device work (declined drafts)
-        sunk = clock.aside > aside
-        if draft or leaving or sunk or self._last_kind in ("draft", "stop"):
+        # draft; before any pass was queued it is the start plain decoding
+        # pays too), and plain steps whose offer took device work
+        sunk, restart = clock.aside > aside, self._piped and self._last_kind in ("draft", "stop")
+        if draft or leaving or sunk or restart:
             self.loss += cost - tokens * plain
         # what the steps of an offer that takes device work gained over plain
         # steps (forwards per step; a draft step's with the restart after it)
         gained, pending, self._step_gain = tokens * plain - cost, self._step_gain, None
         if pending is not None:
-            after = 0.0 if draft or sunk else gained  # the restart
+            after = gained if restart and not (draft or sunk) else 0.0
             self.gain = average(self.gain, pending + after)
         if sunk and draft:
             self._step_gain = gained
@@ -250,7 +252,7 @@ class Planner:
             device = self.t1 * self.curve(n) + clock.aside - aside
         kind = "stop" if leaving else self._kind
         self.times.record(kind, wall, device, steady)
-        self._last_kind = kind
+        self._last_kind, self._piped = kind, self._piped or self.plain.queued
         paying = self.gain is not None and self.gain > 0 and self.credit > 0
         if self._price is not None and self._price > self.credit and not paying:
             # an offer that costs device work is made again while its steps
