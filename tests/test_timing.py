@@ -238,6 +238,64 @@ def test_step_times_net_the_stop_before_a_draft_step_against_the_restart_after_i
     assert t.host == pytest.approx(0.010 + 0.2 * (0.010 - 0.010) + 0.2 * (0.030 - 0.010))
 
 
+def test_the_restart_after_drafts_that_open_a_generation_is_not_drafting_loss(
+    simulate, monkeypatch
+):
+    """Plain decoding's first step starts the pipeline as the plain step
+    after a draft step restarts it (on MLX's CPU backend each waits for two
+    passes: SmolLM2 float32, 125 ms against 72 ms steady). A draft at a
+    generation's first step leaves that start to plain decoding's account;
+    the restart after a draft later in the generation, with the stop before
+    it, is drafting's."""
+    from mlx_mtp import planner
+    from mlx_mtp.methods.base import DraftMethod
+    from mlx_mtp.offers import chain_offer
+
+    class Twice(DraftMethod):
+        """auto: the reference's next three tokens at the first step and
+        from the fourteenth token on, until a draft step sends them."""
+
+        name, auto = "twice", True
+
+        def __init__(self, ref):
+            super().__init__()
+            self.ref = ref
+
+        def begin(self, ctx, prompt, sampler):
+            self.seq, self.at = list(prompt), [len(prompt) + 14, len(prompt)]
+
+        def propose(self, ctx, root):
+            n = len(self.seq)
+            guess = self.ref[n : n + 3] if self.at and n >= self.at[-1] else []
+            return chain_offer(root, guess, "oracle", ctx.acceptance)
+
+        def observe(self, ctx, draft, result):
+            self.seq += result.tokens
+            if draft is not None:
+                self.at.pop()
+
+    steps = []  # (kind, what the step added to the loss)
+    real = planner.Planner.step
+
+    def step(p, root):
+        before = p.loss
+        out = real(p, root)
+        steps.append((p._kind, p.loss - before))
+        return out
+
+    monkeypatch.setattr(planner.Planner, "step", step)
+    simulate(SPEC)
+    model = make_tiny_model("llama", seed=0)
+    prompt = [3, 5, 7, 9, 11, 13]
+    ref = prompt + decode(Engine(model), make_method("ntp"), prompt, 24)[0]
+    out, stats = decode(Context(Engine(model)), Twice(ref), prompt, 24)
+    assert out == ref[len(prompt) :] and stats.drafted == 6
+    drafts = [i for i, (kind, _) in enumerate(steps) if kind == "draft"]
+    assert drafts[0] == 0 and len(drafts) == 2, steps
+    assert steps[1] == ("plain", 0.0), steps  # the start: plain decoding's
+    assert steps[drafts[1] + 1][0] == "plain" and steps[drafts[1] + 1][1] != 0.0, steps
+
+
 def test_a_draft_steps_host_work_nets_the_pipelines_stop_against_its_restart(smollm):
     """Where a draft step breaks the pipeline, the plain step that stops it
     finds its queued pass mostly done and the one that restarts it waits for
