@@ -10,14 +10,15 @@ what was committed. The :class:`Planner` decides the rest (docs/budget.md):
    measured host work of a draft step (:mod:`~mlx_mtp.steptimes`), sent
    where it beats a measured, pipelined plain step. Device work an offer
    already took (a draft model's passes) is spent either way: not priced.
-3. *The ledger*: per generation, drafting (draft steps, the pipeline's stop
-   and restart around them, drafts made and not sent) may lose at most
-   ``EPSILON`` of the time so far plus one plain step, against plain steps
-   of the same tokens. Past that, and for an offer that takes device work
-   once the credit cannot pay a probe of it, the steps are pipelined
-   one-token steps as ``ntp`` runs them (*plain mode*); *probes* (a few
-   items the cut does not send, where certain drafts would pay) cost at
-   most ``EPSILON`` of the time since the last one.
+3. *The ledger* (:mod:`~mlx_mtp.ledger`): per generation, drafting (draft
+   steps, the pipeline's stop and restart around them, drafts made and not
+   sent) may lose at most ``EPSILON`` of the time so far plus one plain
+   step, against plain steps of the same tokens. Past that, and for an
+   offer that takes device work once the credit cannot pay a probe of it,
+   the steps are pipelined one-token steps as ``ntp`` runs them (*plain
+   mode*); *probes* (a few items the cut does not send, where certain
+   drafts would pay) cost at most ``EPSILON`` of the time since the last
+   one.
 4. *Shadow scoring*: a free offer (prompt lookup, the recycling table) is
    made at plain steps too and scored against the tokens they commit
    (:class:`~mlx_mtp.scoring.Shadow`): its estimates follow the text.
@@ -36,11 +37,12 @@ from . import distributed
 from .acceptance import CARRY_WEIGHT, Acceptance
 from .budget import CostCurve, CostCurves, as_curves
 from .costs import LiveCurves
+from .ledger import Ledger
 from .offers import Budget, Item, Offer, PlainResult, StepOutput
 from .plain import PlainSteps
 from .scoring import Shadow, learn
 from .speculative import speculative_step
-from .steptimes import StepTimes, average
+from .steptimes import StepTimes
 from .verify import Sampler
 
 if TYPE_CHECKING:
@@ -91,10 +93,9 @@ class Planner:
         reprobes: probes so far (draft steps the cut did not predict to pay).
         plain_spells: times plain mode began (a plain step where the method
             offered a draft, after a step that was not plain).
-        time, loss: this generation's time so far, and what drafting lost
-            of it against plain steps of the same tokens (negative while it
-            gains), in one-token forwards: measured where the curve knows a
-            forward's seconds, else priced by the curve.
+        ledger: this generation's :class:`~mlx_mtp.ledger.Ledger`: steps
+            measured where the curve knows a forward's seconds, else priced
+            by the curve.
     """
 
     def __init__(
@@ -115,15 +116,14 @@ class Planner:
             learned = Learned(Acceptance(method.acceptance_model()))
         else:  # what one text taught counts less in the next
             learned.acceptance.soften(CARRY_WEIGHT)
-        self.acceptance, self.times, self.gain = learned.acceptance, learned.times, learned.gain
-        self._step_gain: float | None = None  # the last draft step's, its restart to come
+        self.acceptance, self.times = learned.acceptance, learned.times
+        self.ledger = Ledger(learned.gain)
         self.times.flush()
         self.curve = self.curves.at(ctx.engine.offset) if self.auto else None
         self.plain = ctx.plain = PlainSteps(sampler, method.plain_topk)
         ctx.engine.clock.take_outside()  # a wait after the last generation is not this one's
         ctx.budget = Budget(self.acceptance)
         self.plain_steps = self.reprobes = self.plain_spells = 0
-        self.time = self.loss = 0.0
         # measured times count only where the curve knows a forward's seconds,
         # and not on a model sharded over several ranks (all ranks must draft
         # the same; each would measure its own host)
@@ -132,8 +132,7 @@ class Planner:
         self._paid = 0  # steps of a probe paid from the credit, still to run
         self._probed = 0.0  # the generation's time when the last probe began
         self._shadows: list[Shadow] = []
-        self._kind = self._last_kind = ""
-        self._piped = False  # a plain step has queued a pass in this generation
+        self._kind = ""
         # this step: finishes a queued pass to draft after it, found its pass
         # queued; the last offer took device work beside the passes
         self._leaving = self._held = self._costly = False
@@ -169,16 +168,17 @@ class Planner:
         """What drafting may still lose in this generation, in one-token
         forwards: ``EPSILON`` of its time so far plus one plain step, less
         what it lost."""
-        return EPSILON * self.time + self.plain_cost - self.loss
+        return EPSILON * self.ledger.time + self.plain_cost - self.ledger.loss
 
     def _probe_credit(self) -> float:
         """What a probe may cost now, in one-token forwards: within the
         credit, and ``EPSILON`` of the time since the last probe (the
         generation's first: one plain step), so that probes cost at most
         that share of the time however much drafting gained before."""
+        time = self.ledger.time
         if not self.reprobes:
-            return min(self.credit, self.plain_cost + EPSILON * self.time)
-        return min(self.credit, EPSILON * (self.time - self._probed))
+            return min(self.credit, self.plain_cost + EPSILON * time)
+        return min(self.credit, EPSILON * (time - self._probed))
 
     def _probe_cost(self, offer: Offer, items: list[Item], host: float) -> float | None:
         """The worst case of a probe of this offer over plain steps, in
@@ -230,30 +230,12 @@ class Planner:
             cost = min(wall / self.t1, 2.0 * (priced + self.host_cost + plain))
         else:
             cost, plain = priced, 1.0
-        self.time += cost
-        # drafting's loss: draft steps, the steps that stop and restart the
-        # pipeline around them (the restart counts after a stop that did not
-        # draft; before any pass was queued it is the start plain decoding
-        # pays too), and plain steps whose offer took device work
-        sunk, restart = clock.aside > aside, self._piped and self._last_kind in ("draft", "stop")
-        if draft or leaving or sunk or restart:
-            self.loss += cost - tokens * plain
-        # what the steps of an offer that takes device work gained over plain
-        # steps (forwards per step; a draft step's with the restart after it)
-        gained, pending, self._step_gain = tokens * plain - cost, self._step_gain, None
-        if pending is not None:
-            after = gained if restart and not (draft or sunk) else 0.0
-            self.gain = average(self.gain, pending + after)
-        if sunk and draft:
-            self._step_gain = gained
-        elif sunk:
-            self.gain = average(self.gain, gained)
+        kind = "stop" if leaving else self._kind
+        self.ledger.record(kind, cost, tokens, plain, clock.aside > aside, self.plain.queued)
         if draft and self.t1 and out.forwards == 1 and n > 0:  # the device time priced
             device = self.t1 * self.curve(n) + clock.aside - aside
-        kind = "stop" if leaving else self._kind
         self.times.record(kind, wall, device, steady)
-        self._last_kind, self._piped = kind, self._piped or self.plain.queued
-        paying = self.gain is not None and self.gain > 0 and self.credit > 0
+        paying = self.ledger.paying and self.credit > 0
         if self._price is not None and self._price > self.credit and not paying:
             # an offer that costs device work is made again while its steps
             # gain, or the credit pays for a probe of it; past that, not until
@@ -273,7 +255,7 @@ class Planner:
         if self.auto:
             self.times.flush()
             self.curves.save()
-            self.ctx.learned[self._key] = Learned(self.acceptance, self.times, self.gain)
+            self.ctx.learned[self._key] = Learned(self.acceptance, self.times, self.ledger.gain)
 
     def _step(self, root: int) -> StepOutput:
         engine = self.ctx.engine
@@ -317,9 +299,9 @@ class Planner:
             cost = self._probe_cost(offer, items, host) if items or offer.primes else None
             if cost is not None and cost <= self._probe_credit():  # a probe
                 self._paid = 2 if offer.primes and not items else 1
-                self.reprobes, self._probed = self.reprobes + 1, self.time
+                self.reprobes, self._probed = self.reprobes + 1, self.ledger.time
         if not gains and not self._paid:  # plain mode, or nothing to draft
-            self.plain_spells += bool(items or offer.primes) and self._last_kind != "plain"
+            self.plain_spells += bool(items or offer.primes) and self.ledger.last != "plain"
             return self._plain(root, queue_next=True, offer=offer, shadow=(offer, items))
         if queued:  # finish the half-done plain step first; the draft goes in after it
             self._leaving = True

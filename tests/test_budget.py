@@ -136,7 +136,7 @@ def test_drafting_loses_at_most_epsilon_of_a_generation_plus_a_step(ledgers, fre
     assert out == ref[len(prompt) :] and stats.accepted == 0
     p = ledgers[-1]
     worst_draft = CPU_CURVE(5) - 1.0  # a draft step of four rejected tokens
-    assert 0 < p.loss <= planner.EPSILON * p.time + 1.0 + worst_draft
+    assert 0 < p.ledger.loss <= planner.EPSILON * p.ledger.time + 1.0 + worst_draft
     drafts = sum(kind == "draft" for _, kind in method.log)
     if free:
         assert stats.reprobes == 0 and drafts <= 2, method.log[:10]

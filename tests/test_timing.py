@@ -278,9 +278,9 @@ def test_the_restart_after_drafts_that_open_a_generation_is_not_drafting_loss(
     real = planner.Planner.step
 
     def step(p, root):
-        before = p.loss
+        before = p.ledger.loss
         out = real(p, root)
-        steps.append((p._kind, p.loss - before))
+        steps.append((p._kind, p.ledger.loss - before))
         return out
 
     monkeypatch.setattr(planner.Planner, "step", step)
@@ -407,7 +407,7 @@ def test_declined_drafts_that_cost_device_work_count_as_drafting_loss(simulate, 
     out, stats = decode(ctx, method, prompt, 60)
     assert out == ref[len(prompt) :]
     p = ledgers[-1]
-    assert p.loss > 0 and method.made <= 5, (p.loss, method.made)
+    assert p.ledger.loss > 0 and method.made <= 5, (p.ledger.loss, method.made)
 
 
 def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch, simulate):
@@ -472,7 +472,7 @@ def test_drafting_that_loses_a_generation_time_ends_in_plain_mode(monkeypatch, s
     p = ledgers[-1]
     # a draft step of six rejected tokens: c(7) and the host work measured
     worst = p.curve(7) + p.host_cost - p.plain_cost
-    assert p.loss <= planner.EPSILON * p.time + p.plain_cost + worst
+    assert p.ledger.loss <= planner.EPSILON * p.ledger.time + p.plain_cost + worst
 
 
 def test_a_wait_for_the_queued_pass_outside_the_steps_counts_in_the_next_step(smollm, monkeypatch):
