@@ -6,7 +6,8 @@ on this machine's MLX device.
     OPENBLAS_NUM_THREADS=1 python examples/pipeline_stop.py --model smollm2-135m
 
 Prints, per round, the median of the steady steps and the stop and restart
-steps' times in ms, then the medians over rounds and the pair's cost in
+steps' times in ms, then the medians over rounds, the first step after the
+prefill (plain decoding's own start, a restart too) and the pair's cost in
 steady steps. The planner measures a draft step's host work with both
 around it (:mod:`mlx_mtp.steptimes`): on a CPU the stop finds its pass
 mostly done and the restart waits for two, so the pair costs about two
@@ -47,7 +48,7 @@ def main() -> None:
         root = steps.step(engine, root, queue_next)[0]
         return 1000 * (time.perf_counter() - t0)
 
-    step(True)  # the pipeline's first start
+    first = step(True)  # the pipeline's first start: plain decoding's first step
     rows = []
     for r in range(args.rounds):
         steady = statistics.median(step(True) for _ in range(args.steady))
@@ -56,8 +57,8 @@ def main() -> None:
         print(f"round {r}: steady {steady:.1f} ms  stop {stop:.1f} ms  restart {restart:.1f} ms")
     steady, stop, restart = (statistics.median(c) for c in zip(*rows))
     print(
-        f"median ({args.model}, {args.dtype}, {mx.default_device()}): steady {steady:.1f} ms, "
-        f"stop {stop:.1f} ms, restart {restart:.1f} ms; stop + restart = "
+        f"median ({args.model}, {args.dtype}, {mx.default_device()}): first step {first:.1f} ms, "
+        f"steady {steady:.1f} ms, stop {stop:.1f} ms, restart {restart:.1f} ms; stop + restart = "
         f"{(stop + restart) / steady:.2f} steady steps, restart alone "
         f"{restart / steady - 1:+.2f} steps"
     )
