@@ -1,11 +1,13 @@
 """Whether what earlier prompts wrote into ``hybrid``'s prediction table
 explains its summarization cell on the simulated device.
 
-``hybrid`` at ``auto`` (A) and at ``bc=30`` (B), one model, decode the first
-Spec-Bench mt_bench and translation prompts x 64 tokens, as a bench run
-does before its summarization prompt. Then A decodes that summarization
-prompt with its own table, with B's, and with its own again (A's learned
-estimates restored before each), and B decodes it. Pipelined steps draft
+``hybrid`` at ``auto`` (A) and at ``bc=30`` (B), one model, decode the
+bench's warm-up and the first Spec-Bench mt_bench and translation prompts x
+64 tokens, as ``mlx-mtp bench --limit 1`` does before its summarization
+prompt (not interleaved). Then A decodes that summarization
+prompt with its own table (twice), with B's (A's learned estimates restored
+before each), and with its own table but no estimates carried from the
+prompts before; B decodes it. Pipelined steps draft
 from the table; every verified slot writes the model's prediction after
 its token into it, so B's 30-slot passes leave more rows filled.
 
@@ -36,11 +38,13 @@ def main() -> None:
         first.setdefault(q["task"], q)
     a = MTPModel(loaded, make_method("hybrid"))
     b = MTPModel(loaded, make_method("hybrid", bc=30))
-    for m in (a, b):  # a warm-up, as the bench's
-        m.generate("Hello there, how are you?", max_tokens=16)
+    for m in (a, b):  # the bench's warm-up, its KV cache dropped around it
+        m.engine.reset()
+        m.generate([{"role": "user", "content": "Say hello in three words."}], max_tokens=8)
 
     def run(m: MTPModel, task: str) -> tuple[float, float, list[int]]:
-        r = m.generate(first[task]["turns"][0], max_tokens=64)
+        m.engine.reset()  # as the bench does before each prompt
+        r = m.generate([{"role": "user", "content": first[task]["turns"][0]}], max_tokens=64)
         return r.stats.decode_tps, r.stats.tau, list(r.tokens)
 
     for task in ("mt_bench", "translation"):
@@ -58,6 +62,9 @@ def main() -> None:
             a.ctx.learned.clear()
             a.ctx.learned.update(copy.deepcopy(learned))
             runs.setdefault(name, []).append(run(a, "summarization"))
+    own.table = table_a.copy()
+    a.ctx.learned.clear()
+    runs["auto, own table, no estimates carried"] = [run(a, "summarization")]
     runs["bc=30"] = [run(b, "summarization")]
     for name, rs in runs.items():
         print(
