@@ -55,17 +55,20 @@ def main() -> None:
     learned = copy.deepcopy(a.ctx.learned)
     filled = [int((t >= 0).any(axis=1).sum()) for t in (table_a, table_b)]
     print(f"table rows filled: auto {filled[0]}, bc=30 {filled[1]}")
-    runs = {}
-    for name, table in (("auto, own table", table_a), ("auto, bc=30's table", table_b)):
-        for _ in range(2 if name.endswith("own table") else 1):
-            own.table = table.copy()
-            a.ctx.learned.clear()
-            a.ctx.learned.update(copy.deepcopy(learned))
-            runs.setdefault(name, []).append(run(a, "summarization"))
-    own.table = table_a.copy()
-    a.ctx.learned.clear()
-    runs["auto, own table, no estimates carried"] = [run(a, "summarization")]
-    runs["bc=30"] = [run(b, "summarization")]
+
+    def summarize(table, estimates: dict) -> tuple[float, float, list[int]]:
+        """A's summarization run from ``table`` and ``estimates``."""
+        own.table = table.copy()
+        a.ctx.learned.clear()
+        a.ctx.learned.update(copy.deepcopy(estimates))
+        return run(a, "summarization")
+
+    runs = {
+        "auto, own table": [summarize(table_a, learned), summarize(table_a, learned)],
+        "auto, bc=30's table": [summarize(table_b, learned)],
+        "auto, own table, no estimates carried": [summarize(table_a, {})],
+        "bc=30": [run(b, "summarization")],
+    }
     for name, rs in runs.items():
         print(
             f"summarization, {name}: " + ", ".join(f"{t:.1f} tok/s (tau {u:.2f})" for t, u, _ in rs)

@@ -50,13 +50,13 @@ class Ledger:
             queued: it left the forward pass of its token queued.
         """
         draft = kind == "draft"
-        restart = self._piped and self.last in ("draft", "stop")
+        restart = not draft and self._piped and self.last in ("draft", "stop")
         self.time += cost
         gained = tokens * plain - cost
         if draft or kind == "stop" or sunk or restart:
             self.loss -= gained
         if self._pending is not None:
-            after = gained if restart and not (draft or sunk) else 0.0
+            after = gained if restart and not sunk else 0.0
             self.gain = average(self.gain, self._pending + after)
         self._pending = gained if sunk and draft else None
         if sunk and not draft:
