@@ -14,7 +14,7 @@ from mlx_mtp.context import Context
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, ancestors
 from mlx_mtp.methods import make_method
-from mlx_mtp.pipeline import Template, device_walk
+from mlx_mtp.pipeline import CompositeDrafter, DeviceDrafter, StepRecord, Template, device_walk
 from mlx_mtp.sources.lookup import device_lookup, lookup_candidates, match_length
 from mlx_mtp.verify import walk_tree
 
@@ -123,6 +123,49 @@ def test_a_pass_at_a_lazy_length_equals_the_engines_passes_on_every_family():
         ran.append(family)
     assert not bad, bad
     assert {"llama", "qwen2", "qwen3", "phi3", "cohere"} <= set(ran), ran
+
+
+class _Fixed(DeviceDrafter):
+    """A chain drafter whose nodes are valued ``values`` whatever happens."""
+
+    def __init__(self, name: str, values: list[float]):
+        super().__init__()
+        self.name, self.fixed = name, values
+
+    def values(self, acceptance, most, signal):
+        return self.fixed[:most]
+
+
+def test_a_composite_weighs_each_part_by_what_its_nodes_delivered():
+    """Two parts of one tree: A's nodes are valued above B's but never
+    accepted, B's are valued low and always accepted. At first the merge
+    gives A every slot; after a few steps scored against the committed
+    tokens, B's nodes come first, and B, which delivers more than its values
+    promise, is scaled up."""
+    a, b = _Fixed("a", [0.6, 0.5, 0.4, 0.35]), _Fixed("b", [0.3, 0.25, 0.2, 0.15])
+    comp = CompositeDrafter([a, b])
+    comp._predicted = []
+
+    def order(width: int) -> list[int]:
+        comp.values(None, 4, None)
+        return comp._order[:width]
+
+    assert order(4) == [0, 0, 0, 0]  # A takes every slot on its own values
+    for step in range(8):
+        comp.values(None, 4, None)
+        tpl = comp.template(4)
+        subs, starts = comp._subs[id(tpl)]
+        slots = [7]  # the root, then each part's chain of tokens 1, 2, ... (A: 11, 12, ...)
+        for i, sub in enumerate(subs):
+            slots += [(11 if i == 0 else 1) + j for j in range(sub.n - 1)]
+        committed = [1, 2, 3]  # B's chain, as deep as it went (and the bonus token)
+        b_nodes = subs[1].n - 1
+        tokens = [*committed[: min(b_nodes, 2)], 99]
+        rec = StepRecord(step, tpl.n - 1, len(tokens) - 1, tokens, tpl, [], {"tokens": slots})
+        comp.learn(None, [], [rec])
+    assert order(2)[0] == 1, order(4)  # B now comes first
+    fa, fb = (c.factor for c in comp.calibrations)
+    assert fa < 0.35 < 1.0 <= fb
 
 
 # ------------------------------------------------------------ real models
