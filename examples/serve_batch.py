@@ -8,8 +8,9 @@ equal the Python API's solo answer (``MTPModel.generate``, computed after the
 server has stopped). The server is stopped with SIGINT and must exit 130.
 
 ``--method pld`` asks mlx-mtp for greedy prompt lookup (drafts verified
-inside the batch); ``--tasks summarization,rag`` draws from the tasks that
-copy most. ``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
+inside the batch), ``--method recycle`` for token recycling's table beside
+it; ``--tasks summarization,rag`` draws from the tasks that copy most.
+``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
 continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
 B), for a side-by-side figure; its exit status is not checked. mlx-mtp
 loads a quantized model dequantized to float32 on Linux (its fastest form on
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
     ap.add_argument("--mlx-lm-model", default=None, help="its model folder (default: ours)")
-    ap.add_argument("--method", default="ntp", choices=("ntp", "pld"),
+    ap.add_argument("--method", default="ntp", choices=("ntp", "pld", "recycle"),
                     help="mlx-mtp's method for every request")  # fmt: skip
     ap.add_argument("--tasks", default=",".join(TASKS),
                     help="Spec-Bench tasks to draw from (comma-separated)")  # fmt: skip

@@ -473,6 +473,9 @@ def batch_generate(
     row drafts by prompt lookup and the drafts of every row are verified in
     the batch's one forward pass (:class:`~mlx_mtp.batching.DraftBatch`,
     greedy only; models whose layers all keep a full KV cache).
+    ``method="recycle"``: the same, and a row the lookup has nothing for
+    drafts from a table of the model's own predictions (token recycling),
+    filled from every slot of every pass of the batch.
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -492,8 +495,8 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
-        method: ``"ntp"`` or ``"pld"``.
-        max_draft: with ``pld``, most draft tokens per row and step (the
+        method: ``"ntp"``, ``"pld"`` or ``"recycle"``.
+        max_draft: with ``pld`` / ``recycle``, most draft tokens per row and step (the
             width of each pass is chosen by measured cost, 0 to ``max_draft``).
 
     Returns:
@@ -505,9 +508,9 @@ def batch_generate(
     Raises:
         InvalidArgumentError: no prompts, a bad prompt or argument (naming
             which prompt), ``max_tokens`` of the wrong length, another method,
-            ``pld`` with ``temp > 0``.
-        UnsupportedModelError: ``pld`` on a model with sliding-window or
-            state-space layers.
+            ``pld`` or ``recycle`` with ``temp > 0``.
+        UnsupportedModelError: ``pld`` or ``recycle`` on a model with
+            sliding-window or state-space layers.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
     """
@@ -524,17 +527,17 @@ def batch_generate(
         raise InvalidArgumentError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
     if isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1:
         raise InvalidArgumentError(f"prefill_step must be an integer >= 1, got {prefill_step!r}.")
-    if method not in ("ntp", "pld"):
+    if method not in BATCH_METHODS:
         raise InvalidArgumentError(
-            f"batched generation runs method 'ntp' or 'pld', got {method!r}; decode other "
-            "methods one prompt at a time (MTPModel.generate)."
+            f"batched generation runs method 'ntp', 'pld' or 'recycle', got {method!r}; "
+            "decode other methods one prompt at a time (MTPModel.generate)."
         )
     if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 0 <= max_draft <= 64:
         raise InvalidArgumentError(f"max_draft must be an integer in [0, 64], got {max_draft!r}.")
-    if method == "pld" and temp > 0:
+    if method != "ntp" and temp > 0:
         raise InvalidArgumentError(
-            "batched drafting (method 'pld') is greedy only; use temp=0, or method 'ntp' "
-            "for a sampled batch."
+            f"batched drafting (method {method!r}) is greedy only; use temp=0, or method "
+            "'ntp' for a sampled batch."
         )
     limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
     if len(limits) != len(prompts):
@@ -559,8 +562,10 @@ def batch_generate(
             row = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, base)
             samplers.append(RowSampler(row, len(toks)))
     eos = ntp.eos_ids
-    if method == "pld":
-        return _draft_batch(loaded, tokens, limit_of, max_batch, prefill_step, max_draft, eos)
+    if method != "ntp":
+        return _draft_batch(
+            loaded, tokens, limit_of, max_batch, prefill_step, max_draft, eos, method
+        )
     gen = BatchGenerator(
         loaded.model,
         stop_tokens=[[t] for t in sorted(eos)],
@@ -623,14 +628,19 @@ def _draft_batch(
     prefill_step: int,
     max_draft: int,
     eos: set[int],
+    method: str,
 ) -> list[Result]:
-    """:func:`batch_generate` with ``method="pld"``: prompts join a
-    :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
+    """:func:`batch_generate` with ``method="pld"`` or ``"recycle"``: prompts
+    join a :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
     import time
 
     from .batching import DraftBatch
+    from .sources.recycle import RecycleTable
 
-    batch = DraftBatch(loaded.model, eos, max_draft=max_draft, prefill_step=prefill_step)
+    table = RecycleTable() if method == "recycle" else None
+    batch = DraftBatch(
+        loaded.model, eos, max_draft=max_draft, prefill_step=prefill_step, table=table
+    )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
     first: dict[int, float] = {}
@@ -661,7 +671,7 @@ def _draft_batch(
     for i, toks in enumerate(prompts):
         new, row = out[i], done[i]
         stats = GenerationStats(
-            method=f"pld(batch, max_draft={max_draft})",
+            method=f"{method}(batch, max_draft={max_draft})",
             prompt_tokens=len(toks),
             prefill_tokens=len(toks),
             prefill_time=prefill[i],
@@ -677,6 +687,9 @@ def _draft_batch(
         results.append(Result(_detokenize(detok, new, eos), new, stats, finish[i]))
     return results
 
+
+#: the methods :func:`batch_generate` runs
+BATCH_METHODS = ("ntp", "pld", "recycle")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

@@ -2,11 +2,15 @@
 forward pass.
 
 Each row of the batch is one request. At every step each row drafts a chain
-of tokens from its own context by prompt lookup (Saxena, 2023), the chains
-are padded to the batch's width, and one forward pass of ``rows x width``
-tokens verifies all of them (Leviathan et al., 2023, §2, greedy): a row keeps
-its draft's longest prefix that equals the model's own argmax and the model's
-next token (the bonus token). Rows accept different numbers of tokens, so the
+of tokens from its own context by prompt lookup (Saxena, 2023) and, where
+the lookup finds nothing and the batch keeps one, from a table of the
+model's own predictions (token recycling, Luo et al., 2024: the best id the
+model ranked after each token the last time it was an input slot, written
+from every slot of every pass), the chains are padded to the batch's width,
+and one forward pass of ``rows x width`` tokens verifies all of them
+(Leviathan et al., 2023, §2, greedy): a row keeps its draft's longest prefix
+that equals the model's own argmax and the model's next token (the bonus
+token). Rows accept different numbers of tokens, so the
 KV cache cannot simply be trimmed: :class:`BatchLayout` keeps, for every
 row, which cache slots hold a kept token. A rejected slot stays where it is
 and is masked out of attention from then on; each row's rotary position is
@@ -32,6 +36,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .errors import UnsupportedModelError
 from .families import model_parts
 from .sources.lookup import lookup_match
+from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
+from .verify import top_tokens
 
 #: cache slots are allocated in blocks of this many (as mlx-lm's KVCache)
 SLOT_BLOCK = 256
@@ -220,14 +226,18 @@ def check_batchable(model: Any) -> None:
 
 
 class DraftBatch:
-    """Continuous batching with prompt-lookup drafts verified in the batch's
-    forward pass (greedy).
+    """Continuous batching with drafts verified in the batch's forward pass
+    (greedy): prompt lookup, and with a ``table`` token recycling.
 
     A request joins with :meth:`add` (its prompt prefilled alone, in chunks
     of ``prefill_step``, as a solo generation does) and leaves at EOS, its
     limit, or :meth:`remove`. Each :meth:`step` runs one forward pass of every
     row: its newest token and its draft, up to ``max_draft`` tokens of the
-    continuation of its context's last n-gram (n <= ``window``) seen earlier.
+    continuation of its context's last n-gram (n <= ``window``) seen earlier;
+    where there is none and ``table`` is given, the chain of best ids the
+    table holds after the row's newest token (each pass then also writes the
+    top ``table.k`` ids after each of its slots into the table, the kept
+    slots last).
 
     The draft width of the pass is chosen to maximise tokens per second: the
     expected accepted tokens of each width (each row's chain, first token
@@ -246,6 +256,9 @@ class DraftBatch:
         prefill_step: prompt tokens per prefill pass.
         max_slots: most tokens in one decoding pass (rows x width; a pass of
             one token per row is always allowed).
+        table: token recycling's table (:class:`~mlx_mtp.sources.recycle.RecycleTable`,
+            shared with later batches of the same model), or None: prompt
+            lookup only.
 
     Raises:
         UnsupportedModelError: see :func:`check_batchable`.
@@ -260,6 +273,7 @@ class DraftBatch:
         max_draft: int = 4,
         prefill_step: int = 2048,
         max_slots: int = 1024,
+        table: RecycleTable | None = None,
     ):
         check_batchable(model)
         self.model = model
@@ -280,6 +294,10 @@ class DraftBatch:
         self.first = np.array([[p, 1.0] for p in priors[:window]])
         # a draft token right after a right one: [right, tried]
         self.next = np.array([0.8, 1.0])
+        self.table = table
+        # the same two for the table's chains
+        self.table_first = np.array([RANK_PRIORS[0], 1.0])
+        self.table_next = np.array([DEEP_PRIORS[0], 1.0])
         # seconds per pass by slots (rows x width): exponential averages
         self.seconds: dict[int, float] = {}
         #: the cache is compacted when its slots exceed this many times the
@@ -409,17 +427,37 @@ class DraftBatch:
             if room <= 0:
                 out.append(([], 0))
                 continue
-            out.append(lookup_match(row.context[: row.length], self.window, room))
+            d, n = lookup_match(row.context[: row.length], self.window, room)
+            if not d and self.table is not None:
+                d = self._table_chain(row.last, room)
+            out.append((d, n))
         return out
+
+    def _table_chain(self, token: int, room: int) -> list[int]:
+        """Up to ``room`` tokens after ``token``, each the table's best id
+        after the one before (stops at an unknown row)."""
+        table, chain = self.table.table, []
+        while table is not None and len(chain) < room and 0 <= token < len(table):
+            token = int(table[token, 0])
+            if token < 0:
+                break
+            chain.append(token)
+        return chain
+
+    def _rates(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``[right, tried]`` counts of a chain's first token and of a
+        token after a right one: a lookup's of an ``n``-gram match, or the
+        table's (n = 0)."""
+        return (self.first[n - 1], self.next) if n else (self.table_first, self.table_next)
 
     def _expected(self, drafts: list[tuple[list[int], int]], depth: int) -> float:
         """Expected accepted draft tokens of the batch with chains cut at ``depth``."""
-        q = self.next[0] / self.next[1]
         total = 0.0
         for d, n in drafts:
             k = min(depth, len(d))
             if k:
-                p = self.first[n - 1, 0] / self.first[n - 1, 1]
+                first, after = self._rates(n)
+                p, q = first[0] / first[1], after[0] / after[1]
                 total += p * (1 - q**k) / (1 - q) if q < 1 else p * k
         return total
 
@@ -439,6 +477,19 @@ class DraftBatch:
             if rate > best_rate:
                 best, best_rate = depth, rate
         return best
+
+    def _learn(
+        self, inputs: np.ndarray, kept: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
+    ) -> None:
+        """Write the table's rows of a pass's token slots: ``at`` the flat
+        slots with logits, ``top`` (len(at), k) their best ids; each row's
+        kept slots (its first ``kept[r]``) last, so that they win a repeat."""
+        if not self.table.rows:
+            self.table.rows = vocab
+        width = inputs.shape[1]
+        keep = (np.arange(width)[None, :] < kept[:, None]).ravel()[at]
+        order = np.concatenate([np.flatnonzero(~keep), np.flatnonzero(keep)])
+        self.table.write(inputs.ravel()[at][order].astype(np.int64), top[order])
 
     def step(self) -> list[StepTokens]:
         """One forward pass of every row; each row's new tokens.
@@ -463,14 +514,18 @@ class DraftBatch:
             real[r, : 1 + len(d)] = True
         t0 = time.perf_counter()
         h = self.backbone(mx.array(inputs), cache=self.caches)
-        if real.all():
-            pred = np.array(mx.argmax(self.head(h), axis=-1))
-        else:  # the LM head only where a row has a token (padding has no logits to check)
-            at = np.flatnonzero(real.ravel())
-            flat = h.reshape(-1, h.shape[-1])[mx.array(at)]
-            pred = np.zeros(real.size, np.int64)
-            pred[at] = np.array(mx.argmax(self.head(flat), axis=-1))
-            pred = pred.reshape(real.shape)
+        # the LM head only where a row has a token (padding has no logits to check)
+        at = np.flatnonzero(real.ravel())
+        if len(at) == real.size:
+            logits = self.head(h).reshape(real.size, -1)
+        else:
+            logits = self.head(h.reshape(-1, h.shape[-1])[mx.array(at)])
+        ids = mx.argmax(logits, axis=-1)
+        top = top_tokens(logits, self.table.k) if self.table is not None else None
+        mx.eval(ids, *([] if top is None else [top]))
+        pred = np.zeros(real.size, np.int64)
+        pred[at] = np.array(ids)
+        pred = pred.reshape(real.shape)
         seconds = time.perf_counter() - t0
         slots = inputs.size
         old = self.seconds.get(slots)
@@ -483,9 +538,10 @@ class DraftBatch:
             while a < len(d) and d[a] == pred[r, a]:
                 a += 1
             if d:
-                self.first[n - 1] += (a > 0, 1)
+                first, after = self._rates(n)
+                first += (a > 0, 1)
                 if a:
-                    self.next += (a - 1, a - 1 + (a < len(d)))
+                    after += (a - 1, a - 1 + (a < len(d)))
             row.drafted += len(d)
             row.accepted += a
             row.passes += 1
@@ -508,6 +564,8 @@ class DraftBatch:
             if reason is not None:
                 done.append(r)
                 self.finished[row.uid] = row
+        if top is not None:
+            self._learn(inputs, kept, at, np.array(top), logits.shape[-1])
         lay.commit(kept, width)
         lay.size -= lay.common_tail()
         if done:

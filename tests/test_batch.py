@@ -184,11 +184,55 @@ def test_batch_generate_pld(smollm, solo):
         assert g.stats.method.startswith("pld(batch")
 
 
+def test_recycle_batch_equals_solo_greedy_with_table_drafts(smollm, solo, short_spec_prompts):
+    """A recycle batch: rows the lookup has nothing for draft from the table
+    of the model's own predictions, filled from every slot of every pass.
+    Every pass as wide as the longest draft, rows joining as others leave:
+    every answer is the solo greedy one. The table outlives the batch: a
+    second batch of the same prompts drafts from what the first wrote, and
+    its table chains get tokens accepted."""
+    from mlx_mtp.batching import DraftBatch
+    from mlx_mtp.sources.recycle import RANK_PRIORS, RecycleTable
+
+    prompts = [list(p) for p in short_spec_prompts[:5]]
+    limits = [24, 12, 24, 20, 24]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    table = RecycleTable()
+    for run in range(2):
+        batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, table=table)
+        _always_draft(batch)
+        chains: list[list[int]] = []
+
+        def counted(tok, room, real=batch._table_chain, chains=chains):
+            chains.append(real(tok, room))
+            return chains[-1]
+
+        batch._table_chain = counted
+        got = _run_draft_batch(batch, prompts, limits, max_batch=3)
+        for p, n, g in zip(prompts, limits, got):
+            assert g == solo(p, max_tokens=n, temp=0.0).tokens, run
+        assert int((table.table >= 0).any(axis=1).sum()) > 100
+    assert sum(map(len, chains)) > 10  # the second batch drafted from the table
+    right, tried = batch.table_first - (RANK_PRIORS[0], 1.0)  # the counts, less the prior
+    assert tried > 0 and right > 0  # and its chains' first tokens were right at times
+
+
+def test_batch_generate_recycle(smollm, solo):
+    """The API's recycle batch: solo answers, named as such."""
+    got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
+                                method="recycle")  # fmt: skip
+    for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
+        want = solo(prompt, max_tokens=n, temp=0.0)
+        assert g.tokens == want.tokens and g.finish_reason == want.finish_reason
+        assert g.stats.method.startswith("recycle(batch")
+
+
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        ({"method": "probe"}, "runs method 'ntp' or 'pld'"),
+        ({"method": "probe"}, "runs method 'ntp', 'pld' or 'recycle'"),
         ({"method": "pld", "temp": 0.7}, "greedy only"),
+        ({"method": "recycle", "temp": 0.7}, "method 'recycle'.*greedy only"),
         ({"method": "pld", "max_draft": -1}, r"max_draft must be an integer in \[0, 64\]"),
     ],
 )

@@ -1221,3 +1221,50 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
     assert r.model_extra["mtp"]["method"].startswith("pld(")
     assert r.model_extra["mtp"]["method"] != "pld(batch)"
     assert_healthy(base, worker)
+
+
+def test_batched_recycle_requests_equal_their_solo_answers_and_keep_the_table(
+    server, client, ref, monkeypatch
+):
+    """With --max-batch 4, concurrent greedy recycle requests run in one
+    drafting batch (lookup chains, else chains from the table of the model's
+    own predictions) and each answer equals the Python API's solo recycle
+    answer; the table outlives the batch, and the next batch drafts from it."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)
+    monkeypatch.setattr(worker, "_recycle_table", None)
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+    ]
+    results: dict[int, object] = {}
+
+    def chat(i):
+        results[i] = client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=16, temperature=0,
+            extra_body={"mtp": {"method": "recycle"}},
+        )  # fmt: skip
+
+    with batch_sizes(worker) as seen:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert max(seen) >= 2, "never batched"
+    for i, p in enumerate(prompts):
+        r = results[i]
+        assert r.choices[0].message.content == ref(p, "recycle", n=16).text
+        assert r.model_extra["mtp"]["method"] == "recycle(batch)"
+    table = worker._recycle_table
+    assert table is not None and int((table.table >= 0).any(axis=1).sum()) > 20
+    r = client.chat.completions.create(
+        model=MODEL, messages=prompts[0], max_tokens=16, temperature=0,
+        extra_body={"mtp": {"method": "recycle"}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == ref(prompts[0], "recycle", n=16).text
+    assert worker._recycle_table is table  # one table across batches
+    assert_healthy(base, worker)

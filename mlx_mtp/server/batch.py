@@ -69,9 +69,12 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
-        kind: ``"ntp"`` or ``"pld"``.
-        max_slots: with ``pld``, most tokens in one decoding pass (the
-            server's slots bound: rows x draft width).
+        kind: ``"ntp"``, ``"pld"`` or ``"recycle"``.
+        max_slots: with ``pld`` / ``recycle``, most tokens in one decoding
+            pass (the server's slots bound: rows x draft width).
+        table: with ``recycle``, the table to draft from and fill
+            (:class:`~mlx_mtp.sources.recycle.RecycleTable`; None: a new one,
+            then :attr:`table`).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class BatchRunner:
         finish: Any,
         kind: str = "ntp",
         max_slots: int = 1024,
+        table: Any = None,
     ):
         from mlx_lm.generate import BatchGenerator
 
@@ -104,9 +108,18 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        if kind == "pld":
+        self.table = None
+        if kind == "recycle":
+            from ..sources.recycle import RecycleTable
+
+            self.table = table if table is not None else RecycleTable()
+        if kind in ("pld", "recycle"):
             self.drafts = DraftBatch(
-                model.model, self.eos, prefill_step=prefill_step, max_slots=max_slots
+                model.model,
+                self.eos,
+                prefill_step=prefill_step,
+                max_slots=max_slots,
+                table=self.table,
             )
         else:
             self.gen = BatchGenerator(
@@ -275,7 +288,7 @@ class BatchRunner:
         )
         drafted = self.drafts.take_row(row.uid) if self.drafts is not None else None
         if drafted is not None:
-            st.method = "pld(batch)"
+            st.method = f"{self.kind}(batch)"
             st.forward_passes = st.steps = 1 + drafted.passes
             st.drafted, st.accepted = drafted.drafted, drafted.accepted
             st.slots, st.max_slots = drafted.slots, drafted.max_slots

@@ -110,10 +110,10 @@ class Worker:
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
-        max_batch: ``ntp`` requests, or greedy ``pld`` requests with their
-            drafts, decoded together in one forward pass (:mod:`~.batch`; at
-            most the slots bound); 1: one request at a time, whatever its
-            method.
+        max_batch: ``ntp`` requests, or greedy ``pld`` or ``recycle``
+            requests with their drafts, decoded together in one forward pass
+            (:mod:`~.batch`; at most the slots bound); 1: one request at a
+            time, whatever its method.
 
     Raises:
         InvalidArgumentError: queue_size, max_methods or max_batch below 1,
@@ -173,6 +173,9 @@ class Worker:
         self._batch: Any = None
         #: whether the model can run a drafting batch (None: not checked yet)
         self._draft_batchable: bool | None = None
+        #: the table of a ``recycle`` batch, kept for the next one (as a
+        #: recycle method object keeps its own across generations)
+        self._recycle_table: Any = None
         #: a job taken off the queue that waits for the batch to drain (another method)
         self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
@@ -410,19 +413,20 @@ class Worker:
 
     def batchable(self, job: Job) -> str | None:
         """The kind of batch a job runs in (None: it runs alone): ``"ntp"``
-        for plain decoding, ``"pld"`` for greedy prompt lookup on a model
-        whose layers all keep a full KV cache (the server's method without
-        options, or asked for without options); with ``--max-batch`` above 1,
-        an unbounded cache and a model on one rank."""
+        for plain decoding, ``"pld"`` for greedy prompt lookup and
+        ``"recycle"`` for greedy token recycling (with prompt lookup) on a
+        model whose layers all keep a full KV cache (the server's method
+        without options, or asked for without options); with ``--max-batch``
+        above 1, an unbounded cache and a model on one rank."""
         req = job.request
         if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
             return None
         method, options = (
             (self.method, self.options) if req.method is None else (req.method, req.options)
         )
-        if options or method not in ("ntp", "pld"):
+        if options or method not in ("ntp", "pld", "recycle"):
             return None
-        if method == "pld":
+        if method != "ntp":
             temp = sampling_of(req).get("temp", self.sampling["temp"])
             if temp > 0 or not self._drafts_batch():
                 return None
@@ -496,7 +500,9 @@ class Worker:
                 self._finish,
                 kind or "ntp",
                 self.limits.slots,
+                self._recycle_table,
             )
+            self._recycle_table = self._batch.table or self._recycle_table
         try:
             self._batch.add(job, sampling_of(job.request))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
