@@ -1169,6 +1169,26 @@ def test_a_failure_in_the_batch_is_a_500_and_the_server_goes_on(server, monkeypa
     assert_healthy(base, worker)
 
 
+def concurrent_chats(client, worker, prompts, method, n):
+    """Greedy chat requests of ``method`` for every prompt at once (``n``
+    tokens each); returns the answers by index and the batch sizes seen."""
+    results: dict[int, object] = {}
+
+    def chat(i):
+        results[i] = client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=n, temperature=0,
+            extra_body={"mtp": {"method": method}},
+        )  # fmt: skip
+
+    with batch_sizes(worker) as seen:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    return results, seen
+
+
 def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
     server, client, ref, monkeypatch
 ):
@@ -1185,20 +1205,7 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
         [{"role": "user", "content": "Write a haiku about the sea."}],
         [{"role": "user", "content": "What is the capital of France?"}],
     ]
-    results: dict[int, object] = {}
-
-    def chat(i):
-        results[i] = client.chat.completions.create(
-            model=MODEL, messages=prompts[i], max_tokens=20, temperature=0,
-            extra_body={"mtp": {"method": "pld"}},
-        )  # fmt: skip
-
-    with batch_sizes(worker) as seen:
-        threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+    results, seen = concurrent_chats(client, worker, prompts, "pld", 20)
     assert max(seen) >= 2, "never batched"
     for i, p in enumerate(prompts):
         r = results[i]
@@ -1240,20 +1247,7 @@ def test_batched_recycle_requests_equal_their_solo_answers_and_keep_the_table(
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name three colours of the rainbow."}],
     ]
-    results: dict[int, object] = {}
-
-    def chat(i):
-        results[i] = client.chat.completions.create(
-            model=MODEL, messages=prompts[i], max_tokens=16, temperature=0,
-            extra_body={"mtp": {"method": "recycle"}},
-        )  # fmt: skip
-
-    with batch_sizes(worker) as seen:
-        threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+    results, seen = concurrent_chats(client, worker, prompts, "recycle", 16)
     assert max(seen) >= 2, "never batched"
     for i, p in enumerate(prompts):
         r = results[i]
