@@ -72,9 +72,9 @@ class BatchRunner:
         kind: ``"ntp"``, ``"pld"`` or ``"recycle"``.
         max_slots: with ``pld`` / ``recycle``, most tokens in one decoding
             pass (the server's slots bound: rows x draft width).
-        table: with ``recycle``, the table to draft from and fill
-            (:class:`~mlx_mtp.sources.recycle.RecycleTable`; None: a new one,
-            then :attr:`table`).
+        table: with ``recycle``, the table to draft from and fill (the
+            worker's :class:`~mlx_mtp.sources.recycle.RecycleTable`, kept
+            from one batch to the next).
     """
 
     def __init__(
@@ -108,18 +108,13 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        self.table = None
-        if kind == "recycle":
-            from ..sources.recycle import RecycleTable
-
-            self.table = table if table is not None else RecycleTable()
         if kind in ("pld", "recycle"):
             self.drafts = DraftBatch(
                 model.model,
                 self.eos,
                 prefill_step=prefill_step,
                 max_slots=max_slots,
-                table=self.table,
+                table=table if kind == "recycle" else None,
             )
         else:
             self.gen = BatchGenerator(

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import distributed
+from ..api import BATCH_METHODS
 from ..engine import Engine
 from ..errors import InvalidArgumentError, MTPError
 from ..loading import load_model, share_target
@@ -424,7 +425,7 @@ class Worker:
         method, options = (
             (self.method, self.options) if req.method is None else (req.method, req.options)
         )
-        if options or method not in ("ntp", "pld", "recycle"):
+        if options or method not in BATCH_METHODS:
             return None
         if method != "ntp":
             temp = sampling_of(req).get("temp", self.sampling["temp"])
@@ -490,6 +491,10 @@ class Worker:
             self._batch.close()  # drained: a batch of the other kind starts
             self._batch = None
         if self._batch is None:
+            if kind == "recycle" and self._recycle_table is None:
+                from ..sources.recycle import RecycleTable
+
+                self._recycle_table = RecycleTable()
             self._batch = BatchRunner(
                 self._models[self.default_key],
                 max(1, min(self.max_batch, self.limits.slots)),
@@ -502,7 +507,6 @@ class Worker:
                 self.limits.slots,
                 self._recycle_table,
             )
-            self._recycle_table = self._batch.table or self._recycle_table
         try:
             self._batch.add(job, sampling_of(job.request))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
