@@ -149,20 +149,9 @@ class RecycleTable:
         return tokens[keep], order[keep]
 
     def plain(self, result: PlainResult) -> None:
-        """Write the row of a plain step's root (its ``top``, when computed).
-
-        One row by a plain index: a fancy-indexed write allocates NumPy's
-        iteration buffer, and on Linux the first allocation of 1 KiB or more
-        after a pass makes glibc merge every small block the pass freed
-        (1-2 ms of host work per step on SmolLM2; docs/benchmarks.md,
-        "glibc's fastbins")."""
-        if result.top is None or result.root < 0:
-            return
-        top = np.asarray(result.top)
-        if self.table is None or result.root >= len(self.table):
-            self.write(np.array([result.root]), top[None])
-        else:
-            self.table[result.root] = top[: self.k]
+        """Write the row of a plain step's root (its ``top``, when computed)."""
+        if result.top is not None and result.root >= 0:
+            self.write(np.array([result.root]), np.asarray(result.top)[None])
 
     def write(self, tokens: np.ndarray, top: np.ndarray) -> None:
         """Set the rows of ``tokens`` (n,) to ``top`` (n, k); where a token
@@ -175,6 +164,14 @@ class RecycleTable:
             self.table = np.full((max(need, self.rows), self.k), -1, dtype=np.int32)
             if old is not None:
                 self.table[: len(old)] = old
+        if len(tokens) == 1:
+            # by a plain index: a fancy-indexed write allocates NumPy's
+            # iteration buffer, and on Linux the first allocation of 1 KiB or
+            # more after a pass makes glibc merge every small block the pass
+            # freed (1-2 ms of host work per plain step on SmolLM2;
+            # docs/benchmarks.md, "glibc's fastbins")
+            self.table[int(tokens[0])] = top[0, : self.k]
+            return
         _, first = np.unique(tokens[::-1], return_index=True)
         last = len(tokens) - 1 - first
         self.table[tokens[last]] = top[last, : self.k]
