@@ -61,11 +61,9 @@ class Learned:
 
     Attributes:
         acceptance: the acceptance estimates.
-        times: the measured step times (a draft step's host work, a
-            pipelined plain step).
-        gain: what the steps of an offer that takes device work (a draft
-            model's) gained over plain steps, in one-token forwards per step,
-            averaged (None: none measured).
+        times: the measured step times (a draft step's host work, a plain step).
+        gain: average gain over plain steps of an offer that takes device work
+            (a draft model's), in one-token forwards per step (None: unmeasured).
     """
 
     acceptance: Acceptance
@@ -93,9 +91,8 @@ class Planner:
         reprobes: probes so far (draft steps the cut did not predict to pay).
         plain_spells: times plain mode began (a plain step where the method
             offered a draft, after a step that was not plain).
-        ledger: this generation's :class:`~mlx_mtp.ledger.Ledger`: steps
-            measured where the curve knows a forward's seconds, else priced
-            by the curve.
+        ledger: this generation's :class:`~mlx_mtp.ledger.Ledger` (steps
+            measured where the curve knows a forward's seconds, else priced).
     """
 
     def __init__(
@@ -124,9 +121,8 @@ class Planner:
         ctx.engine.clock.take_outside()  # a wait after the last generation is not this one's
         ctx.budget = Budget(self.acceptance)
         self.plain_steps = self.reprobes = self.plain_spells = 0
-        # measured times count only where the curve knows a forward's seconds,
-        # and not on a model sharded over several ranks (all ranks must draft
-        # the same; each would measure its own host)
+        # measured times count where the curve knows a forward's seconds, not on
+        # a model sharded over ranks (all must draft the same; each has its host)
         known = self.auto and self.curves.t1 is not None and distributed.size() == 1
         self.host_term = known and os.environ.get("MLX_MTP_HOST_TERM") != "0"
         self._paid = 0  # steps of a probe paid from the credit, still to run
@@ -145,23 +141,20 @@ class Planner:
     # ------------------------------------------------------------- the ledger
     @property
     def t1(self) -> float | None:
-        """Seconds of a one-token forward as the curve knows it (None: not
-        known, or fixed settings)."""
+        """Seconds of a one-token forward (None: not known, or fixed settings)."""
         return self.curves.t1 if self.auto else None
 
     @property
     def host_cost(self) -> float:
-        """A draft step's host work in one-token forwards (0 without the host
-        term or a measurement)."""
+        """A draft step's host work in one-token forwards (0: not measured)."""
         host = self.times.host
         return max(host, 0.0) / self.t1 if self.host_term and host is not None else 0.0
 
     @property
     def plain_cost(self) -> float:
         """A plain step's time in one-token forwards (1 until measured)."""
-        if not self.host_term or self.times.plain is None:
-            return 1.0
-        return max(self.times.plain / self.t1, 1e-3)
+        plain = self.times.plain if self.host_term else None
+        return 1.0 if plain is None else max(plain / self.t1, 1e-3)
 
     @property
     def credit(self) -> float:
@@ -192,8 +185,7 @@ class Planner:
         drafts = r * offer.item_cost
         return sum(max(self.curve(s) + host - plain, 0.0) for s in steps) + drafts
 
-    def _brief(self) -> None:
-        """Tell the method's sources what this step costs (``ctx.budget``)."""
+    def _brief(self) -> None:  # what this step costs, for the sources (ctx.budget)
         b, host = self.ctx.budget, self.host_cost
         b.curve, b.t1, b.host_cost, b.plain_cost = self.curve, self.t1, host, self.plain_cost
         probe = self._probe_cost(Offer([], probe_items=1), [], host) if self.auto else None
@@ -209,8 +201,7 @@ class Planner:
         start = self.ctx.engine.offset
         self._kind, self._leaving, self._price = "", False, None
         out = self._step(root)
-        # the wait for the pass this step used, where a benchmark took it
-        # outside the steps, is this step's time as it would be in a run alone
+        # a wait a benchmark took outside the steps is this step's time alone
         waited, leaving = clock.take_outside(), self._leaving
         t0, seconds = t0 - waited, seconds - waited
         if not self.auto or self._kind == "last":
@@ -244,8 +235,7 @@ class Planner:
         return out
 
     def _sunk(self, seconds: float) -> float:
-        """``seconds`` of device work beside the target's passes in one-token
-        forwards (0 where the curve does not know a forward's seconds)."""
+        """Device ``seconds`` beside the passes, in one-token forwards (0: t1 unknown)."""
         t1 = self.t1
         return max(seconds, 0.0) / t1 if t1 else 0.0
 
