@@ -1,30 +1,37 @@
 """Speculation inside a batch: several requests' drafts verified in one
 forward pass.
 
-Each row of the batch is one request. At every step each row drafts a chain
-of tokens from its own context by prompt lookup (Saxena, 2023) and, where
-the lookup finds nothing and the batch keeps one, from a table of the
-model's own predictions (token recycling, Luo et al., 2024: the best id the
-model ranked after each token the last time it was an input slot, written
-from every slot of every pass), the chains are padded to the batch's width,
-and one forward pass of ``rows x width`` tokens verifies all of them
-(Leviathan et al., 2023, §2, greedy): a row keeps its draft's longest prefix
-that equals the model's own argmax and the model's next token (the bonus
-token). Rows accept different numbers of tokens, so the
-KV cache cannot simply be trimmed: :class:`BatchLayout` keeps, for every
-row, which cache slots hold a kept token. A rejected slot stays where it is
-and is masked out of attention from then on; each row's rotary position is
-the count of its kept tokens, so a row sees exactly the keys and positions
-it would see alone. When the rejected slots grow to the kept ones, the cache
-is compacted (each row's kept slots gathered to the right).
+Each row of the batch is one request. At every step each row drafts from its
+own context: a chain by prompt lookup (Saxena, 2023) and, where the batch
+keeps one, a tree from a table of the model's own predictions (token
+recycling, Luo et al., 2024: the best ids the model ranked after each token
+the last time it was an input slot, written from every slot of every pass),
+read after the row's newest token and after every node taken. Each row's
+draft is cut to the batch's width (padded where it is shorter), and one
+forward pass of ``rows x width`` tokens verifies all of them (Leviathan et
+al., 2023, §2, greedy; trees as in SpecInfer, Miao et al., 2024): a row
+keeps the longest path of its draft that follows the model's own argmax and
+the model's next token after it (the bonus token). A pass of chains is
+causal; a pass where a row's draft branches gives each row its own ancestor
+mask and each slot its rotary position (the row's position plus the slot's
+depth). Rows accept different numbers of tokens, so the KV cache cannot
+simply be trimmed: :class:`BatchLayout` keeps, for every row, which cache
+slots hold a kept token. A rejected slot stays where it is and is masked
+out of attention from then on; each row's rotary position is the count of
+its kept tokens, so a row sees exactly the keys and positions it would see
+alone. When the rejected slots grow to the kept ones, the cache is
+compacted (each row's kept slots gathered to the right).
 
 mlx-lm's model classes run unchanged: every layer gets a
-:class:`BatchLayerCache` whose ``offset`` is the per-row position array and
-whose ``make_mask`` returns the per-row mask.
+:class:`BatchLayerCache` whose ``offset`` is the per-row position array (per
+row and slot for a pass of trees, through
+:class:`~mlx_mtp.cache_view.PositionalRoPE`) and whose ``make_mask`` returns
+the per-row mask.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +41,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .errors import UnsupportedModelError
-from .families import model_parts
+from .families import check_tree_support, model_parts
 from .sources.lookup import lookup_match
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
-from .verify import top_tokens
+from .verify import top_tokens, walk_tree
 
 #: cache slots are allocated in blocks of this many (as mlx-lm's KVCache)
 SLOT_BLOCK = 256
@@ -60,6 +67,11 @@ class BatchLayout:
         self.size = 0
         self.positions = np.zeros(0, np.int64)
         self._offset: mx.array | None = None
+        #: (rows, n) int32 per-token RoPE offsets (``position - slot``) of a
+        #: pass of draft trees while it is built; None for a causal pass
+        self.tree_offsets: mx.array | None = None
+        #: (rows, n, n) bool ancestor matrices of that pass (None: causal)
+        self.anc: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -72,13 +84,15 @@ class BatchLayout:
             self._offset = mx.array(self.positions.astype(np.int32))
         return self._offset
 
-    def mask(self, n: int) -> mx.array:
+    def mask(self, n: int, anc: np.ndarray | None = None) -> mx.array:
         """(rows, 1, n, size + n) bool attention mask of a pass of ``n``
-        tokens per row: the row's kept slots, then causal over the pass."""
+        tokens per row: the row's kept slots, then causal over the pass, or
+        ``anc`` (rows, n, n) (slot j is slot i or one of its ancestors) for a
+        pass of draft trees."""
         rows, size = self.rows, self.size
         m = np.empty((rows, n, size + n), bool)
         m[:, :, :size] = self.valid[:, None, :size]
-        m[:, :, size:] = np.tril(np.ones((n, n), bool))
+        m[:, :, size:] = np.tril(np.ones((n, n), bool)) if anc is None else anc
         return mx.array(m[:, None])
 
     def _reserve(self, size: int) -> None:
@@ -86,14 +100,17 @@ class BatchLayout:
             grown = -(-size // SLOT_BLOCK) * SLOT_BLOCK
             self.valid = np.pad(self.valid, ((0, 0), (0, grown - self.valid.shape[1])))
 
-    def commit(self, kept: np.ndarray, width: int) -> None:
-        """After a pass of ``width`` tokens per row: row ``r`` keeps its
-        first ``kept[r]`` slots of the pass (>= 1); the rest are masked out."""
+    def commit(self, keep: np.ndarray) -> None:
+        """After a pass of ``width`` tokens per row: row ``r`` keeps the slots
+        where ``keep[r]`` ((rows, width) bool; its first slot and its accepted
+        path) is True; the rest are masked out."""
+        width = keep.shape[1]
         self._reserve(self.size + width)
-        self.valid[:, self.size : self.size + width] = np.arange(width)[None] < kept[:, None]
-        self.positions = self.positions + kept
+        self.valid[:, self.size : self.size + width] = keep
+        self.positions = self.positions + keep.sum(axis=1)
         self.size += width
         self._offset = None
+        self.tree_offsets = self.anc = None
 
     def common_tail(self) -> int:
         """Trailing slots no row keeps (they can be overwritten)."""
@@ -119,7 +136,8 @@ class BatchLayerCache:
 
     @property
     def offset(self) -> mx.array:
-        return self.layout.offset
+        lay = self.layout
+        return lay.offset if lay.tree_offsets is None else lay.tree_offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = self.layout.size
@@ -142,7 +160,7 @@ class BatchLayerCache:
         self.keys, self.values = new_k, new_v
 
     def make_mask(self, n: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return self.layout.mask(n)
+        return self.layout.mask(n, self.layout.anc)
 
     def is_trimmable(self) -> bool:
         return False
@@ -209,6 +227,27 @@ class StepTokens:
     finish_reason: str | None
 
 
+@dataclass
+class RowDraft:
+    """One row's draft tree for a pass, best first (any prefix is a tree).
+
+    Attributes:
+        tokens: the draft nodes' token ids; node i is slot i + 1 of the pass
+            (slot 0: the row's newest token, the root).
+        parents: each node's parent slot (0: the root; before the node).
+        values: each node's chance of being accepted (estimated).
+        kinds: what proposed each node: ``("lookup", i)``, token i of the
+            lookup's chain, or ``("table", r)``, the table's rank-r candidate.
+        ngram: the length of the lookup's matched n-gram (0: no match).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    kinds: list[tuple[str, int]] = field(default_factory=list)
+    ngram: int = 0
+
+
 def check_batchable(model: Any) -> None:
     """Refuse a model whose layers do not all keep a full KV cache (sliding
     windows, state-space layers): their caches cannot mask rejected slots.
@@ -232,26 +271,28 @@ class DraftBatch:
     A request joins with :meth:`add` (its prompt prefilled alone, in chunks
     of ``prefill_step``, as a solo generation does) and leaves at EOS, its
     limit, or :meth:`remove`. Each :meth:`step` runs one forward pass of every
-    row: its newest token and its draft, up to ``max_draft`` tokens of the
-    continuation of its context's last n-gram (n <= ``window``) seen earlier;
-    where there is none and ``table`` is given, the chain of best ids the
-    table holds after the row's newest token (each pass then also writes the
-    top ``table.k`` ids after each of its slots into the table, the kept
-    slots last).
+    row: its newest token and its draft (:meth:`_tree`), up to ``max_draft``
+    nodes: the continuation of its context's last n-gram (n <= ``window``)
+    seen earlier, and where ``table`` is given the table's candidates after
+    the root and after every node, best first by their chance of being
+    accepted (each pass then also writes the top ``table.k`` ids after each
+    of its slots into the table, the kept slots last).
 
-    The draft width of the pass is chosen to maximise tokens per second: the
-    expected accepted tokens of each width (each row's chain, first token
-    valued by its matched n-gram length, later ones by the measured rate of a
-    right token after a right one) over the measured time of a pass of that
-    many slots (rows x width, measured here, on this machine; an unmeasured
-    size is guessed to cost the square root of its share of slots, and is
-    tried once where that guess wins).
+    The draft width of the pass (nodes per row) is chosen to maximise tokens
+    per second: the expected accepted tokens of each width (a lookup's first
+    token valued by its matched n-gram length, a later one by the measured
+    rate of a right token after a right one; a table candidate by the
+    measured rate of its rank, under the root or deeper, times its parent's
+    value) over the measured time of a pass of that many slots (rows x
+    width, measured here, on this machine; an unmeasured size is guessed to
+    cost the square root of its share of slots, and is tried once where that
+    guess wins).
 
     Args:
         model: an mlx-lm model with a full KV cache in every layer.
         eos: end-of-sequence token ids.
         window: longest n-gram the lookup matches.
-        max_draft: most draft tokens per row and step (0: plain batched
+        max_draft: most draft nodes per row and step (0: plain batched
             decoding).
         prefill_step: prompt tokens per prefill pass.
         max_slots: most tokens in one decoding pass (rows x width; a pass of
@@ -261,7 +302,9 @@ class DraftBatch:
             lookup only.
 
     Raises:
-        UnsupportedModelError: see :func:`check_batchable`.
+        UnsupportedModelError: see :func:`check_batchable`; with a ``table``,
+            a model whose family cannot run a draft tree
+            (:func:`~mlx_mtp.families.check_tree_support`).
     """
 
     def __init__(
@@ -295,9 +338,13 @@ class DraftBatch:
         # a draft token right after a right one: [right, tried]
         self.next = np.array([0.8, 1.0])
         self.table = table
-        # the same two for the table's chains
-        self.table_first = np.array([RANK_PRIORS[0], 1.0])
-        self.table_next = np.array([DEEP_PRIORS[0], 1.0])
+        if table is not None:  # the table's trees need a position per slot
+            check_tree_support(model, "recycle")
+        k = table.k if table is not None else 0
+        # a table candidate of rank r right, given its parent was: under the
+        # root (``table_root[r]``) and deeper (``table_deep[r]``): [right, tried]
+        self.table_root = np.array([[RANK_PRIORS[min(r, 7)], 1.0] for r in range(k)])
+        self.table_deep = np.array([[DEEP_PRIORS[min(r, 7)], 1.0] for r in range(k)])
         # seconds per pass by slots (rows x width): exponential averages
         self.seconds: dict[int, float] = {}
         #: the cache is compacted when its slots exceed this many times the
@@ -420,46 +467,86 @@ class DraftBatch:
         mx.eval([(bc.keys, bc.values) for bc in self.caches])
         lay.valid, lay.size = valid, size
 
-    def _drafts(self) -> list[tuple[list[int], int]]:
+    def _drafts(self) -> list[RowDraft]:
         out = []
         for row in self.rows:
             room = min(self.max_draft, row.limit - 1)
-            if room <= 0:
-                out.append(([], 0))
-                continue
-            d, n = lookup_match(row.context[: row.length], self.window, room)
-            if not d and self.table is not None:
-                d = self._table_chain(row.last, room)
-            out.append((d, n))
+            d, n = (
+                lookup_match(row.context[: row.length], self.window, room) if room > 0 else ([], 0)
+            )
+            out.append(self._tree(row.last, d, n, room))
         return out
 
-    def _table_chain(self, token: int, room: int) -> list[int]:
-        """Up to ``room`` tokens after ``token``, each the table's best id
-        after the one before (stops at an unknown row)."""
-        table, chain = self.table.table, []
-        while table is not None and len(chain) < room and 0 <= token < len(table):
-            token = int(table[token, 0])
-            if token < 0:
-                break
-            chain.append(token)
-        return chain
+    def _tree(self, root: int, chain: list[int], n: int, room: int) -> RowDraft:
+        """A row's draft tree of at most ``room`` nodes, no deeper than
+        ``room``, best first: the lookup's ``chain`` (matched on an
+        ``n``-gram) and, with a table, the table's candidates after the root
+        and after every node taken (the paper's adjacency table read as a
+        tree, best-first by the product of per-rank acceptance along the
+        path; Luo et al., 2024, §3.2). A node is worth the chance that it is
+        accepted; parents come before their children."""
+        tree = RowDraft()
+        if room <= 0:
+            return tree
+        table = self.table.table if self.table is not None else None
+        root_q = self.table_root[:, 0] / self.table_root[:, 1] if table is not None else None
+        deep_q = self.table_deep[:, 0] / self.table_deep[:, 1] if table is not None else None
+        q = self.next[0] / self.next[1]  # a lookup token right after a right one
+        # (-value, order, parent slot, depth, token, kind): kind ("lookup", i)
+        # is the chain's i-th token, ("table", r) a rank-r table candidate
+        heap: list[tuple[float, int, int, int, int, tuple[str, int]]] = []
+        order = 0
+        if chain:
+            right, tried = self.first[n - 1]
+            heap.append((-right / tried, order, 0, 1, chain[0], ("lookup", 0)))
+        if table is not None and 0 <= root < len(table):
+            for r, t in enumerate(table[root].tolist()):
+                if t >= 0:
+                    order += 1
+                    heapq.heappush(heap, (-root_q[r], order, 0, 1, t, ("table", r)))
+        slots: dict[tuple[int, int], int] = {}  # (parent, token) -> slot
+        while heap and len(tree.tokens) < room:
+            v, _, parent, depth, token, kind = heapq.heappop(heap)
+            slot = slots.get((parent, token))
+            if slot is None:  # a new node (else the chain goes on below the one there)
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                tree.values.append(-v)
+                tree.kinds.append(kind)
+                slot = slots[(parent, token)] = len(tree.tokens)
+            elif kind[0] != "lookup":
+                continue
+            if depth >= room:
+                continue
+            if kind[0] == "lookup" and kind[1] + 1 < len(chain):
+                order += 1
+                i = kind[1] + 1
+                heapq.heappush(heap, (v * q, order, slot, depth + 1, chain[i], ("lookup", i)))
+            if table is not None and tree.kinds[slot - 1] == kind and 0 <= token < len(table):
+                for r, t in enumerate(table[token].tolist()):
+                    if t >= 0:
+                        order += 1
+                        heapq.heappush(
+                            heap, (v * deep_q[r], order, slot, depth + 1, t, ("table", r))
+                        )
+        tree.ngram = n
+        return tree
 
-    def _rates(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``[right, tried]`` counts of a chain's first token and of a
-        token after a right one: a lookup's of an ``n``-gram match, or the
-        table's (n = 0)."""
-        return (self.first[n - 1], self.next) if n else (self.table_first, self.table_next)
-
-    def _expected(self, drafts: list[tuple[list[int], int]], depth: int) -> float:
-        """Expected accepted draft tokens of the batch with chains cut at ``depth``."""
-        total = 0.0
-        for d, n in drafts:
-            k = min(depth, len(d))
-            if k:
-                first, after = self._rates(n)
-                p, q = first[0] / first[1], after[0] / after[1]
-                total += p * (1 - q**k) / (1 - q) if q < 1 else p * k
-        return total
+    def _learn_rates(self, tree: RowDraft, sent: int, on_path: set[int]) -> None:
+        """Count, for every sent node whose parent was accepted (or is the
+        root), whether it was accepted: the lookup's first token by n-gram
+        length and a token after a right one, the table's by rank under the
+        root and deeper."""
+        for i in range(sent):
+            parent = tree.parents[i]
+            if parent and parent not in on_path:
+                continue
+            ok = (i + 1) in on_path
+            kind, r = tree.kinds[i]
+            if kind == "lookup":
+                (self.first[tree.ngram - 1] if parent == 0 else self.next)[:] += (ok, 1)
+            else:
+                (self.table_root if parent == 0 else self.table_deep)[r] += (ok, 1)
 
     def _cost(self, slots: int) -> float:
         if slots in self.seconds:
@@ -468,27 +555,31 @@ class DraftBatch:
         one = self.seconds.get(rows, float(rows))
         return one * (slots / rows) ** 0.5  # unmeasured: a guess, replaced once it runs
 
-    def _width(self, drafts: list[tuple[list[int], int]]) -> int:
+    def _width(self, drafts: list[RowDraft]) -> int:
+        """Draft nodes per row of the pass (0: a plain batched step): the
+        count with the most expected tokens per second."""
         rows = len(drafts)
-        longest = min(max(len(d) for d, _ in drafts), self.max_slots // rows - 1)
+        longest = min(max(len(d.tokens) for d in drafts), self.max_slots // rows - 1)
+        sums = [np.cumsum([0.0, *d.values]) for d in drafts]
         best, best_rate = 0, rows / self._cost(rows)
-        for depth in range(1, longest + 1):
-            rate = (rows + self._expected(drafts, depth)) / self._cost(rows * (depth + 1))
+        for k in range(1, longest + 1):
+            expected = sum(c[min(k, len(c) - 1)] for c in sums)
+            rate = (rows + expected) / self._cost(rows * (k + 1))
             if rate > best_rate:
-                best, best_rate = depth, rate
+                best, best_rate = k, rate
         return best
 
     def _learn(
-        self, inputs: np.ndarray, kept: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
+        self, inputs: np.ndarray, keep: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
     ) -> None:
         """Write the table's rows of a pass's token slots: ``at`` the flat
         slots with logits, ``top`` (len(at), k) their best ids; each row's
-        kept slots (its first ``kept[r]``) last, so that they win a repeat."""
+        kept slots (``keep``, (rows, width) bool) last, so that they win a
+        repeat."""
         if not self.table.rows:
             self.table.rows = vocab
-        width = inputs.shape[1]
-        keep = (np.arange(width)[None, :] < kept[:, None]).ravel()[at]
-        order = np.concatenate([np.flatnonzero(~keep), np.flatnonzero(keep)])
+        kept = keep.ravel()[at]
+        order = np.concatenate([np.flatnonzero(~kept), np.flatnonzero(kept)])
         self.table.write(inputs.ravel()[at][order].astype(np.int64), top[order])
 
     def step(self) -> list[StepTokens]:
@@ -501,17 +592,27 @@ class DraftBatch:
         lay = self.layout
         if lay.size > 64 and lay.size > self.compact_at * int(lay.positions.max()):
             self._compact()
-        drafts = self._drafts() if self.max_draft else [([], 0)] * len(self.rows)
-        depth = self._width(drafts) if any(d for d, _ in drafts) else 0
-        width = depth + 1
-        inputs = np.empty((len(self.rows), width), np.int32)
-        real = np.zeros((len(self.rows), width), bool)
-        for r, (row, (d, _)) in enumerate(zip(self.rows, drafts)):
-            d = d[:depth]
-            inputs[r, 0] = row.last
-            inputs[r, 1 : 1 + len(d)] = d
-            inputs[r, 1 + len(d) :] = row.last
-            real[r, : 1 + len(d)] = True
+        rows = len(self.rows)
+        drafts = self._drafts() if self.max_draft else [RowDraft() for _ in self.rows]
+        k = self._width(drafts) if any(d.tokens for d in drafts) else 0
+        width = k + 1
+        inputs = np.empty((rows, width), np.int32)
+        parents = np.full((rows, width), -1, np.int64)
+        real = np.zeros((rows, width), bool)
+        for r, (row, d) in enumerate(zip(self.rows, drafts)):
+            n = min(k, len(d.tokens))
+            inputs[r] = row.last  # padding repeats the root; it has no logits
+            inputs[r, 1 : 1 + n] = d.tokens[:n]
+            parents[r, 1 : 1 + n] = d.parents[:n]
+            parents[r, 1 + n :] = np.arange(n, width - 1)  # padding: a chain below
+            real[r, : 1 + n] = True
+        chain = (parents[:, 1:] == np.arange(width - 1)).all()
+        if not chain:  # a pass of trees: ancestor masks and a position per slot
+            anc, depth = _ancestry(parents)
+            lay.anc = anc
+            lay.tree_offsets = mx.array(
+                (lay.positions[:, None] + depth - np.arange(width)).astype(np.int32)
+            )
         t0 = time.perf_counter()
         h = self.backbone(mx.array(inputs), cache=self.caches)
         # the LM head only where a row has a token (padding has no logits to check)
@@ -523,6 +624,7 @@ class DraftBatch:
         ids = mx.argmax(logits, axis=-1)
         top = top_tokens(logits, self.table.k) if self.table is not None else None
         mx.eval(ids, *([] if top is None else [top]))
+        lay.anc = lay.tree_offsets = None
         pred = np.zeros(real.size, np.int64)
         pred[at] = np.array(ids)
         pred = pred.reshape(real.shape)
@@ -530,25 +632,20 @@ class DraftBatch:
         slots = inputs.size
         old = self.seconds.get(slots)
         self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        kept = np.empty(len(self.rows), np.int64)
+        keep = np.zeros((rows, width), bool)
         out, done = [], []
-        for r, (row, (d, n)) in enumerate(zip(self.rows, drafts)):
-            d = d[:depth]
-            a = 0
-            while a < len(d) and d[a] == pred[r, a]:
-                a += 1
-            if d:
-                first, after = self._rates(n)
-                first += (a > 0, 1)
-                if a:
-                    after += (a - 1, a - 1 + (a < len(d)))
-            row.drafted += len(d)
-            row.accepted += a
+        for r, (row, d) in enumerate(zip(self.rows, drafts)):
+            sent = int(real[r].sum()) - 1
+            path, bonus = walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
+            keep[r, [0, *path]] = True
+            if sent:
+                self._learn_rates(d, sent, set(path))
+            row.drafted += sent
+            row.accepted += len(path)
             row.passes += 1
             row.slots += width
             row.max_slots = max(row.max_slots, width)
-            new = [*d[:a], int(pred[r, a])]
-            kept[r] = 1 + a
+            new = [int(inputs[r, s]) for s in path] + [int(bonus)]
             reason = None
             for i, t in enumerate(new):
                 if t in self.eos:
@@ -565,9 +662,27 @@ class DraftBatch:
                 done.append(r)
                 self.finished[row.uid] = row
         if top is not None:
-            self._learn(inputs, kept, at, np.array(top), logits.shape[-1])
-        lay.commit(kept, width)
+            self._learn(inputs, keep, at, np.array(top), logits.shape[-1])
+        lay.commit(keep)
         lay.size -= lay.common_tail()
         if done:
             self._keep([r for r in range(len(self.rows)) if r not in done])
         return out
+
+
+def _ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(anc, depth)`` of a pass's trees: ``parents`` (rows, n) int (-1 for
+    the root, slot 0; a parent before its child) -> ``anc`` (rows, n, n)
+    bool, slot j is slot i or one of its ancestors, and ``depth`` (rows, n)
+    int64, each slot's depth below the root."""
+    rows, n = parents.shape
+    anc = np.zeros((rows, n, n), bool)
+    depth = np.zeros((rows, n), np.int64)
+    idx = np.arange(rows)
+    anc[:, 0, 0] = True
+    for i in range(1, n):
+        p = parents[:, i]
+        anc[idx, i] = anc[idx, p]
+        anc[:, i, i] = True
+        depth[:, i] = depth[idx, p] + 1
+    return anc, depth

@@ -413,8 +413,10 @@ class FixedCache:
 class PositionalRoPE(nn.Module):
     """Wraps an mlx-lm RoPE module so that an (L,) array offset ``o`` gives
     token i the RoPE position ``o[i] + i`` (the per-token offsets of
-    :attr:`TreeCacheView.offset`; shape (B=1, H, L, D) in and out). Integer
-    offsets go to the wrapped module unchanged."""
+    :attr:`TreeCacheView.offset`; shape (B=1, H, L, D) in and out), and a
+    (B, L) one gives token i of row b the position ``o[b, i] + i`` (a
+    batch's draft trees, :mod:`mlx_mtp.batching`). Integer and (B,) offsets
+    go to the wrapped module unchanged."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
@@ -426,6 +428,12 @@ class PositionalRoPE(nn.Module):
             pos = offset + mx.arange(L, dtype=offset.dtype)
             y = self.inner(x.transpose(2, 1, 0, 3), offset=pos, **kwargs)
             return y.transpose(2, 1, 0, 3)
+        if isinstance(offset, mx.array) and offset.ndim == 2:  # (B, L): per row and token
+            B, H, L, D = x.shape
+            pos = (offset + mx.arange(L, dtype=offset.dtype)).reshape(B * L)
+            flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+            y = self.inner(flat, offset=pos, **kwargs)
+            return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
         return self.inner(x, offset=offset, **kwargs)
 
 

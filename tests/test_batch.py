@@ -106,7 +106,7 @@ def _run_draft_batch(batch, prompts, limits, max_batch, remove_at=None):
 def _always_draft(batch):
     """Make every pass as wide as the longest draft (rows with shorter or no
     drafts padded), so rejected slots pile up in the cache."""
-    batch._width = lambda drafts: max(len(d) for d, _ in drafts)
+    batch._width = lambda drafts: max(len(d.tokens) for d in drafts)
     batch.compact_at = 1.0
 
 
@@ -184,13 +184,15 @@ def test_batch_generate_pld(smollm, solo):
         assert g.stats.method.startswith("pld(batch")
 
 
-def test_recycle_batch_equals_solo_greedy_with_table_drafts(smollm, solo, short_spec_prompts):
-    """A recycle batch: rows the lookup has nothing for draft from the table
-    of the model's own predictions, filled from every slot of every pass.
-    Every pass as wide as the longest draft, rows joining as others leave:
-    every answer is the solo greedy one. The table outlives the batch: a
-    second batch of the same prompts drafts from what the first wrote, and
-    its table chains get tokens accepted."""
+def test_recycle_batch_equals_solo_greedy_with_table_trees(smollm, solo, short_spec_prompts):
+    """A recycle batch: each row drafts a tree, its lookup's chain and the
+    table of the model's own predictions (filled from every slot of every
+    pass) after its root and after every node, verified with per-row
+    ancestor masks and per-slot positions in the batch's one pass. Every
+    pass as wide as the largest tree, rows joining as others leave: every
+    answer is the solo greedy one. The table outlives the batch: a second
+    batch of the same prompts drafts branching trees from what the first
+    wrote, and gets table candidates accepted."""
     from mlx_mtp.batching import DraftBatch
     from mlx_mtp.sources.recycle import RANK_PRIORS, RecycleTable
 
@@ -201,20 +203,22 @@ def test_recycle_batch_equals_solo_greedy_with_table_drafts(smollm, solo, short_
     for run in range(2):
         batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, table=table)
         _always_draft(batch)
-        chains: list[list[int]] = []
+        trees = []
 
-        def counted(tok, room, real=batch._table_chain, chains=chains):
-            chains.append(real(tok, room))
-            return chains[-1]
+        def counted(*args, real=batch._tree, trees=trees):
+            trees.append(real(*args))
+            return trees[-1]
 
-        batch._table_chain = counted
+        batch._tree = counted
         got = _run_draft_batch(batch, prompts, limits, max_batch=3)
         for p, n, g in zip(prompts, limits, got):
             assert g == solo(p, max_tokens=n, temp=0.0).tokens, run
         assert int((table.table >= 0).any(axis=1).sum()) > 100
-    assert sum(map(len, chains)) > 10  # the second batch drafted from the table
-    right, tried = batch.table_first - (RANK_PRIORS[0], 1.0)  # the counts, less the prior
-    assert tried > 0 and right > 0  # and its chains' first tokens were right at times
+    # the second batch drafted from the table, in trees that branch
+    assert sum(k == "table" for t in trees for k, _ in t.kinds) > 10
+    assert any(len(set(t.parents)) < len(t.parents) for t in trees)
+    right, tried = batch.table_root[0] - (RANK_PRIORS[0], 1.0)  # the counts, less the prior
+    assert tried > 0 and right > 0  # and its rank-1 candidates were right at times
 
 
 def test_batch_generate_recycle(smollm, solo):
@@ -248,3 +252,24 @@ def test_pld_batch_refuses_a_sliding_window_model(gemma):
 
     with pytest.raises(UnsupportedModelError, match="full KV cache in every layer.*ntp"):
         gemma.batch_generate(["a"], method="pld")
+
+
+def test_positional_rope_gives_each_row_and_slot_its_own_position():
+    """A (B, L) offset array rotates token i of row b to ``o[b, i] + i``:
+    the same values as the wrapped RoPE at that row's integer positions,
+    one token at a time (what a batch of draft trees needs)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    from mlx_mtp.cache_view import PositionalRoPE
+
+    rope = nn.RoPE(64, base=10000.0)
+    x = mx.random.normal((3, 4, 5, 64), key=mx.random.key(0))
+    positions = np.array([[7, 8, 8, 9, 9], [0, 1, 2, 3, 4], [30, 31, 32, 31, 32]])
+    offsets = mx.array((positions - np.arange(5)).astype(np.int32))
+    got = PositionalRoPE(rope)(x, offset=offsets)
+    for b in range(3):
+        for i in range(5):
+            want = rope(x[b : b + 1, :, i : i + 1], offset=int(positions[b, i]))
+            assert mx.allclose(got[b : b + 1, :, i : i + 1], want, atol=1e-6)
