@@ -27,7 +27,14 @@ from .decoding import GenerationStats, generate_steps
 from .engine import PREFILL_STEP, Engine
 from .errors import ContextLengthError, InvalidArgumentError, ModelBusyError
 from .families import check_cache_support
-from .loading import EMBEDDED_MODEL, LoadedModel, load_model, share_target
+from .loading import (
+    EMBEDDED_MODEL,
+    LoadedModel,
+    check_tokenizers,
+    load_draft,
+    load_model,
+    share_target,
+)
 from .methods import Method, make_method
 from .sampling import PositionalSampler, random_seed
 from .validation import GENERATION_ARGS, check_generation_args, check_value
@@ -463,6 +470,7 @@ def batch_generate(
     prefill_step: int = PREFILL_STEP,
     method: str = "ntp",
     max_draft: int = 4,
+    draft_model: Any = None,
 ) -> list[Result]:
     """Generate answers to several prompts at once, batched: every unfinished
     prompt runs in one forward pass per step; a prompt leaves the batch at
@@ -473,9 +481,13 @@ def batch_generate(
     row drafts by prompt lookup and the drafts of every row are verified in
     the batch's one forward pass (:class:`~mlx_mtp.batching.DraftBatch`,
     greedy only; models whose layers all keep a full KV cache).
-    ``method="recycle"``: the same, and a row the lookup has nothing for
-    drafts from a table of the model's own predictions (token recycling),
-    filled from every slot of every pass of the batch.
+    ``method="recycle"``: the same, and each row's draft is a tree, its
+    lookup's chain and the candidates a table of the model's own
+    predictions (token recycling), filled from every slot of every pass of
+    the batch, holds after its newest token and after every node.
+    ``method="draft"``: ``draft_model``, a smaller model of the same
+    tokenizer, drafts a greedy chain for every row in batched passes of its
+    own, verified in the target's one pass (:class:`~mlx_mtp.batching.BatchDrafter`).
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -495,9 +507,13 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
-        method: ``"ntp"``, ``"pld"`` or ``"recycle"``.
-        max_draft: with ``pld`` / ``recycle``, most draft tokens per row and step (the
-            width of each pass is chosen by measured cost, 0 to ``max_draft``).
+        method: ``"ntp"``, ``"pld"``, ``"recycle"`` or ``"draft"``.
+        max_draft: with a drafting method, most draft tokens per row and step
+            (the width of each pass, and a draft model's passes, are chosen by
+            measured cost, 0 to ``max_draft``).
+        draft_model: with ``"draft"``, the draft model (an alias, folder,
+            GGUF file or hub id, loaded once per process in the target's
+            dtype, or a :class:`~mlx_mtp.loading.LoadedModel`).
 
     Returns:
         One :class:`Result` per prompt, in order. Its ``stats`` count the
@@ -508,9 +524,12 @@ def batch_generate(
     Raises:
         InvalidArgumentError: no prompts, a bad prompt or argument (naming
             which prompt), ``max_tokens`` of the wrong length, another method,
-            ``pld`` or ``recycle`` with ``temp > 0``.
-        UnsupportedModelError: ``pld`` or ``recycle`` on a model with
-            sliding-window or state-space layers.
+            a drafting method with ``temp > 0``, ``draft`` without a draft
+            model or a draft model with another method.
+        UnsupportedModelError: a drafting method on a model with
+            sliding-window or state-space layers; ``recycle`` on a family
+            that cannot run draft trees; a draft model whose tokenizer
+            differs from the target's.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
     """
@@ -529,8 +548,14 @@ def batch_generate(
         raise InvalidArgumentError(f"prefill_step must be an integer >= 1, got {prefill_step!r}.")
     if method not in BATCH_METHODS:
         raise InvalidArgumentError(
-            f"batched generation runs method 'ntp', 'pld' or 'recycle', got {method!r}; "
-            "decode other methods one prompt at a time (MTPModel.generate)."
+            f"batched generation runs method {', '.join(map(repr, BATCH_METHODS))}, got "
+            f"{method!r}; decode other methods one prompt at a time (MTPModel.generate)."
+        )
+    if (method == "draft") != (draft_model not in (None, "")):
+        raise InvalidArgumentError(
+            "method 'draft' needs draft_model= (a smaller model of the target's tokenizer)"
+            if method == "draft"
+            else f"draft_model is for method 'draft', not {method!r}."
         )
     if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 0 <= max_draft <= 64:
         raise InvalidArgumentError(f"max_draft must be an integer in [0, 64], got {max_draft!r}.")
@@ -564,7 +589,7 @@ def batch_generate(
     eos = ntp.eos_ids
     if method != "ntp":
         return _draft_batch(
-            loaded, tokens, limit_of, max_batch, prefill_step, max_draft, eos, method
+            loaded, tokens, limit_of, max_batch, prefill_step, max_draft, eos, method, draft_model
         )
     gen = BatchGenerator(
         loaded.model,
@@ -629,17 +654,29 @@ def _draft_batch(
     max_draft: int,
     eos: set[int],
     method: str,
+    draft_model: Any = None,
 ) -> list[Result]:
-    """:func:`batch_generate` with ``method="pld"`` or ``"recycle"``: prompts
-    join a :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
+    """:func:`batch_generate` with a drafting method: prompts join a
+    :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
     import time
 
-    from .batching import DraftBatch
+    from .batching import BatchDrafter, DraftBatch
     from .sources.recycle import RecycleTable
 
     table = RecycleTable() if method == "recycle" else None
+    drafter = None
+    if method == "draft":  # loaded once per process, in the target's dtype
+        draft = load_draft(draft_model, loaded.dtype)
+        name = getattr(draft, "name", str(draft_model))
+        check_tokenizers(loaded.tokenizer, draft.tokenizer, loaded.name, name)
+        drafter = BatchDrafter(draft.model, prefill_step)
     batch = DraftBatch(
-        loaded.model, eos, max_draft=max_draft, prefill_step=prefill_step, table=table
+        loaded.model,
+        eos,
+        max_draft=max_draft,
+        prefill_step=prefill_step,
+        table=table,
+        drafter=drafter,
     )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
@@ -689,7 +726,7 @@ def _draft_batch(
 
 
 #: the methods :func:`batch_generate` runs
-BATCH_METHODS = ("ntp", "pld", "recycle")
+BATCH_METHODS = ("ntp", "pld", "recycle", "draft")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

@@ -38,9 +38,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .errors import UnsupportedModelError
+from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
 from .sources.lookup import lookup_match
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
@@ -170,6 +171,93 @@ class BatchLayerCache:
         return self.keys, self.values
 
 
+class BatchCache:
+    """One model's KV cache over a batch's rows: a :class:`BatchLayout` and
+    a :class:`BatchLayerCache` per layer (a :class:`DraftBatch` keeps one for
+    the target and one for a draft model)."""
+
+    def __init__(self, model: Any):
+        self.layout = BatchLayout()
+        self.caches = [BatchLayerCache(self.layout) for _ in make_prompt_cache(model)]
+
+    def join(self, cache: list[KVCache], n: int) -> None:
+        """Add a row whose ``n`` tokens a solo prefill left in ``cache``
+        (mlx-lm's per-layer caches), right-aligned with the others."""
+        lay = self.layout
+        pad = max(0, n - lay.size)
+        if pad:  # the batch's slots shift right to make room
+            lay._reserve(lay.size + pad)
+            lay.valid = np.concatenate(
+                [np.zeros((lay.rows, pad), bool), lay.valid[:, : lay.valid.shape[1] - pad]], axis=1
+            )
+        size = lay.size + pad
+        for bc, c in zip(self.caches, cache):
+            k, v = c.keys[..., :n, :], c.values[..., :n, :]
+            row_k = mx.pad(k, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
+            row_v = mx.pad(v, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
+            if bc.keys is None:
+                bc.keys, bc.values = row_k, row_v
+            else:
+                old_k, old_v = bc.keys[..., : lay.size, :], bc.values[..., : lay.size, :]
+                if pad:
+                    old_k = mx.pad(old_k, [(0, 0), (0, 0), (pad, 0), (0, 0)])
+                    old_v = mx.pad(old_v, [(0, 0), (0, 0), (pad, 0), (0, 0)])
+                bc.keys = mx.concatenate([old_k, row_k])
+                bc.values = mx.concatenate([old_v, row_v])
+        mx.eval([(bc.keys, bc.values) for bc in self.caches])
+        valid = np.zeros((1, lay.valid.shape[1]), bool)
+        valid[0, size - n : size] = True
+        lay.valid = np.concatenate([lay.valid, valid])
+        lay.positions = np.append(lay.positions, n)
+        lay.size = size
+        lay._offset = None
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        lay = self.layout
+        if not keep:
+            self.layout = BatchLayout()
+            for bc in self.caches:
+                bc.layout, bc.keys, bc.values = self.layout, None, None
+            return
+        idx = mx.array(keep)
+        lay.valid = lay.valid[keep]
+        lay.positions = lay.positions[keep]
+        lay._offset = None
+        used = np.flatnonzero(lay.valid[:, : lay.size].any(axis=0))
+        lead = int(used[0]) if len(used) else lay.size
+        for bc in self.caches:
+            bc.keys = bc.keys[idx][..., lead:, :]
+            bc.values = bc.values[idx][..., lead:, :]
+        if lead:
+            lay.valid = np.pad(lay.valid[:, lead:], ((0, 0), (0, lead)))
+            lay.size -= lead
+
+    def due(self, at: float) -> bool:
+        """Whether the slots exceed ``at`` times the longest row's kept tokens."""
+        lay = self.layout
+        return lay.size > 64 and lay.size > at * int(lay.positions.max())
+
+    def compact(self) -> None:
+        """Gather each row's kept slots to the right (one copy of the cache)."""
+        lay = self.layout
+        kept = lay.valid[:, : lay.size]
+        counts = kept.sum(axis=1)
+        size = int(counts.max())
+        index = np.zeros((lay.rows, size), np.int32)
+        valid = np.zeros((lay.rows, max(size, SLOT_BLOCK)), bool)
+        for r in range(lay.rows):
+            slots = np.flatnonzero(kept[r])
+            index[r, size - len(slots) :] = slots
+            valid[r, size - len(slots) : size] = True
+        gather = mx.array(index)[:, None, :, None]
+        for bc in self.caches:
+            bc.keys = mx.take_along_axis(bc.keys[..., : lay.size, :], gather, axis=2)
+            bc.values = mx.take_along_axis(bc.values[..., : lay.size, :], gather, axis=2)
+        mx.eval([(bc.keys, bc.values) for bc in self.caches])
+        lay.valid, lay.size = valid, size
+
+
 @dataclass
 class BatchRow:
     """One request in a :class:`DraftBatch`.
@@ -264,6 +352,124 @@ def check_batchable(model: Any) -> None:
         )
 
 
+def _prefill(model: Any, tokens: list[int], step: int) -> tuple[list[KVCache], mx.array]:
+    """A prompt through ``model`` alone, in chunks of ``step`` tokens: its
+    mlx-lm caches and the logits (V,) after its last token (lazy)."""
+    cache = make_prompt_cache(model)
+    prompt = mx.array(tokens)[None]
+    for s in range(0, len(tokens), step):
+        logits = model(prompt[:, s : s + step], cache=cache)
+        if s + step < len(tokens):
+            mx.eval([c.state for c in cache])
+    return cache, logits[0, -1]
+
+
+class BatchDrafter:
+    """A draft model's greedy chains for every row of a :class:`DraftBatch`
+    (speculative decoding with a draft model, Leviathan et al., 2023;
+    mlx-lm's ``--draft-model`` loop, here over a batch).
+
+    The draft model keeps its own batched cache (:class:`BatchCache`, rows
+    in the batch's order). Each row also keeps the committed tokens the
+    draft model has not seen yet (its pending tokens: the root, and after a
+    step that accepted every draft the last draft too, or the tokens of
+    steps that sent none). :meth:`draft` feeds every row's pending tokens in
+    one pass and then its newest draft, ``depth`` passes in all, queued one
+    behind the other and read in one synchronisation; :meth:`settle` masks
+    the drafts the target rejected out of the draft cache.
+
+    Args:
+        model: the draft model (an mlx-lm model of the target's tokenizer,
+            a full KV cache in every layer).
+        prefill_step: prompt tokens per prefill pass.
+
+    Raises:
+        UnsupportedModelError: see :func:`check_batchable`.
+    """
+
+    def __init__(self, model: Any, prefill_step: int = 2048):
+        check_batchable(model)
+        self.model = model
+        self.backbone, self.head, _ = model_parts(model)
+        self.prefill_step = prefill_step
+        self.kv = BatchCache(model)
+        #: per row: committed tokens not in the draft cache yet
+        self.pending: list[list[int]] = []
+        #: seconds per draft pass by rows: an exponential average
+        self.seconds: dict[int, float] = {}
+        self._share: float | None = None
+
+    def weight_share(self, target: Any) -> float:
+        """The draft model's parameter bytes over the target's."""
+
+        def size(m: Any) -> int:
+            return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+
+        if self._share is None:
+            self._share = size(self.model) / max(size(target), 1)
+        return self._share
+
+    def add(self, tokens: list[int], first: int) -> None:
+        """A row joins: its prompt prefilled alone; ``first`` is pending."""
+        cache, _ = _prefill(self.model, tokens, self.prefill_step)
+        self.kv.join(cache, len(tokens))
+        self.pending.append([first])
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        self.pending = [self.pending[i] for i in keep]
+        self.kv.keep(keep)
+
+    def draft(self, depth: int) -> np.ndarray:
+        """(rows, depth) int64: each row's greedy chain of ``depth`` tokens
+        after its pending ones."""
+        if self.kv.due(2.0):
+            self.kv.compact()
+        lay = self.kv.layout
+        rows = lay.rows
+        width = max(map(len, self.pending))
+        inputs = np.empty((rows, width), np.int32)
+        keep = np.zeros((rows, width), bool)
+        for r, toks in enumerate(self.pending):
+            inputs[r, : len(toks)] = toks
+            inputs[r, len(toks) :] = toks[-1]  # padding after the row's tokens
+            keep[r, : len(toks)] = True
+        t0 = time.perf_counter()
+        h = self.backbone(mx.array(inputs), cache=self.kv.caches)
+        lay.commit(keep)
+        last = mx.array(keep.sum(axis=1) - 1)
+        h = mx.take_along_axis(h, last[:, None, None], axis=1)  # (rows, 1, D)
+        tokens = [mx.argmax(self.head(h)[:, -1], axis=-1)]
+        for _ in range(depth - 1):
+            h = self.backbone(tokens[-1][:, None], cache=self.kv.caches)
+            lay.commit(np.ones((rows, 1), bool))
+            tokens.append(mx.argmax(self.head(h)[:, -1], axis=-1))
+        out = mx.stack(tokens, axis=1)
+        mx.eval(out)
+        per = (time.perf_counter() - t0) / depth
+        old = self.seconds.get(rows)
+        self.seconds[rows] = per if old is None else 0.8 * old + 0.2 * per
+        return np.array(out).astype(np.int64)
+
+    def settle(self, depth: int, accepted: np.ndarray, new: list[list[int]]) -> None:
+        """After the target's pass: row ``r`` accepted its first
+        ``accepted[r]`` drafts of :meth:`draft`'s ``depth`` (0 when it
+        drafted none) and committed ``new[r]``. The draft cache holds the
+        first ``depth - 1`` drafts; those past a row's accepted ones are
+        masked out, and its committed tokens not in the cache are pending."""
+        lay = self.kv.layout
+        held = depth - 1 if depth else 0
+        for r in range(lay.rows):
+            a = min(int(accepted[r]), held)
+            if held > a:
+                lay.valid[r, lay.size - held + a : lay.size] = False
+                lay.positions[r] -= held - a
+            seen = a if depth else 0
+            self.pending[r] = ([] if depth else self.pending[r]) + new[r][seen:]
+        lay._offset = None
+        lay.size -= lay.common_tail()
+
+
 class DraftBatch:
     """Continuous batching with drafts verified in the batch's forward pass
     (greedy): prompt lookup, and with a ``table`` token recycling.
@@ -317,8 +523,15 @@ class DraftBatch:
         prefill_step: int = 2048,
         max_slots: int = 1024,
         table: RecycleTable | None = None,
+        drafter: BatchDrafter | None = None,
     ):
         check_batchable(model)
+        if table is not None and drafter is not None:
+            raise InvalidArgumentError("a batch drafts from a table or a draft model, not both")
+        self.drafter = drafter
+        # a draft model's token right: the first, and one after a right one
+        self.draft_first = np.array([0.6, 1.0])
+        self.draft_next = np.array([0.7, 1.0])
         self.model = model
         self.backbone, self.head, _ = model_parts(model)
         self.eos = set(eos)
@@ -326,8 +539,7 @@ class DraftBatch:
         self.max_draft = max_draft
         self.prefill_step = prefill_step
         self.max_slots = max_slots
-        self.layout = BatchLayout()
-        self.caches = [BatchLayerCache(self.layout) for _ in make_prompt_cache(model)]
+        self.kv = BatchCache(model)
         self.rows: list[BatchRow] = []
         #: rows that finished (EOS or their limit), by uid
         self.finished: dict[int, BatchRow] = {}
@@ -365,13 +577,8 @@ class DraftBatch:
             Its uid and its first token (``finish_reason`` set if it is
             already done: EOS, or a limit of 1; it is then not in the batch).
         """
-        cache = make_prompt_cache(self.model)
-        prompt = mx.array(tokens)[None]
-        for s in range(0, len(tokens), self.prefill_step):
-            logits = self.model(prompt[:, s : s + self.prefill_step], cache=cache)
-            if s + self.prefill_step < len(tokens):
-                mx.eval([c.state for c in cache])
-        first = int(mx.argmax(logits[0, -1]).item())
+        cache, logits = _prefill(self.model, tokens, self.prefill_step)
+        first = int(mx.argmax(logits).item())
         self._uid += 1
         uid = self._uid
         if first in self.eos or limit <= 1:
@@ -379,39 +586,11 @@ class DraftBatch:
         context = np.zeros(max(64, 2 * (len(tokens) + limit)), np.int32)
         row = BatchRow(uid, context, 0, len(tokens), limit - 1, first, [first])
         row.append([*tokens, first])
-        self._join(cache, len(tokens))
+        self.kv.join(cache, len(tokens))
+        if self.drafter is not None:
+            self.drafter.add(tokens, first)
         self.rows.append(row)
         return uid, StepTokens(uid, [first], None)
-
-    def _join(self, cache: list[KVCache], n: int) -> None:
-        lay = self.layout
-        pad = max(0, n - lay.size)
-        if pad:  # the batch's slots shift right to make room
-            lay._reserve(lay.size + pad)
-            lay.valid = np.concatenate(
-                [np.zeros((lay.rows, pad), bool), lay.valid[:, : lay.valid.shape[1] - pad]], axis=1
-            )
-        size = lay.size + pad
-        for bc, c in zip(self.caches, cache):
-            k, v = c.keys[..., :n, :], c.values[..., :n, :]
-            row_k = mx.pad(k, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
-            row_v = mx.pad(v, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
-            if bc.keys is None:
-                bc.keys, bc.values = row_k, row_v
-            else:
-                old_k, old_v = bc.keys[..., : lay.size, :], bc.values[..., : lay.size, :]
-                if pad:
-                    old_k = mx.pad(old_k, [(0, 0), (0, 0), (pad, 0), (0, 0)])
-                    old_v = mx.pad(old_v, [(0, 0), (0, 0), (pad, 0), (0, 0)])
-                bc.keys = mx.concatenate([old_k, row_k])
-                bc.values = mx.concatenate([old_v, row_v])
-        mx.eval([(bc.keys, bc.values) for bc in self.caches])
-        valid = np.zeros((1, lay.valid.shape[1]), bool)
-        valid[0, size - n : size] = True
-        lay.valid = np.concatenate([lay.valid, valid])
-        lay.positions = np.append(lay.positions, n)
-        lay.size = size
-        lay._offset = None
 
     def take_row(self, uid: int) -> BatchRow | None:
         """A request's row with its counts (None: unknown uid), forgotten
@@ -428,44 +607,13 @@ class DraftBatch:
         self._keep(keep)
 
     def _keep(self, keep: list[int]) -> None:
-        lay = self.layout
         self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.layout = BatchLayout()
-            for bc in self.caches:
-                bc.layout, bc.keys, bc.values = self.layout, None, None
-            return
-        idx = mx.array(keep)
-        lay.valid = lay.valid[keep]
-        lay.positions = lay.positions[keep]
-        lay._offset = None
-        used = np.flatnonzero(lay.valid[:, : lay.size].any(axis=0))
-        lead = int(used[0]) if len(used) else lay.size
-        for bc in self.caches:
-            bc.keys = bc.keys[idx][..., lead:, :]
-            bc.values = bc.values[idx][..., lead:, :]
-        if lead:
-            lay.valid = np.pad(lay.valid[:, lead:], ((0, 0), (0, lead)))
-            lay.size -= lead
+        self.kv.keep(keep)
+        if self.drafter is not None:
+            self.drafter.keep(keep)
 
     def _compact(self) -> None:
-        """Gather each row's kept slots to the right (one copy of the cache)."""
-        lay = self.layout
-        kept = lay.valid[:, : lay.size]
-        counts = kept.sum(axis=1)
-        size = int(counts.max())
-        index = np.zeros((lay.rows, size), np.int32)
-        valid = np.zeros((lay.rows, max(size, SLOT_BLOCK)), bool)
-        for r in range(lay.rows):
-            slots = np.flatnonzero(kept[r])
-            index[r, size - len(slots) :] = slots
-            valid[r, size - len(slots) : size] = True
-        gather = mx.array(index)[:, None, :, None]
-        for bc in self.caches:
-            bc.keys = mx.take_along_axis(bc.keys[..., : lay.size, :], gather, axis=2)
-            bc.values = mx.take_along_axis(bc.values[..., : lay.size, :], gather, axis=2)
-        mx.eval([(bc.keys, bc.values) for bc in self.caches])
-        lay.valid, lay.size = valid, size
+        self.kv.compact()
 
     def _drafts(self) -> list[RowDraft]:
         out = []
@@ -545,13 +693,59 @@ class DraftBatch:
             kind, r = tree.kinds[i]
             if kind == "lookup":
                 (self.first[tree.ngram - 1] if parent == 0 else self.next)[:] += (ok, 1)
+            elif kind == "draft":
+                (self.draft_first if parent == 0 else self.draft_next)[:] += (ok, 1)
             else:
                 (self.table_root if parent == 0 else self.table_deep)[r] += (ok, 1)
+
+    def _chains(self, tokens: np.ndarray) -> list[RowDraft]:
+        """Each row's draft-model chain (``tokens`` (rows, depth)) as its
+        draft, cut to the tokens it may still generate, each node valued by
+        the measured rates of a right first token and a right one after it."""
+        p = self.draft_first[0] / self.draft_first[1]
+        q = self.draft_next[0] / self.draft_next[1]
+        out = []
+        for row, chain in zip(self.rows, tokens.tolist()):
+            n = max(0, min(len(chain), row.limit - 1))
+            out.append(
+                RowDraft(
+                    chain[:n],
+                    list(range(n)),
+                    [p * q**i for i in range(n)],
+                    [("draft", i) for i in range(n)],
+                )
+            )
+        return out
+
+    def _depth(self) -> int:
+        """Draft-model passes for this step (0: none): the depth with the
+        most expected tokens per second, each row's chain valued as
+        :meth:`_chains` values it, over the target pass's measured time and
+        the draft model's passes (measured; before that, guessed at the
+        target's time of one slot per row times the draft model's share of
+        the weights)."""
+        rows = len(self.rows)
+        p = self.draft_first[0] / self.draft_first[1]
+        q = self.draft_next[0] / self.draft_next[1]
+        rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
+        most = min(max(rooms), self.max_slots // rows - 1)
+        each = self.drafter.seconds.get(rows)
+        if each is None:
+            each = self._cost(rows) * self.drafter.weight_share(self.model)
+        best, best_rate = 0, rows / self._cost(rows)
+        for k in range(1, most + 1):
+            expected = sum(
+                p * (1 - q ** min(k, m)) / (1 - q) if q < 1 else p * min(k, m) for m in rooms
+            )
+            rate = (rows + expected) / (self._cost(rows * (k + 1)) + k * each)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def _cost(self, slots: int) -> float:
         if slots in self.seconds:
             return self.seconds[slots]
-        rows = self.layout.rows
+        rows = self.kv.layout.rows
         one = self.seconds.get(rows, float(rows))
         return one * (slots / rows) ** 0.5  # unmeasured: a guess, replaced once it runs
 
@@ -589,11 +783,18 @@ class DraftBatch:
         """
         if not self.rows:
             return []
-        lay = self.layout
-        if lay.size > 64 and lay.size > self.compact_at * int(lay.positions.max()):
+        if self.kv.due(self.compact_at):
             self._compact()
+        lay = self.kv.layout
         rows = len(self.rows)
-        drafts = self._drafts() if self.max_draft else [RowDraft() for _ in self.rows]
+        depth = 0
+        if self.drafter is not None:
+            depth = self._depth() if self.max_draft else 0
+            drafts = self._chains(self.drafter.draft(depth)) if depth else None
+        else:
+            drafts = self._drafts() if self.max_draft else None
+        if drafts is None:
+            drafts = [RowDraft() for _ in self.rows]
         k = self._width(drafts) if any(d.tokens for d in drafts) else 0
         width = k + 1
         inputs = np.empty((rows, width), np.int32)
@@ -614,7 +815,7 @@ class DraftBatch:
                 (lay.positions[:, None] + depth - np.arange(width)).astype(np.int32)
             )
         t0 = time.perf_counter()
-        h = self.backbone(mx.array(inputs), cache=self.caches)
+        h = self.backbone(mx.array(inputs), cache=self.kv.caches)
         # the LM head only where a row has a token (padding has no logits to check)
         at = np.flatnonzero(real.ravel())
         if len(at) == real.size:
@@ -633,7 +834,7 @@ class DraftBatch:
         old = self.seconds.get(slots)
         self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
         keep = np.zeros((rows, width), bool)
-        out, done = [], []
+        out, done, news = [], [], []
         for r, (row, d) in enumerate(zip(self.rows, drafts)):
             sent = int(real[r].sum()) - 1
             path, bonus = walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
@@ -646,6 +847,7 @@ class DraftBatch:
             row.slots += width
             row.max_slots = max(row.max_slots, width)
             new = [int(inputs[r, s]) for s in path] + [int(bonus)]
+            news.append(new)
             reason = None
             for i, t in enumerate(new):
                 if t in self.eos:
@@ -663,6 +865,8 @@ class DraftBatch:
                 self.finished[row.uid] = row
         if top is not None:
             self._learn(inputs, keep, at, np.array(top), logits.shape[-1])
+        if self.drafter is not None:
+            self.drafter.settle(depth, keep.sum(axis=1) - 1, news)
         lay.commit(keep)
         lay.size -= lay.common_tail()
         if done:

@@ -30,7 +30,13 @@ from mlx_lm.utils import dequantize_model
 
 from . import distributed
 from .artifacts import artifact_dir, cache_home  # noqa: F401  (cache_home: re-exported)
-from .errors import InvalidArgumentError, ModelLoadError, ModelNotFoundError, MTPError
+from .errors import (
+    InvalidArgumentError,
+    ModelLoadError,
+    ModelNotFoundError,
+    MTPError,
+    UnsupportedModelError,
+)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -463,3 +469,49 @@ def cached_models() -> list[Path]:
     if not root.exists():
         return []
     return sorted(p for p in root.iterdir() if (p / COMPLETE_MARKER).exists())
+
+
+#: texts whose token ids the target and draft tokenizers must agree on
+PROBE_TEXTS = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Ünïcödé, 中文, emoji 🙂 and numbers 1234567890.",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+)
+
+#: draft models loaded in this process, by (spec, dtype): bound once, shared
+_LOADED: dict[tuple[str, str | None], Any] = {}
+
+
+def load_draft(spec: Any, dtype: str | None) -> Any:
+    """The draft model ``spec`` (an alias, folder, GGUF file or hub id, or a
+    :class:`~mlx_mtp.loading.LoadedModel`), loaded once per process and dtype."""
+    if not isinstance(spec, str):
+        return spec
+    key = (spec, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(spec, dtype)
+    return _LOADED[key]
+
+
+def check_tokenizers(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids than the
+    target's (the vocabulary sizes may differ: embedding tables are padded).
+
+    Raises:
+        UnsupportedModelError: naming the first text, and the ids, that differ.
+    """
+    for text in PROBE_TEXTS:
+        a, b = list(target.encode(text)), list(draft.encode(text))
+        if a != b:
+            raise UnsupportedModelError(
+                f"--draft-model {draft_name}: its tokenizer encodes {text[:32]!r} as "
+                f"{b[:8]}..., the target {target_name}'s as {a[:8]}...: a draft model "
+                "must share the target's tokenizer (e.g. a smaller model of the same family)."
+            )
+    ta, tb = set(target.eos_token_ids or []), set(draft.eos_token_ids or [])
+    if ta != tb:
+        raise UnsupportedModelError(
+            f"--draft-model {draft_name}: its end-of-sequence ids {sorted(tb)} differ from the "
+            f"target's {sorted(ta)}; use a draft model of the same tokenizer."
+        )

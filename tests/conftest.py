@@ -53,6 +53,26 @@ def smollm():
     return load_model("smollm2-135m", dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def near_draft(smollm):
+    """A draft model for SmolLM2: a second SmolLM2 with every weight nudged
+    (noise 0.01), so that about half of its drafts are accepted."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_mtp.loading import load_model
+
+    draft = load_model("smollm2-135m", dtype="float32")
+    assert draft.model is not smollm.model
+    mx.random.seed(3)
+    params = tree_flatten(draft.model.parameters())
+    draft.model.update(
+        tree_unflatten([(k, v + 0.01 * mx.random.normal(v.shape)) for k, v in params])
+    )
+    mx.eval(draft.model.parameters())
+    return draft
+
+
 def _imported(name: str, what: str, script: str = "get_test_model.sh"):
     """An imported test model (``scripts/<script>``) loaded in float32;
     fails (does not skip) when it was not imported."""

@@ -231,10 +231,58 @@ def test_batch_generate_recycle(smollm, solo):
         assert g.stats.method.startswith("recycle(batch")
 
 
+def test_draft_model_batch_equals_solo_greedy(smollm, solo, near_draft, short_spec_prompts):
+    """A draft model drafts every row's chain in batched passes of its own
+    (its cache masks the drafts the target rejected; a step that accepts a
+    whole chain leaves two tokens for its next first pass). Four drafts per
+    row and step, rows joining as others leave and one dropped midway: every
+    other answer is the solo greedy one, drafts were both accepted and
+    rejected, and whole chains were accepted."""
+    from mlx_mtp.batching import BatchDrafter, DraftBatch
+
+    prompts = [list(p) for p in short_spec_prompts[:5]]
+    limits = [24, 12, 24, 20, 24]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    drafter = BatchDrafter(near_draft.model)
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, drafter=drafter)
+    _always_draft(batch)
+    batch._depth = lambda: 4
+    pending = []
+    real = drafter.settle
+    drafter.settle = lambda *a: (real(*a), pending.extend(map(len, drafter.pending)))[0]
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3, remove_at=(4, 1))
+    assert got[1] is None
+    for i in (0, 2, 3, 4):
+        assert got[i] == solo(prompts[i], max_tokens=limits[i], temp=0.0).tokens
+    rows = [batch.take_row(u) for u in (1, 3, 4, 5)]
+    drafted, accepted = sum(r.drafted for r in rows), sum(r.accepted for r in rows)
+    assert 0 < accepted < drafted
+    assert max(pending) == 2  # a whole chain accepted: its last draft and the bonus token
+
+
+def test_batch_generate_draft(smollm, solo, near_draft):
+    """The API's draft-model batch: solo answers, named as such."""
+    got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
+                                method="draft", draft_model=near_draft)  # fmt: skip
+    for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
+        want = solo(prompt, max_tokens=n, temp=0.0)
+        assert g.tokens == want.tokens and g.finish_reason == want.finish_reason
+        assert g.stats.method.startswith("draft(batch")
+
+
+def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen):
+    from mlx_mtp.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="must share the target's tokenizer"):
+        smollm.batch_generate(["Hi"], max_tokens=4, method="draft", draft_model=qwen)
+
+
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        ({"method": "probe"}, "runs method 'ntp', 'pld' or 'recycle'"),
+        ({"method": "probe"}, "runs method 'ntp', 'pld', 'recycle', 'draft'"),
+        ({"method": "draft"}, "method 'draft' needs draft_model="),
+        ({"method": "pld", "draft_model": "smollm2-135m"}, "draft_model is for method 'draft'"),
         ({"method": "pld", "temp": 0.7}, "greedy only"),
         ({"method": "recycle", "temp": 0.7}, "method 'recycle'.*greedy only"),
         ({"method": "pld", "max_draft": -1}, r"max_draft must be an integer in \[0, 64\]"),

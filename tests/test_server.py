@@ -1170,15 +1170,16 @@ def test_a_failure_in_the_batch_is_a_500_and_the_server_goes_on(server, monkeypa
 
 
 def concurrent_chats(client, worker, prompts, method, n):
-    """Greedy chat requests of ``method`` for every prompt at once (``n``
-    tokens each); returns the answers by index and the batch sizes seen."""
+    """Greedy chat requests of ``method`` (None: the server's) for every
+    prompt at once (``n`` tokens each); returns the answers by index and the
+    batch sizes seen."""
     results: dict[int, object] = {}
 
     def chat(i):
+        mtp = {} if method is None else {"extra_body": {"mtp": {"method": method}}}
         results[i] = client.chat.completions.create(
-            model=MODEL, messages=prompts[i], max_tokens=n, temperature=0,
-            extra_body={"mtp": {"method": method}},
-        )  # fmt: skip
+            model=MODEL, messages=prompts[i], max_tokens=n, temperature=0, **mtp
+        )
 
     with batch_sizes(worker) as seen:
         threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(prompts))]
@@ -1227,6 +1228,33 @@ def test_batched_pld_requests_draft_in_one_pass_and_equal_their_solo_answers(
     )  # fmt: skip
     assert r.model_extra["mtp"]["method"].startswith("pld(")
     assert r.model_extra["mtp"]["method"] != "pld(batch)"
+    assert_healthy(base, worker)
+
+
+def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
+    server, client, ref, monkeypatch, near_draft
+):
+    """A server whose method is ``draft`` (its draft model given at start):
+    with --max-batch 4, concurrent greedy requests of that method run in one
+    batch, the draft model drafting every row's chain in batched passes of
+    its own, and each answer is the solo greedy one."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)
+    monkeypatch.setattr(worker, "method", "draft")
+    monkeypatch.setattr(worker, "options", {"draft_model": near_draft})
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+    ]
+    results, seen = concurrent_chats(client, worker, prompts, None, 16)
+    assert max(seen) >= 2, "never batched"
+    for i, p in enumerate(prompts):
+        r = results[i]
+        assert r.choices[0].message.content == ref(p, "ntp", n=16).text
+        assert r.model_extra["mtp"]["method"] == "draft(batch)"
     assert_healthy(base, worker)
 
 

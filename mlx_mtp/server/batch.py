@@ -26,6 +26,7 @@ from typing import Any
 from ..api import RowSampler
 from ..decoding import GenerationStats
 from ..errors import MTPError
+from ..loading import check_tokenizers, load_draft
 from ..sampling import PositionalSampler, random_seed
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
@@ -69,12 +70,14 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
-        kind: ``"ntp"``, ``"pld"`` or ``"recycle"``.
-        max_slots: with ``pld`` / ``recycle``, most tokens in one decoding
+        kind: ``"ntp"``, ``"pld"``, ``"recycle"`` or ``"draft"``.
+        max_slots: with a drafting kind, most tokens in one decoding
             pass (the server's slots bound: rows x draft width).
         table: with ``recycle``, the table to draft from and fill (the
             worker's :class:`~mlx_mtp.sources.recycle.RecycleTable`, kept
             from one batch to the next).
+        draft_model: with ``draft``, the server's draft model (as its
+            ``draft_model`` option names it).
     """
 
     def __init__(
@@ -89,10 +92,11 @@ class BatchRunner:
         kind: str = "ntp",
         max_slots: int = 1024,
         table: Any = None,
+        draft_model: Any = None,
     ):
         from mlx_lm.generate import BatchGenerator
 
-        from ..batching import DraftBatch
+        from ..batching import BatchDrafter, DraftBatch
 
         self.kind = kind
         self.model = model
@@ -108,13 +112,21 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        if kind in ("pld", "recycle"):
+        if kind in ("pld", "recycle", "draft"):
+            drafter = None
+            if kind == "draft":  # loaded once per process
+                target = model.loaded
+                draft = load_draft(draft_model, target.dtype)
+                name = getattr(draft, "name", str(draft_model))
+                check_tokenizers(target.tokenizer, draft.tokenizer, target.name, name)
+                drafter = BatchDrafter(draft.model, prefill_step)
             self.drafts = DraftBatch(
                 model.model,
                 self.eos,
                 prefill_step=prefill_step,
                 max_slots=max_slots,
                 table=table if kind == "recycle" else None,
+                drafter=drafter,
             )
         else:
             self.gen = BatchGenerator(

@@ -414,18 +414,22 @@ class Worker:
 
     def batchable(self, job: Job) -> str | None:
         """The kind of batch a job runs in (None: it runs alone): ``"ntp"``
-        for plain decoding, ``"pld"`` for greedy prompt lookup and
-        ``"recycle"`` for greedy token recycling (with prompt lookup) on a
-        model whose layers all keep a full KV cache (the server's method
-        without options, or asked for without options); with ``--max-batch``
-        above 1, an unbounded cache and a model on one rank."""
+        for plain decoding, ``"pld"`` for greedy prompt lookup,
+        ``"recycle"`` for greedy token recycling (with prompt lookup) and
+        ``"draft"`` for the server's greedy draft model, on a model whose
+        layers all keep a full KV cache (the server's method without options
+        but its draft model, or a method asked for without options); with
+        ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
         req = job.request
         if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
             return None
         method, options = (
             (self.method, self.options) if req.method is None else (req.method, req.options)
         )
-        if options or method not in BATCH_METHODS:
+        # the server's draft model is the one option a batch takes (a request
+        # cannot name one)
+        own_draft = method == "draft" and req.method is None and set(options) == {"draft_model"}
+        if (options and not own_draft) or method not in BATCH_METHODS:
             return None
         if method != "ntp":
             temp = sampling_of(req).get("temp", self.sampling["temp"])
@@ -506,6 +510,7 @@ class Worker:
                 kind or "ntp",
                 self.limits.slots,
                 self._recycle_table,
+                self.options.get("draft_model") if kind == "draft" else None,
             )
         try:
             self._batch.add(job, sampling_of(job.request))

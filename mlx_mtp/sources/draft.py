@@ -38,65 +38,19 @@ from ..budget import PrefixBound
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..loading import check_tokenizers, load_draft
 from ..pipeline import DeviceDrafter, DeviceState, Template
 from ..verify import top_tokens
 from .masks import candidate_lists, top_candidates
-
-#: texts whose token ids the target and draft tokenizers must agree on
-PROBE_TEXTS = (
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "Ünïcödé, 中文, emoji 🙂 and numbers 1234567890.",
-    "  leading spaces, tabs\tand\nnew lines\n\n",
-)
 
 #: the most tokens the draft model lacks that its first pass of a step feeds
 #: in front of the root (more are prefilled on their own first)
 CATCH_UP = 64
 
-#: draft models loaded in this process, by (spec, dtype): bound once, shared
-_LOADED: dict[tuple[str, str | None], Any] = {}
-
-
-def load_draft(spec: Any, dtype: str | None) -> Any:
-    """The draft model ``spec`` (an alias, folder, GGUF file or hub id, or a
-    :class:`~mlx_mtp.loading.LoadedModel`), loaded once per process and dtype."""
-    from ..loading import load_model
-
-    if not isinstance(spec, str):
-        return spec
-    key = (spec, dtype)
-    if key not in _LOADED:
-        _LOADED[key] = load_model(spec, dtype)
-    return _LOADED[key]
-
 
 def weight_bytes(model: Any) -> int:
     """Bytes of a model's parameters (what a memory-bound pass reads)."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def check_tokenizers(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
-    """Refuse a draft model whose tokenizer maps text to other ids than the
-    target's (the vocabulary sizes may differ: embedding tables are padded).
-
-    Raises:
-        UnsupportedModelError: naming the first text, and the ids, that differ.
-    """
-    for text in PROBE_TEXTS:
-        a, b = list(target.encode(text)), list(draft.encode(text))
-        if a != b:
-            raise UnsupportedModelError(
-                f"--draft-model {draft_name}: its tokenizer encodes {text[:32]!r} as "
-                f"{b[:8]}..., the target {target_name}'s as {a[:8]}...: a draft model "
-                "must share the target's tokenizer (e.g. a smaller model of the same family)."
-            )
-    ta, tb = set(target.eos_token_ids or []), set(draft.eos_token_ids or [])
-    if ta != tb:
-        raise UnsupportedModelError(
-            f"--draft-model {draft_name}: its end-of-sequence ids {sorted(tb)} differ from the "
-            f"target's {sorted(ta)}; use a draft model of the same tokenizer."
-        )
 
 
 class DraftModel:
