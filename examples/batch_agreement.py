@@ -8,8 +8,9 @@ once one at a time through the Python API (``MTPModel.generate``, method
 identical token for token (and where the others first differ) and the
 aggregate tokens per second of each (the solo run's also without its
 prefills, which on a CPU can take most of the time). ``--methods ntp,pld``
-runs each batched method (``pld``: drafts verified inside the batch),
-``--rounds`` times, alternating.
+runs each batched method (``pld``, ``recycle``, ``draft`` with
+``--draft-model``: drafts verified inside the batch), ``--rounds`` times,
+alternating.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python examples/batch_agreement.py \\
         --prompts 8 --max-tokens 64 --max-batch 8 [--below 700] [--json out.json]
@@ -60,7 +61,8 @@ def main() -> None:
     ap.add_argument("--below", type=int, default=700, help="prompts under this many tokens")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--methods", default="ntp",
-                    help="batched methods, comma-separated (ntp, pld)")  # fmt: skip
+                    help="batched methods, comma-separated (ntp, pld, recycle, draft)")  # fmt: skip
+    ap.add_argument("--draft-model", default=None, help="the draft model of method draft")
     ap.add_argument("--rounds", type=int, default=1,
                     help="batched runs of each method, alternating")  # fmt: skip
     ap.add_argument("--tasks", default=",".join(TASKS), help="Spec-Bench tasks to draw from")
@@ -80,8 +82,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for m in methods:
             t0 = time.perf_counter()
+            extra = {"draft_model": args.draft_model} if m == "draft" else {}
             batched = lm.batch_generate(
-                prompts, max_tokens=args.max_tokens, max_batch=args.max_batch, method=m
+                prompts, max_tokens=args.max_tokens, max_batch=args.max_batch, method=m, **extra
             )
             batch_s = time.perf_counter() - t0
             differ = []

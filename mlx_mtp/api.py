@@ -666,7 +666,8 @@ def _draft_batch(
     table = RecycleTable() if method == "recycle" else None
     drafter = None
     if method == "draft":  # loaded once per process, in the target's dtype
-        draft = load_draft(draft_model, loaded.dtype)
+        spec = share_target(loaded, {"draft_model": draft_model})["draft_model"]
+        draft = load_draft(spec, loaded.dtype)
         name = getattr(draft, "name", str(draft_model))
         check_tokenizers(loaded.tokenizer, draft.tokenizer, loaded.name, name)
         drafter = BatchDrafter(draft.model, prefill_step)

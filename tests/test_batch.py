@@ -260,6 +260,33 @@ def test_draft_model_batch_equals_solo_greedy(smollm, solo, near_draft, short_sp
     assert max(pending) == 2  # a whole chain accepted: its last draft and the bonus token
 
 
+def test_draft_model_batch_catches_up_after_steps_without_drafts(
+    smollm, solo, near_draft, short_spec_prompts
+):
+    """Steps that draft nothing leave their tokens to the draft model's next
+    drafting step, which first feeds all but the newest two in catch-up
+    passes of their own: the answers stay the solo greedy ones."""
+    import itertools
+
+    from mlx_mtp.batching import BatchDrafter, DraftBatch
+
+    prompts = [list(p) for p in short_spec_prompts[5:9]]
+    limits = [24, 20, 24, 16]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    drafter = BatchDrafter(near_draft.model)
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=3, drafter=drafter)
+    _always_draft(batch)
+    depths = itertools.cycle([0, 0, 0, 3])
+    batch._depth = lambda: next(depths)
+    caught = []
+    real = drafter._catch_up
+    drafter._catch_up = lambda: (caught.append(max(map(len, drafter.pending))), real())[1]
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3)
+    for p, n, g in zip(prompts, limits, got):
+        assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    assert max(caught) > 2  # catch-up passes ran
+
+
 def test_batch_generate_draft(smollm, solo, near_draft):
     """The API's draft-model batch: solo answers, named as such."""
     got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,

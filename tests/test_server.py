@@ -1258,6 +1258,24 @@ def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
     assert_healthy(base, worker)
 
 
+def test_a_draft_model_that_cannot_batch_leaves_the_requests_to_run_alone(
+    server, monkeypatch, near_draft, gemma
+):
+    """Whether the server's draft model can draft inside a batch is checked
+    before a batch is made: one of another tokenizer (Gemma 3 for SmolLM2)
+    cannot, so its requests are not batched (they run alone, where the
+    method gives its own error); the nudged SmolLM2 can."""
+    base, worker = server
+    monkeypatch.setattr(worker, "method", "draft")
+    monkeypatch.setattr(worker, "_draft_batchable", {})
+    monkeypatch.setattr(worker, "options", {"draft_model": gemma})
+    assert worker._drafts_batch("draft") is False
+    monkeypatch.setattr(worker, "_draft_batchable", {})
+    monkeypatch.setattr(worker, "options", {"draft_model": near_draft})
+    assert worker._drafts_batch("draft") is True
+    assert_healthy(base, worker)
+
+
 def test_batched_recycle_requests_equal_their_solo_answers_and_keep_the_table(
     server, client, ref, monkeypatch
 ):

@@ -26,7 +26,6 @@ from typing import Any
 from ..api import RowSampler
 from ..decoding import GenerationStats
 from ..errors import MTPError
-from ..loading import check_tokenizers, load_draft
 from ..sampling import PositionalSampler, random_seed
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
@@ -76,8 +75,8 @@ class BatchRunner:
         table: with ``recycle``, the table to draft from and fill (the
             worker's :class:`~mlx_mtp.sources.recycle.RecycleTable`, kept
             from one batch to the next).
-        draft_model: with ``draft``, the server's draft model (as its
-            ``draft_model`` option names it).
+        draft_model: with ``draft``, the server's draft model (an mlx-lm
+            model of the target's tokenizer, checked by the worker).
     """
 
     def __init__(
@@ -114,12 +113,8 @@ class BatchRunner:
         self.gen: Any = None
         if kind in ("pld", "recycle", "draft"):
             drafter = None
-            if kind == "draft":  # loaded once per process
-                target = model.loaded
-                draft = load_draft(draft_model, target.dtype)
-                name = getattr(draft, "name", str(draft_model))
-                check_tokenizers(target.tokenizer, draft.tokenizer, target.name, name)
-                drafter = BatchDrafter(draft.model, prefill_step)
+            if kind == "draft":
+                drafter = BatchDrafter(draft_model, prefill_step)
             self.drafts = DraftBatch(
                 model.model,
                 self.eos,

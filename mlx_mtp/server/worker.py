@@ -36,7 +36,7 @@ from .. import distributed
 from ..api import BATCH_METHODS
 from ..engine import Engine
 from ..errors import InvalidArgumentError, MTPError
-from ..loading import load_model, share_target
+from ..loading import check_tokenizers, load_draft, load_model, share_target
 from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .limits import Limits
@@ -173,7 +173,7 @@ class Worker:
         #: the batch of ntp or pld jobs (:class:`~.batch.BatchRunner`), made at the first one
         self._batch: Any = None
         #: whether the model can run a drafting batch (None: not checked yet)
-        self._draft_batchable: bool | None = None
+        self._draft_batchable: dict[str, bool] = {}
         #: the table of a ``recycle`` batch, kept for the next one (as a
         #: recycle method object keeps its own across generations)
         self._recycle_table: Any = None
@@ -433,21 +433,43 @@ class Worker:
             return None
         if method != "ntp":
             temp = sampling_of(req).get("temp", self.sampling["temp"])
-            if temp > 0 or not self._drafts_batch():
+            if temp > 0 or not self._drafts_batch(method):
                 return None
         return method
 
-    def _drafts_batch(self) -> bool:
-        """Whether this model can run a drafting batch (checked once)."""
-        if self._draft_batchable is None:
-            from ..batching import check_batchable
+    def _drafts_batch(self, kind: str) -> bool:
+        """Whether this model can run a drafting batch of ``kind`` (checked
+        once per kind): a full KV cache in every layer; for ``recycle`` a
+        family that runs draft trees; for ``draft`` a draft model that loads,
+        shares the tokenizer and keeps a full KV cache too. Where it cannot,
+        the requests run alone (and get the method's own error if it cannot
+        run at all)."""
+        if kind not in self._draft_batchable:
+            from ..batching import BatchDrafter, check_batchable
+            from ..families import check_tree_support
 
             try:
                 check_batchable(self.loaded.model)
-                self._draft_batchable = True
+                if kind == "recycle":
+                    check_tree_support(self.loaded.model, "recycle")
+                if kind == "draft":
+                    BatchDrafter(self._draft_model())
+                self._draft_batchable[kind] = True
             except MTPError:
-                self._draft_batchable = False
-        return self._draft_batchable
+                self._draft_batchable[kind] = False
+        return self._draft_batchable[kind]
+
+    def _draft_model(self) -> Any:
+        """The server's draft model (loaded once per process; the target
+        itself where ``draft_model`` names it), its tokenizer checked.
+
+        Raises:
+            MTPError: it does not load, or its tokenizer differs."""
+        options = share_target(self.loaded, self.options)
+        draft = load_draft(options["draft_model"], self.loaded.dtype)
+        name = getattr(draft, "name", str(self.options["draft_model"]))
+        check_tokenizers(self.loaded.tokenizer, draft.tokenizer, self.loaded.name, name)
+        return draft.model
 
     def _fits(self, kind: str | None) -> bool:
         """Whether a job of ``kind`` joins the batch now."""
@@ -494,25 +516,25 @@ class Worker:
         if kind is not None and self._batch is not None and self._batch.kind != kind:
             self._batch.close()  # drained: a batch of the other kind starts
             self._batch = None
-        if self._batch is None:
-            if kind == "recycle" and self._recycle_table is None:
-                from ..sources.recycle import RecycleTable
-
-                self._recycle_table = RecycleTable()
-            self._batch = BatchRunner(
-                self._models[self.default_key],
-                max(1, min(self.max_batch, self.limits.slots)),
-                self.limits.prefill_step,
-                self.sampling,
-                self.max_tokens,
-                self._emit,
-                self._finish,
-                kind or "ntp",
-                self.limits.slots,
-                self._recycle_table,
-                self.options.get("draft_model") if kind == "draft" else None,
-            )
         try:
+            if self._batch is None:
+                if kind == "recycle" and self._recycle_table is None:
+                    from ..sources.recycle import RecycleTable
+
+                    self._recycle_table = RecycleTable()
+                self._batch = BatchRunner(
+                    self._models[self.default_key],
+                    max(1, min(self.max_batch, self.limits.slots)),
+                    self.limits.prefill_step,
+                    self.sampling,
+                    self.max_tokens,
+                    self._emit,
+                    self._finish,
+                    kind or "ntp",
+                    self.limits.slots,
+                    self._recycle_table,
+                    self._draft_model() if kind == "draft" else None,
+                )
             self._batch.add(job, sampling_of(job.request))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
             log.error("a job could not join the batch:\n%s", traceback.format_exc())
