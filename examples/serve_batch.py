@@ -9,7 +9,9 @@ server has stopped). The server is stopped with SIGINT and must exit 130.
 
 ``--method pld`` asks mlx-mtp for greedy prompt lookup (drafts verified
 inside the batch), ``--method recycle`` for token recycling's table beside
-it; ``--tasks summarization,rag`` draws from the tasks that copy most.
+it, ``--method draft --draft-model M`` starts the server with a draft model
+(``--mlx-lm --draft-model FOLDER`` gives mlx_lm.server one);
+``--tasks summarization,rag`` draws from the tasks that copy most.
 ``--mlx-lm`` runs ``mlx_lm.server`` on the same model folder instead (its
 continuous batching, ``--decode-concurrency`` and ``--prompt-concurrency``
 B), for a side-by-side figure; its exit status is not checked. mlx-mtp
@@ -103,8 +105,12 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
     ap.add_argument("--mlx-lm-model", default=None, help="its model folder (default: ours)")
-    ap.add_argument("--method", default="ntp", choices=("ntp", "pld", "recycle"),
-                    help="mlx-mtp's method for every request")  # fmt: skip
+    ap.add_argument("--method", default="ntp", choices=("ntp", "pld", "recycle", "draft"),
+                    help="mlx-mtp's method for every request (draft: the server's, "
+                    "--draft-model)")  # fmt: skip
+    ap.add_argument("--draft-model", default=None,
+                    help="the draft model: mlx-mtp's --method draft, or mlx_lm.server's "
+                    "--draft-model (a folder there)")  # fmt: skip
     ap.add_argument("--tasks", default=",".join(TASKS),
                     help="Spec-Bench tasks to draw from (comma-separated)")  # fmt: skip
     args = ap.parse_args()
@@ -113,12 +119,14 @@ def main() -> None:
 
     lm = load_model(args.model, "float32")
     texts = questions(lm.tokenizer, args.clients, args.below, tuple(args.tasks.split(",")))
-    method = None if args.mlx_lm else args.method
+    method = None if args.mlx_lm or args.method == "draft" else args.method
     port = free_port()
     exe = str(Path(sys.executable).parent / "mlx-mtp")
     cmd = [exe, "serve", "--model", args.model, "--dtype", "float32", "--port", str(port),
            "--max-batch", str(args.max_batch), "--queue-size", str(args.clients),
            "--log-level", "warning"]  # fmt: skip
+    if args.method == "draft" and not args.mlx_lm:
+        cmd += ["--method", "draft", "--draft-model", args.draft_model]
     model_id = args.model
     if args.mlx_lm:
         b = str(args.max_batch)
@@ -126,6 +134,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", folder, "--port",
                str(port), "--decode-concurrency", b, "--prompt-concurrency", b,
                "--log-level", "WARNING"]  # fmt: skip
+        if args.draft_model:  # mlx_lm.server then serves one request at a time
+            cmd += ["--draft-model", args.draft_model]
         model_id = "default_model"
     env = dict(os.environ)
     if args.mlx_lm:
@@ -176,6 +186,7 @@ def main() -> None:
         "clients": len(texts),
         "max_tokens": args.max_tokens,
         "server": "mlx_lm.server" if args.mlx_lm else f"mlx-mtp serve ({args.method})",
+        "draft_model": args.draft_model,
         "tasks": args.tasks,
         "max_batch": args.max_batch,
         "new_tokens": tokens,

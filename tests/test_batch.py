@@ -348,3 +348,57 @@ def test_positional_rope_gives_each_row_and_slot_its_own_position():
         for i in range(5):
             want = rope(x[b : b + 1, :, i : i + 1], offset=int(positions[b, i]))
             assert mx.allclose(got[b : b + 1, :, i : i + 1], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_trees_and_a_draft_model_in_a_batch_on_wide_heads(head_dim):
+    """Plumbing on generated models (Qwen3 layout, 8 query heads over 2 KV
+    heads of ``head_dim``): a recycle batch's branching trees and a draft
+    model's chains, every pass as wide as the largest draft, rows joining as
+    others leave, give each prompt its greedy answer alone (mlx-lm's model
+    and cache, one token at a time)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import make_tiny_model
+
+    from mlx_mtp.batching import BatchDrafter, DraftBatch
+    from mlx_mtp.sources.recycle import RecycleTable
+
+    shape = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim)
+    model = make_tiny_model("qwen3", seed=5, **shape)
+    draft = make_tiny_model("qwen3", seed=5, **shape)
+    mx.random.seed(1)
+    nudged = [
+        (k, v + 0.02 * mx.random.normal(v.shape)) for k, v in tree_flatten(draft.parameters())
+    ]
+    draft.update(tree_unflatten(nudged))
+
+    def alone(prompt, n):
+        cache = make_prompt_cache(model)
+        logits, out = model(mx.array(prompt)[None], cache=cache), []
+        for _ in range(n):
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model(mx.array([[out[-1]]]), cache=cache)
+        return out
+
+    rng = np.random.default_rng(0)
+    # short repeating prompts: the lookup and the table find things to draft
+    prompts = [(rng.integers(0, 256, 6).tolist() * 3)[: int(rng.integers(9, 18))] for _ in range(5)]
+    limits = [20, 12, 20, 16, 20]
+    for kind in ("recycle", "draft"):
+        batch = DraftBatch(
+            model,
+            set(),
+            max_draft=4,
+            table=RecycleTable() if kind == "recycle" else None,
+            drafter=BatchDrafter(draft) if kind == "draft" else None,
+        )
+        _always_draft(batch)
+        batch._depth = lambda: 4
+        got = _run_draft_batch(batch, prompts, limits, max_batch=3)
+        for p, n, g in zip(prompts, limits, got):
+            assert g == alone(p, n), kind
+        rows = [batch.take_row(u) for u in range(1, 6)]
+        assert sum(r.accepted for r in rows) > 0, kind
