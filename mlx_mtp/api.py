@@ -30,8 +30,7 @@ from .families import check_cache_support
 from .loading import (
     EMBEDDED_MODEL,
     LoadedModel,
-    check_tokenizers,
-    load_draft,
+    draft_for,
     load_model,
     share_target,
 )
@@ -665,12 +664,8 @@ def _draft_batch(
 
     table = RecycleTable() if method == "recycle" else None
     drafter = None
-    if method == "draft":  # loaded once per process, in the target's dtype
-        spec = share_target(loaded, {"draft_model": draft_model})["draft_model"]
-        draft = load_draft(spec, loaded.dtype)
-        name = getattr(draft, "name", str(draft_model))
-        check_tokenizers(loaded.tokenizer, draft.tokenizer, loaded.name, name)
-        drafter = BatchDrafter(draft.model, prefill_step)
+    if method == "draft":
+        drafter = BatchDrafter(draft_for(loaded, draft_model).model, prefill_step)
     batch = DraftBatch(
         loaded.model,
         eos,

@@ -38,11 +38,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
+from .memory import weight_bytes
 from .sources.lookup import lookup_match
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
 from .verify import top_tokens, walk_tree
@@ -367,6 +367,20 @@ def _prefill(model: Any, tokens: list[int], step: int) -> tuple[list[KVCache], m
     return cache, logits[0, -1]
 
 
+def _left_aligned(tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(inputs, real)``: each row's tokens at the start of a (rows, width)
+    int32 pass, padded after them (with id 0: padding is never kept and its
+    logits are not read), and a (rows, width) bool of the slots that hold
+    one of the row's tokens."""
+    width = max(map(len, tokens))
+    inputs = np.zeros((len(tokens), width), np.int32)
+    real = np.zeros((len(tokens), width), bool)
+    for r, toks in enumerate(tokens):
+        inputs[r, : len(toks)] = toks
+        real[r, : len(toks)] = True
+    return inputs, real
+
+
 class BatchDrafter:
     """A draft model's greedy chains for every row of a :class:`DraftBatch`
     (speculative decoding with a draft model, Leviathan et al., 2023;
@@ -404,12 +418,8 @@ class BatchDrafter:
 
     def weight_share(self, target: Any) -> float:
         """The draft model's parameter bytes over the target's."""
-
-        def size(m: Any) -> int:
-            return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
-
         if self._share is None:
-            self._share = size(self.model) / max(size(target), 1)
+            self._share = weight_bytes(self.model) / max(weight_bytes(target), 1)
         return self._share
 
     def add(self, tokens: list[int], first: int) -> None:
@@ -431,13 +441,7 @@ class BatchDrafter:
         self._catch_up()
         lay = self.kv.layout
         rows = lay.rows
-        width = max(map(len, self.pending))
-        inputs = np.empty((rows, width), np.int32)
-        keep = np.zeros((rows, width), bool)
-        for r, toks in enumerate(self.pending):
-            inputs[r, : len(toks)] = toks
-            inputs[r, len(toks) :] = toks[-1]  # padding after the row's tokens
-            keep[r, : len(toks)] = True
+        inputs, keep = _left_aligned(self.pending)
         t0 = time.perf_counter()
         h = self.backbone(mx.array(inputs), cache=self.kv.caches)
         lay.commit(keep)
@@ -466,12 +470,7 @@ class BatchDrafter:
                 toks[: min(len(toks) - 2, CATCH_UP)] if len(toks) > 2 else []
                 for toks in self.pending
             ]
-            width = max(map(len, feed))
-            inputs = np.zeros((lay.rows, width), np.int32)
-            keep = np.zeros((lay.rows, width), bool)
-            for r, toks in enumerate(feed):
-                inputs[r, : len(toks)] = toks
-                keep[r, : len(toks)] = True
+            inputs, keep = _left_aligned(feed)
             self.backbone(mx.array(inputs), cache=self.kv.caches)
             mx.eval([(c.keys, c.values) for c in self.kv.caches])
             lay.commit(keep)

@@ -423,18 +423,17 @@ class PositionalRoPE(nn.Module):
         self.inner = rope
 
     def __call__(self, x: mx.array, offset: Any = 0, **kwargs: Any) -> mx.array:
-        if isinstance(offset, mx.array) and offset.ndim == 1 and x.shape[0] == 1:
-            L = x.shape[2]
-            pos = offset + mx.arange(L, dtype=offset.dtype)
-            y = self.inner(x.transpose(2, 1, 0, 3), offset=pos, **kwargs)
-            return y.transpose(2, 1, 0, 3)
-        if isinstance(offset, mx.array) and offset.ndim == 2:  # (B, L): per row and token
-            B, H, L, D = x.shape
-            pos = (offset + mx.arange(L, dtype=offset.dtype)).reshape(B * L)
-            flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
-            y = self.inner(flat, offset=pos, **kwargs)
-            return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
-        return self.inner(x, offset=offset, **kwargs)
+        per_token = isinstance(offset, mx.array) and (
+            offset.ndim == 2 or (offset.ndim == 1 and x.shape[0] == 1)
+        )
+        if not per_token:
+            return self.inner(x, offset=offset, **kwargs)
+        # the B x L tokens as B * L rope rows of one token, each at its position
+        B, H, L, D = x.shape
+        pos = (offset.reshape(B, -1) + mx.arange(L, dtype=offset.dtype)).reshape(B * L)
+        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        y = self.inner(flat, offset=pos, **kwargs)
+        return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
 def is_rope(module: Any) -> bool:

@@ -494,6 +494,23 @@ def load_draft(spec: Any, dtype: str | None) -> Any:
     return _LOADED[key]
 
 
+def draft_for(target: Any, spec: Any) -> Any:
+    """The draft model ``spec`` for the target ``target`` (a
+    :class:`LoadedModel`): the target itself where ``spec`` names it
+    (:func:`share_target`), else loaded once per process in the target's
+    dtype (:func:`load_draft`), its tokenizer checked against the target's.
+
+    Raises:
+        UnsupportedModelError: a tokenizer that differs (:func:`check_tokenizers`).
+        MTPError: the draft model does not load.
+    """
+    shared = share_target(target, {"draft_model": spec})["draft_model"]
+    draft = load_draft(shared, getattr(target, "dtype", None))
+    name = getattr(draft, "name", str(spec))
+    check_tokenizers(target.tokenizer, draft.tokenizer, target.name, name)
+    return draft
+
+
 def check_tokenizers(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
     """Refuse a draft model whose tokenizer maps text to other ids than the
     target's (the vocabulary sizes may differ: embedding tables are padded).

@@ -13,6 +13,7 @@ import resource
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import distributed
 from .errors import InvalidArgumentError
@@ -103,3 +104,8 @@ def check_slots(model: Any, n: int, context: int, what: str = "") -> None:
             f"The largest block complexity that fits is {max_slots(model, context)}; the "
             "papers use 10-60. Use a smaller --bc (or method option), or --bc auto."
         )
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's parameters (what a memory-bound pass reads)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

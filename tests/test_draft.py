@@ -245,7 +245,7 @@ def test_a_simulated_device_runs_the_draft_model_in_its_weight_bytes(pair, simul
     (a memory-bound pass reads every weight once), and the target's virtual
     clock counts those passes at that time, not at this machine's compute."""
     from mlx_mtp.bench.simulate import SimulatedClock
-    from mlx_mtp.sources.draft import weight_bytes
+    from mlx_mtp.memory import weight_bytes
 
     simulate("ms_per_token=40,curve=1:1,64:1")
     target, _, far = pair
@@ -354,7 +354,7 @@ def test_real_pair_draft_equals_greedy_sweep(qwen_large, qwen):
 
 
 def test_real_pair_tokenizers_agree_and_others_are_refused(qwen_large, qwen, smollm):
-    from mlx_mtp.sources.draft import check_tokenizers
+    from mlx_mtp.loading import check_tokenizers
 
     check_tokenizers(qwen_large.tokenizer, qwen.tokenizer, "1.5b", "0.5b")
     with pytest.raises(UnsupportedModelError, match="tokenizer"):

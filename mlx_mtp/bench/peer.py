@@ -97,12 +97,11 @@ class MLXLMPeer:
     def bind(self, loaded: Any) -> MLXLMPeer:
         """Use ``loaded`` (a :class:`~mlx_mtp.loading.LoadedModel`), and load
         the draft model in its dtype; returns self."""
-        from ..sources.draft import check_tokenizers, load_draft
+        from ..loading import draft_for
 
         self.loaded = loaded
         if self.draft_spec is not None:
-            self.draft = load_draft(self.draft_spec, loaded.dtype)
-            check_tokenizers(loaded.tokenizer, self.draft.tokenizer, loaded.name, self.draft.name)
+            self.draft = draft_for(loaded, self.draft_spec)
         return self
 
     def reset(self) -> None:

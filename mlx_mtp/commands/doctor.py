@@ -156,8 +156,8 @@ def model_lines(lm: LoadedModel, engine: Engine) -> list[tuple[str, str]]:
     """(label, text) lines on the model: architecture, sizes, dtype, cache."""
     import mlx.core as mx
 
+    from ..memory import weight_bytes
     from ..native_mtp import compute_dtype, text_args
-    from ..sources.draft import weight_bytes
 
     model = lm.model
     args = text_args(model)

@@ -36,7 +36,7 @@ from .. import distributed
 from ..api import BATCH_METHODS
 from ..engine import Engine
 from ..errors import InvalidArgumentError, MTPError
-from ..loading import check_tokenizers, load_draft, load_model, share_target
+from ..loading import draft_for, load_model, share_target
 from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .limits import Limits
@@ -465,11 +465,7 @@ class Worker:
 
         Raises:
             MTPError: it does not load, or its tokenizer differs."""
-        options = share_target(self.loaded, self.options)
-        draft = load_draft(options["draft_model"], self.loaded.dtype)
-        name = getattr(draft, "name", str(self.options["draft_model"]))
-        check_tokenizers(self.loaded.tokenizer, draft.tokenizer, self.loaded.name, name)
-        return draft.model
+        return draft_for(self.loaded, self.options["draft_model"]).model
 
     def _fits(self, kind: str | None) -> bool:
         """Whether a job of ``kind`` joins the batch now."""

@@ -32,13 +32,13 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..budget import PrefixBound
 from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..loading import check_tokenizers, load_draft
+from ..loading import draft_for
+from ..memory import weight_bytes
 from ..pipeline import DeviceDrafter, DeviceState, Template
 from ..verify import top_tokens
 from .masks import candidate_lists, top_candidates
@@ -48,16 +48,11 @@ from .masks import candidate_lists, top_candidates
 CATCH_UP = 64
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of a model's parameters (what a memory-bound pass reads)."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
 class DraftModel:
     """The draft model as a draft source (see the module doc).
 
     Args:
-        spec: the draft model (as :func:`load_draft` takes it).
+        spec: the draft model (as :func:`~mlx_mtp.loading.load_draft` takes it).
         width: candidates per depth (1: a chain, mlx-lm's algorithm).
 
     Attributes:
@@ -101,10 +96,7 @@ class DraftModel:
                 "a draft model needs the target's tokenizer to check against: load the "
                 "target with mlx_mtp.load / load_model (a LoadedModel), not a bare model."
             )
-        dtype = getattr(ctx.loaded, "dtype", None)
-        self.loaded = load_draft(self.spec, dtype)
-        name = getattr(self.loaded, "name", str(self.spec))
-        check_tokenizers(ctx.loaded.tokenizer, self.loaded.tokenizer, ctx.loaded.name, name)
+        self.loaded = draft_for(ctx.loaded, self.spec)
         self.vocab = len(ctx.loaded.tokenizer.vocab) if ctx.loaded.tokenizer else None
         self.draft_cost = weight_bytes(self.loaded.model) / max(weight_bytes(ctx.engine.model), 1)
         self.engine = Engine(self.loaded.model)
