@@ -487,6 +487,10 @@ def batch_generate(
     ``method="draft"``: ``draft_model``, a smaller model of the same
     tokenizer, drafts a greedy chain for every row in batched passes of its
     own, verified in the target's one pass (:class:`~mlx_mtp.batching.BatchDrafter`).
+    ``method="probe"``: ESP's mask slots (one after every token slot of a
+    row) predict the next step's tree of each row
+    (:class:`~mlx_mtp.batching.BatchMasks`); passes run with masks while
+    they win over plain steps under the batch's measured pass times.
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -506,7 +510,7 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
-        method: ``"ntp"``, ``"pld"``, ``"recycle"`` or ``"draft"``.
+        method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"`` or ``"probe"``.
         max_draft: with a drafting method, most draft tokens per row and step
             (the width of each pass, and a draft model's passes, are chosen by
             measured cost, 0 to ``max_draft``).
@@ -526,8 +530,9 @@ def batch_generate(
             a drafting method with ``temp > 0``, ``draft`` without a draft
             model or a draft model with another method.
         UnsupportedModelError: a drafting method on a model with
-            sliding-window or state-space layers; ``recycle`` on a family
-            that cannot run draft trees; a draft model whose tokenizer
+            sliding-window or state-space layers; ``recycle`` or ``probe``
+            on a family that cannot run draft trees, ``probe`` on one that
+            takes no input embeddings; a draft model whose tokenizer
             differs from the target's.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
@@ -673,6 +678,7 @@ def _draft_batch(
         prefill_step=prefill_step,
         table=table,
         drafter=drafter,
+        masks=1 if method == "probe" else 0,
     )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
@@ -722,7 +728,7 @@ def _draft_batch(
 
 
 #: the methods :func:`batch_generate` runs
-BATCH_METHODS = ("ntp", "pld", "recycle", "draft")
+BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

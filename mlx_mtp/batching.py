@@ -39,11 +39,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.utils import does_model_support_input_embeddings
 
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
 from .memory import weight_bytes
 from .sources.lookup import lookup_match
+from .sources.masks import PROBE_RANK_PRIORS
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
 from .verify import top_tokens, walk_tree
 
@@ -355,6 +357,22 @@ def check_batchable(model: Any) -> None:
         )
 
 
+def check_mask_support(model: Any) -> None:
+    """Refuse a model that cannot take mask slots in a batch: its family
+    runs no draft tree, or it takes no input embeddings.
+
+    Raises:
+        UnsupportedModelError: naming what it lacks.
+    """
+    check_tree_support(model, "probe")
+    if not does_model_support_input_embeddings(model):
+        mtype = getattr(model, "model_type", type(model).__name__)
+        raise UnsupportedModelError(
+            f"probe's mask slots need a model that takes input embeddings; mlx-lm's "
+            f"{mtype} does not. Use method pld or recycle for a drafting batch."
+        )
+
+
 def _prefill(model: Any, tokens: list[int], step: int) -> tuple[list[KVCache], mx.array]:
     """A prompt through ``model`` alone, in chunks of ``step`` tokens: its
     mlx-lm caches and the logits (V,) after its last token (lazy)."""
@@ -496,9 +514,125 @@ class BatchDrafter:
         lay.size -= lay.common_tail()
 
 
+class BatchMasks:
+    """ESP's mask slots for the rows of a :class:`DraftBatch` (Goel et al.,
+    arXiv 2603.17942, §3.1-3.2).
+
+    Each row keeps ``k`` mask vectors in the input-embedding space: the mean
+    embedding of its prompt, moved towards each token it commits
+    (``m <- m + lam (e - m)``). A masked pass puts the ``k`` masks after
+    every token slot of every row; after verification the masks after each
+    row's deepest accepted slot give its next tree's candidates: the ``top``
+    best ids of mask ``d`` for depth ``d``, hung under every node of depth
+    ``d - 1`` (:meth:`tree`).
+
+    Args:
+        embed: the model's token embedding (ids -> (..., D), before any
+            scale the backbone applies).
+        k: masks after a token slot (1..3).
+        top: candidates kept per depth.
+        lam: the vectors' update step.
+    """
+
+    def __init__(self, embed: Any, k: int = 1, top: int = 4, lam: float = 0.1):
+        self.embed, self.k, self.top, self.lam = embed, k, top, lam
+        #: per row: (k, D) mask vectors (lazy)
+        self.vec: list[mx.array] = []
+        #: per row: (k, top) candidate ids from its last masked pass, or None
+        self.cands: list[np.ndarray | None] = []
+        # the rank-r candidate of mask d right, given its parent was: [right, tried]
+        self.rates = np.array(
+            [
+                [[f * PROBE_RANK_PRIORS[min(r, 7)], 1.0] for r in range(top)]
+                for f in (1.0, 0.6, 0.4)[:k]
+            ]
+        )
+
+    def add(self, prompt: list[int]) -> None:
+        """A row joins: its vectors from its prompt's mean embedding."""
+        mean = mx.mean(self.embed(mx.array(prompt)), axis=0)
+        self.vec.append(mx.broadcast_to(mean, (self.k, mean.shape[0])))
+        self.cands.append(None)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        self.vec = [self.vec[i] for i in keep]
+        self.cands = [self.cands[i] for i in keep]
+
+    def _grow(self, cands: np.ndarray | None, room: int) -> RowDraft:
+        """Best-first tree of at most ``room`` nodes from ``cands`` (k, top)
+        (None: ranks only, token ids -1), a node worth the product of its
+        path's estimated rates."""
+        tree = RowDraft()
+        q = self.rates[:, :, 0] / self.rates[:, :, 1]
+        heap = [(-q[0, r], r, 0, 1, r) for r in range(self.top)]
+        heapq.heapify(heap)
+        order = self.top
+        while heap and len(tree.tokens) < room:
+            v, _, parent, d, r = heapq.heappop(heap)
+            tree.tokens.append(-1 if cands is None else int(cands[d - 1, r]))
+            tree.parents.append(parent)
+            tree.values.append(-v)
+            tree.kinds.append(("mask", r))
+            slot = len(tree.tokens)
+            if d < min(self.k, room):
+                for r2 in range(self.top):
+                    order += 1
+                    heapq.heappush(heap, (v * q[d, r2], order, slot, d + 1, r2))
+        return tree
+
+    def tree(self, r: int, room: int) -> RowDraft:
+        """Row ``r``'s draft tree (ESP §3.2, grown best-first; empty before
+        its first masked pass)."""
+        cands = self.cands[r]
+        return RowDraft() if cands is None or room <= 0 else self._grow(cands, room)
+
+    def typical(self, room: int) -> np.ndarray:
+        """Cumulative expected accepted tokens of the first 0..``room`` nodes
+        of a row's tree under the current rates (any row with candidates)."""
+        return np.cumsum([0.0, *self._grow(None, room).values])
+
+    def inputs(self, tokens: mx.array) -> mx.array:
+        """(rows, n (1 + k), D) input embeddings of a masked pass: the token
+        slots ``tokens`` (rows, n), then each row's k masks after each of
+        them (mask j after slot i at ``n + i k + j``)."""
+        n = tokens.shape[1]
+        masks = mx.tile(mx.stack(self.vec), (1, n, 1))
+        emb = self.embed(tokens)
+        return mx.concatenate([emb, masks.astype(emb.dtype)], axis=1)
+
+    def read(self, head: Any, h: mx.array, at: np.ndarray) -> None:
+        """The next candidates: ``at`` (rows, k) flat slots of ``h`` (rows x
+        width, D) holding the masks after each row's deepest accepted slot."""
+        logits = head(h[mx.array(at.ravel())])
+        top = top_tokens(logits, self.top)
+        mx.eval(top, *self.vec)
+        top = np.array(top).reshape(len(at), self.k, -1)
+        self.cands = list(top)
+
+    def update(self, r: int, tokens: list[int]) -> None:
+        """Row ``r`` committed ``tokens``: its vectors move towards each."""
+        e = self.embed(mx.array(tokens))
+        n, lam = len(tokens), self.lam
+        w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
+        self.vec[r] = (1 - lam) ** n * self.vec[r] + (w @ e)[None]
+
+    def learn(self, tree: RowDraft, sent: int, on_path: set[int]) -> None:
+        """Count, for every sent node whose parent was accepted (or is the
+        root), whether it was accepted, by depth and rank."""
+        depth = [0]
+        for i in range(sent):
+            parent = tree.parents[i]
+            depth.append(depth[parent] + 1)
+            if parent and parent not in on_path:
+                continue
+            self.rates[depth[-1] - 1, tree.kinds[i][1]] += ((i + 1) in on_path, 1)
+
+
 class DraftBatch:
     """Continuous batching with drafts verified in the batch's forward pass
-    (greedy): prompt lookup, and with a ``table`` token recycling.
+    (greedy): prompt lookup, with a ``table`` token recycling, with a
+    ``drafter`` a draft model's chains, with ``masks`` ESP's mask slots.
 
     A request joins with :meth:`add` (its prompt prefilled alone, in chunks
     of ``prefill_step``, as a solo generation does) and leaves at EOS, its
@@ -532,11 +666,20 @@ class DraftBatch:
         table: token recycling's table (:class:`~mlx_mtp.sources.recycle.RecycleTable`,
             shared with later batches of the same model), or None: prompt
             lookup only.
+        drafter: a draft model's :class:`BatchDrafter` (instead of lookup):
+            each row drafts its chain, the depth chosen by :meth:`_depth`.
+        masks: mask slots after every token slot (ESP, k; 0: none): each row
+            drafts the tree its last masks grew (:class:`BatchMasks`, instead
+            of lookup); passes carry masks while that wins
+            (:meth:`_mask_width`).
 
     Raises:
         UnsupportedModelError: see :func:`check_batchable`; with a ``table``,
             a model whose family cannot run a draft tree
-            (:func:`~mlx_mtp.families.check_tree_support`).
+            (:func:`~mlx_mtp.families.check_tree_support`); with ``masks``,
+            see :func:`check_mask_support`.
+        InvalidArgumentError: more than one of ``table``, ``drafter`` and
+            ``masks``.
     """
 
     def __init__(
@@ -550,16 +693,19 @@ class DraftBatch:
         max_slots: int = 1024,
         table: RecycleTable | None = None,
         drafter: BatchDrafter | None = None,
+        masks: int = 0,
     ):
         check_batchable(model)
-        if table is not None and drafter is not None:
-            raise InvalidArgumentError("a batch drafts from a table or a draft model, not both")
+        if sum((table is not None, drafter is not None, masks > 0)) > 1:
+            raise InvalidArgumentError(
+                "a batch drafts from one of a table, a draft model or mask slots"
+            )
         self.drafter = drafter
         # a draft model's token right: the first, and one after a right one
         self.draft_first = np.array([0.6, 1.0])
         self.draft_next = np.array([0.7, 1.0])
         self.model = model
-        self.backbone, self.head, _ = model_parts(model)
+        self.backbone, self.head, embed = model_parts(model)
         self.eos = set(eos)
         self.window = window
         self.max_draft = max_draft
@@ -583,8 +729,14 @@ class DraftBatch:
         # root (``table_root[r]``) and deeper (``table_deep[r]``): [right, tried]
         self.table_root = np.array([[RANK_PRIORS[min(r, 7)], 1.0] for r in range(k)])
         self.table_deep = np.array([[DEEP_PRIORS[min(r, 7)], 1.0] for r in range(k)])
+        self.masks: BatchMasks | None = None
+        if masks > 0:
+            check_mask_support(model)
+            self.masks = BatchMasks(embed, masks)
         # seconds per pass by slots (rows x width): exponential averages
         self.seconds: dict[int, float] = {}
+        #: slot counts of the masked passes run so far
+        self._masked: set[int] = set()
         #: the cache is compacted when its slots exceed this many times the
         #: longest row's kept tokens
         self.compact_at = 2.0
@@ -615,6 +767,8 @@ class DraftBatch:
         self.kv.join(cache, len(tokens))
         if self.drafter is not None:
             self.drafter.add(tokens, first)
+        if self.masks is not None:
+            self.masks.add([*tokens, first])
         self.rows.append(row)
         return uid, StepTokens(uid, [first], None)
 
@@ -637,6 +791,8 @@ class DraftBatch:
         self.kv.keep(keep)
         if self.drafter is not None:
             self.drafter.keep(keep)
+        if self.masks is not None:
+            self.masks.keep(keep)
 
     def _compact(self) -> None:
         self.kv.compact()
@@ -769,11 +925,25 @@ class DraftBatch:
         return best
 
     def _cost(self, slots: int) -> float:
+        """Seconds of a pass of ``slots`` tokens: measured, or a guess
+        (replaced once it runs): between two measured sizes on the line
+        through them; above them on the line through the largest two (never
+        falling); beside one measured size, its time times the square root
+        of the ratio."""
         if slots in self.seconds:
             return self.seconds[slots]
-        rows = self.kv.layout.rows
-        one = self.seconds.get(rows, float(rows))
-        return one * (slots / rows) ** 0.5  # unmeasured: a guess, replaced once it runs
+        known = sorted(self.seconds)
+        below = [s for s in known if s < slots]
+        above = [s for s in known if s > slots]
+        if below and (above or len(below) > 1):
+            a, b = (below[-1], above[0]) if above else (below[-2], below[-1])
+            ca, cb = self.seconds[a], self.seconds[b]
+            slope = max(0.0, (cb - ca) / (b - a))
+            return ca + slope * (slots - a)
+        if below or above:
+            s = below[-1] if below else above[0]
+            return self.seconds[s] * (slots / s) ** 0.5
+        return slots**0.5
 
     def _width(self, drafts: list[RowDraft]) -> int:
         """Draft nodes per row of the pass (0: a plain batched step): the
@@ -788,6 +958,37 @@ class DraftBatch:
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def _mask_width(self, drafts: list[RowDraft]) -> tuple[int, bool]:
+        """``(nodes per row, masked)`` for a pass with mask slots: masked
+        while a pass of masks after every token slot, each row drafting the
+        tree its last masks grew, wins over plain steps in tokens per second
+        (the tree's expected accepted tokens from the measured rates of
+        each depth and rank, the pass times measured by size; the first
+        masked size is tried once to measure it); then the node count with
+        the most expected tokens per second from this step's trees."""
+        rows, per = len(drafts), 1 + self.masks.k
+        if rows * per > self.max_slots:
+            return 0, False
+        if not self._masked:
+            return 0, True
+        plain = rows / self._cost(rows)
+        rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
+        most = min(max(rooms), self.max_slots // (rows * per) - 1)
+        typical = self.masks.typical(most)
+        steady = max(
+            (rows + sum(typical[min(k, m)] for m in rooms)) / self._cost(rows * (1 + k) * per)
+            for k in range(most + 1)
+        )
+        if steady <= plain:
+            return 0, False
+        sums = [np.cumsum([0.0, *d.values]) for d in drafts]
+        longest = min(most, max(len(d.tokens) for d in drafts))
+        rates = [
+            (rows + sum(c[min(k, len(c) - 1)] for c in sums)) / self._cost(rows * (1 + k) * per)
+            for k in range(longest + 1)
+        ]
+        return int(np.argmax(rates)), True
 
     def _learn(
         self, inputs: np.ndarray, keep: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
@@ -813,16 +1014,27 @@ class DraftBatch:
             self._compact()
         lay = self.kv.layout
         rows = len(self.rows)
-        depth = 0
+        depth, masked = 0, False
         if self.drafter is not None:
             depth = self._depth() if self.max_draft else 0
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
+        elif self.masks is not None:
+            drafts = [
+                self.masks.tree(r, min(self.max_draft, row.limit - 1))
+                for r, row in enumerate(self.rows)
+            ]
         else:
             drafts = self._drafts() if self.max_draft else None
         if drafts is None:
             drafts = [RowDraft() for _ in self.rows]
-        k = self._width(drafts) if any(d.tokens for d in drafts) else 0
-        width = k + 1
+        if self.masks is not None:
+            k, masked = self._mask_width(drafts) if self.max_draft else (0, False)
+        else:
+            k = self._width(drafts) if any(d.tokens for d in drafts) else 0
+        # a row's slots: its root and k nodes, then (masked) the masks after each
+        nt = k + 1
+        per = self.masks.k if masked else 0
+        width = nt * (1 + per)
         inputs = np.empty((rows, width), np.int32)
         parents = np.full((rows, width), -1, np.int64)
         real = np.zeros((rows, width), bool)
@@ -831,8 +1043,13 @@ class DraftBatch:
             inputs[r] = row.last  # padding repeats the root; it has no logits
             inputs[r, 1 : 1 + n] = d.tokens[:n]
             parents[r, 1 : 1 + n] = d.parents[:n]
-            parents[r, 1 + n :] = np.arange(n, width - 1)  # padding: a chain below
+            parents[r, 1 + n : nt] = np.arange(n, nt - 1)  # padding: a chain below
             real[r, : 1 + n] = True
+        if masked:  # mask j after token slot i: slot nt + i per + j, below i
+            first = nt + np.arange(nt) * per
+            parents[:, first] = np.arange(nt)
+            for j in range(1, per):
+                parents[:, first + j] = first + j - 1
         chain = (parents[:, 1:] == np.arange(width - 1)).all()
         if not chain:  # a pass of trees: ancestor masks and a position per slot
             anc, depths = _ancestry(parents)
@@ -841,7 +1058,9 @@ class DraftBatch:
                 (lay.positions[:, None] + depths - np.arange(width)).astype(np.int32)
             )
         t0 = time.perf_counter()
-        h = self.backbone(mx.array(inputs), cache=self.kv.caches)
+        ids_in = mx.array(inputs)
+        emb = self.masks.inputs(ids_in[:, :nt]) if masked else None
+        h = self.backbone(ids_in, cache=self.kv.caches, input_embeddings=emb)
         # the LM head only where a row has a token (padding has no logits to check)
         at = np.flatnonzero(real.ravel())
         if len(at) == real.size:
@@ -850,11 +1069,22 @@ class DraftBatch:
             logits = self.head(h.reshape(-1, h.shape[-1])[mx.array(at)])
         ids = mx.argmax(logits, axis=-1)
         top = top_tokens(logits, self.table.k) if self.table is not None else None
-        mx.eval(ids, *([] if top is None else [top]))
+        mx.eval(ids, *([] if top is None else [top]), *(self.masks.vec if self.masks else []))
         lay.anc = lay.tree_offsets = None
         pred = np.zeros(real.size, np.int64)
         pred[at] = np.array(ids)
         pred = pred.reshape(real.shape)
+        paths = [
+            walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
+            for r, sent in enumerate(real.sum(axis=1) - 1)
+        ]
+        if masked:  # the masks after each row's deepest accepted slot: the next trees
+            deepest = np.array([path[-1] if path else 0 for path, _ in paths])
+            at_masks = np.arange(rows)[:, None] * width + (nt + deepest * per)[:, None]
+            self.masks.read(self.head, h.reshape(-1, h.shape[-1]), at_masks + np.arange(per))
+            self._masked.add(inputs.size)
+        elif self.masks is not None:  # no masks ran: no candidates follow the new roots
+            self.masks.cands = [None] * rows
         seconds = time.perf_counter() - t0
         slots = inputs.size
         old = self.seconds.get(slots)
@@ -863,9 +1093,11 @@ class DraftBatch:
         out, done, news = [], [], []
         for r, (row, d) in enumerate(zip(self.rows, drafts)):
             sent = int(real[r].sum()) - 1
-            path, bonus = walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
+            path, bonus = paths[r]
             keep[r, [0, *path]] = True
-            if sent:
+            if sent and self.masks is not None:
+                self.masks.learn(d, sent, set(path))
+            elif sent:
                 self._learn_rates(d, sent, set(path))
             row.drafted += sent
             row.accepted += len(path)
@@ -885,6 +1117,8 @@ class DraftBatch:
             row.generated.extend(new)
             row.append(new)
             row.last = new[-1]
+            if self.masks is not None:
+                self.masks.update(r, new)
             out.append(StepTokens(row.uid, new, reason))
             if reason is not None:
                 done.append(r)

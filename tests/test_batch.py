@@ -297,6 +297,75 @@ def test_batch_generate_draft(smollm, solo, near_draft):
         assert g.stats.method.startswith("draft(batch")
 
 
+def _always_mask(batch):
+    """Make every pass carry masks and as many nodes per row as the largest
+    tree (rows with smaller or no trees padded)."""
+    batch._mask_width = lambda drafts: (max(len(d.tokens) for d in drafts), True)
+    batch.compact_at = 1.0
+
+
+@pytest.mark.parametrize("masks", [1, 2])
+def test_probe_batch_equals_solo_greedy(smollm, solo, short_spec_prompts, masks):
+    """ESP's mask slots inside the batch: every pass puts ``masks`` mask
+    slots after every token slot of every row (their own ancestor masks and
+    positions), the masks after each row's deepest accepted slot grow its
+    next tree, and every pass is as wide as the largest tree. Rows join as
+    others leave and one is dropped midway: every other answer is the solo
+    greedy one, and mask candidates were accepted."""
+    from mlx_mtp.batching import DraftBatch
+
+    prompts = [list(p) for p in short_spec_prompts[:5]]
+    limits = [24, 12, 24, 20, 24]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=masks)
+    _always_mask(batch)
+    trees = []
+    real = batch.masks.tree
+    batch.masks.tree = lambda r, room: (trees.append(real(r, room)), trees[-1])[1]
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3, remove_at=(4, 1))
+    assert got[1] is None
+    for p, n, g in zip(prompts, limits, got):
+        if g is not None:
+            assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    assert sum(len(t.tokens) for t in trees) > 50
+    if masks == 2:  # trees two deep: a node under a node
+        assert any(any(p > 0 for p in t.parents) for t in trees)
+    right, tried = batch.masks.rates[0, 0] - (0.3, 1.0)  # the counts, less the prior
+    assert tried > 0 and right > 0
+
+
+def test_probe_batch_drafts_on_a_flat_cost_curve_and_never_on_a_steep_one(smollm, solo):
+    """The batch's choice of mask passes follows the pass times: where a pass
+    of any size takes as long as a one-token one (a GPU's flat curve) it
+    drafts from its masks; where a pass's time grows with its slots it
+    measures one mask pass and then decodes plainly. Both answer as solo."""
+    from mlx_mtp.batching import DraftBatch
+
+    ntp = MTPModel(smollm, make_method("ntp"))
+    prompts = [ntp.encode(p, True) for p in PROMPTS[:3]]
+    for curve, drafts in ((lambda s: 1.0, True), (lambda s: float(s), False)):
+        batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=1)
+        batch._cost = curve
+        got = _run_draft_batch(batch, prompts, [N] * 3, max_batch=3)
+        for p, g in zip(PROMPTS, got):
+            assert g == solo(p, max_tokens=N, temp=0.0).tokens
+        rows = list(batch.finished.values())
+        assert (sum(r.drafted for r in rows) > 0) == drafts
+        if not drafts:  # the one mask pass that measured its time
+            assert len(batch._masked) == 1
+        assert (max(r.max_slots for r in rows) > 2) == drafts
+
+
+def test_batch_generate_probe(smollm, solo):
+    """The API's probe batch: solo answers, named as such."""
+    got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
+                                method="probe")  # fmt: skip
+    for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
+        want = solo(prompt, max_tokens=n, temp=0.0)
+        assert g.tokens == want.tokens and g.finish_reason == want.finish_reason
+        assert g.stats.method.startswith("probe(batch")
+
+
 def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen):
     from mlx_mtp.errors import UnsupportedModelError
 
@@ -307,7 +376,7 @@ def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen)
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        ({"method": "probe"}, "runs method 'ntp', 'pld', 'recycle', 'draft'"),
+        ({"method": "hybrid"}, "runs method 'ntp', 'pld', 'recycle', 'draft', 'probe'"),
         ({"method": "draft"}, "method 'draft' needs draft_model="),
         ({"method": "pld", "draft_model": "smollm2-135m"}, "draft_model is for method 'draft'"),
         ({"method": "pld", "temp": 0.7}, "greedy only"),

@@ -1258,6 +1258,44 @@ def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
     assert_healthy(base, worker)
 
 
+def test_batched_probe_requests_draft_from_their_masks_and_equal_their_solo_answers(
+    server, client, ref, monkeypatch
+):
+    """With --max-batch 4, concurrent greedy probe requests run in one batch
+    whose passes carry ESP's mask slots after every token slot (pass times
+    made flat, as a GPU's, so that the batch drafts from its masks); each
+    answer equals the Python API's solo probe answer."""
+    from mlx_mtp.batching import DraftBatch
+
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)
+    monkeypatch.setattr(DraftBatch, "_cost", lambda self, slots: 1.0)
+    drafted = []
+    real = DraftBatch.step
+
+    def step(self):
+        out = real(self)
+        drafted.append(sum(r.drafted for r in self.rows))
+        return out
+
+    monkeypatch.setattr(DraftBatch, "step", step)
+    wait_idle(worker)
+    prompts = [
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+    ]
+    results, seen = concurrent_chats(client, worker, prompts, "probe", 16)
+    assert max(seen) >= 2, "never batched"
+    assert max(drafted) > 0
+    for i, p in enumerate(prompts):
+        r = results[i]
+        assert r.choices[0].message.content == ref(p, "probe", n=16).text
+        assert r.model_extra["mtp"]["method"] == "probe(batch)"
+    assert_healthy(base, worker)
+
+
 def test_a_draft_model_that_cannot_batch_leaves_the_requests_to_run_alone(
     server, monkeypatch, near_draft, gemma
 ):

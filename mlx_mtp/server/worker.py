@@ -111,8 +111,8 @@ class Worker:
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
-        max_batch: ``ntp`` requests, or greedy ``pld`` or ``recycle``
-            requests with their drafts, decoded together in one forward pass
+        max_batch: ``ntp`` requests, or greedy ``pld``, ``recycle``,
+            ``probe`` or ``draft`` requests with their drafts, decoded together in one forward pass
             (:mod:`~.batch`; at most the slots bound); 1: one request at a
             time, whatever its method.
 
@@ -415,8 +415,9 @@ class Worker:
     def batchable(self, job: Job) -> str | None:
         """The kind of batch a job runs in (None: it runs alone): ``"ntp"``
         for plain decoding, ``"pld"`` for greedy prompt lookup,
-        ``"recycle"`` for greedy token recycling (with prompt lookup) and
-        ``"draft"`` for the server's greedy draft model, on a model whose
+        ``"recycle"`` for greedy token recycling (with prompt lookup),
+        ``"probe"`` for greedy ESP mask slots and ``"draft"`` for the
+        server's greedy draft model, on a model whose
         layers all keep a full KV cache (the server's method without options
         but its draft model, or a method asked for without options); with
         ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
@@ -440,18 +441,21 @@ class Worker:
     def _drafts_batch(self, kind: str) -> bool:
         """Whether this model can run a drafting batch of ``kind`` (checked
         once per kind): a full KV cache in every layer; for ``recycle`` a
-        family that runs draft trees; for ``draft`` a draft model that loads,
+        family that runs draft trees; for ``probe`` one that also takes input
+        embeddings (mask slots); for ``draft`` a draft model that loads,
         shares the tokenizer and keeps a full KV cache too. Where it cannot,
         the requests run alone (and get the method's own error if it cannot
         run at all)."""
         if kind not in self._draft_batchable:
-            from ..batching import BatchDrafter, check_batchable
+            from ..batching import BatchDrafter, check_batchable, check_mask_support
             from ..families import check_tree_support
 
             try:
                 check_batchable(self.loaded.model)
                 if kind == "recycle":
                     check_tree_support(self.loaded.model, "recycle")
+                if kind == "probe":
+                    check_mask_support(self.loaded.model)
                 if kind == "draft":
                     BatchDrafter(self._draft_model())
                 self._draft_batchable[kind] = True
