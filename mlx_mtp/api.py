@@ -491,6 +491,9 @@ def batch_generate(
     row) predict the next step's tree of each row
     (:class:`~mlx_mtp.batching.BatchMasks`); passes run with masks while
     they win over plain steps under the batch's measured pass times.
+    ``method="hybrid"``: one tree per row of its lookup's chain and its
+    mask candidates (hybrid's ``pld`` and ``probe`` sources; its other
+    sources do not run in a batch).
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -510,7 +513,8 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
-        method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"`` or ``"probe"``.
+        method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``
+            or ``"hybrid"``.
         max_draft: with a drafting method, most draft tokens per row and step
             (the width of each pass, and a draft model's passes, are chosen by
             measured cost, 0 to ``max_draft``).
@@ -530,9 +534,9 @@ def batch_generate(
             a drafting method with ``temp > 0``, ``draft`` without a draft
             model or a draft model with another method.
         UnsupportedModelError: a drafting method on a model with
-            sliding-window or state-space layers; ``recycle`` or ``probe``
-            on a family that cannot run draft trees, ``probe`` on one that
-            takes no input embeddings; a draft model whose tokenizer
+            sliding-window or state-space layers; ``recycle``, ``probe`` or
+            ``hybrid`` on a family that cannot run draft trees, ``probe`` or
+            ``hybrid`` on one that takes no input embeddings; a draft model whose tokenizer
             differs from the target's.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
@@ -678,7 +682,8 @@ def _draft_batch(
         prefill_step=prefill_step,
         table=table,
         drafter=drafter,
-        masks=1 if method == "probe" else 0,
+        masks=1 if method in ("probe", "hybrid") else 0,
+        lookup=method != "probe",
     )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
@@ -728,7 +733,7 @@ def _draft_batch(
 
 
 #: the methods :func:`batch_generate` runs
-BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe")
+BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

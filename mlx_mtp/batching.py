@@ -522,9 +522,9 @@ class BatchMasks:
     embedding of its prompt, moved towards each token it commits
     (``m <- m + lam (e - m)``). A masked pass puts the ``k`` masks after
     every token slot of every row; after verification the masks after each
-    row's deepest accepted slot give its next tree's candidates: the ``top``
-    best ids of mask ``d`` for depth ``d``, hung under every node of depth
-    ``d - 1`` (:meth:`tree`).
+    row's deepest accepted slot give its next tree's candidates
+    (:attr:`cands`): the ``top`` best ids of mask ``d`` for depth ``d``, hung
+    under every node of depth ``d - 1`` (:meth:`DraftBatch._tree`).
 
     Args:
         embed: the model's token embedding (ids -> (..., D), before any
@@ -559,39 +559,6 @@ class BatchMasks:
         self.vec = [self.vec[i] for i in keep]
         self.cands = [self.cands[i] for i in keep]
 
-    def _grow(self, cands: np.ndarray | None, room: int) -> RowDraft:
-        """Best-first tree of at most ``room`` nodes from ``cands`` (k, top)
-        (None: ranks only, token ids -1), a node worth the product of its
-        path's estimated rates."""
-        tree = RowDraft()
-        q = self.rates[:, :, 0] / self.rates[:, :, 1]
-        heap = [(-q[0, r], r, 0, 1, r) for r in range(self.top)]
-        heapq.heapify(heap)
-        order = self.top
-        while heap and len(tree.tokens) < room:
-            v, _, parent, d, r = heapq.heappop(heap)
-            tree.tokens.append(-1 if cands is None else int(cands[d - 1, r]))
-            tree.parents.append(parent)
-            tree.values.append(-v)
-            tree.kinds.append(("mask", r))
-            slot = len(tree.tokens)
-            if d < min(self.k, room):
-                for r2 in range(self.top):
-                    order += 1
-                    heapq.heappush(heap, (v * q[d, r2], order, slot, d + 1, r2))
-        return tree
-
-    def tree(self, r: int, room: int) -> RowDraft:
-        """Row ``r``'s draft tree (ESP §3.2, grown best-first; empty before
-        its first masked pass)."""
-        cands = self.cands[r]
-        return RowDraft() if cands is None or room <= 0 else self._grow(cands, room)
-
-    def typical(self, room: int) -> np.ndarray:
-        """Cumulative expected accepted tokens of the first 0..``room`` nodes
-        of a row's tree under the current rates (any row with candidates)."""
-        return np.cumsum([0.0, *self._grow(None, room).values])
-
     def inputs(self, tokens: mx.array) -> mx.array:
         """(rows, n (1 + k), D) input embeddings of a masked pass: the token
         slots ``tokens`` (rows, n), then each row's k masks after each of
@@ -617,16 +584,25 @@ class BatchMasks:
         w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
         self.vec[r] = (1 - lam) ** n * self.vec[r] + (w @ e)[None]
 
-    def learn(self, tree: RowDraft, sent: int, on_path: set[int]) -> None:
-        """Count, for every sent node whose parent was accepted (or is the
-        root), whether it was accepted, by depth and rank."""
-        depth = [0]
-        for i in range(sent):
-            parent = tree.parents[i]
-            depth.append(depth[parent] + 1)
-            if parent and parent not in on_path:
-                continue
-            self.rates[depth[-1] - 1, tree.kinds[i][1]] += ((i + 1) in on_path, 1)
+    def q(self) -> np.ndarray:
+        """(k, top): the estimated rate of each depth and rank."""
+        return self.rates[:, :, 0] / self.rates[:, :, 1]
+
+    def typical(self, room: int) -> np.ndarray:
+        """Cumulative expected accepted tokens of the best 0..``room`` nodes
+        of a row's mask tree under the current rates (the same for any row
+        with candidates): (room + 1,) float."""
+        q = self.q()
+        heap = [(-q[0, r], 0) for r in range(self.top)]
+        heapq.heapify(heap)
+        values = []
+        while heap and len(values) < room:
+            v, d = heapq.heappop(heap)
+            values.append(-v)
+            if d + 1 < min(self.k, room):
+                for r in range(self.top):
+                    heapq.heappush(heap, (v * q[d + 1, r], d + 1))
+        return np.cumsum([0.0, *values])
 
 
 class DraftBatch:
@@ -694,12 +670,12 @@ class DraftBatch:
         table: RecycleTable | None = None,
         drafter: BatchDrafter | None = None,
         masks: int = 0,
+        lookup: bool = True,
     ):
         check_batchable(model)
-        if sum((table is not None, drafter is not None, masks > 0)) > 1:
-            raise InvalidArgumentError(
-                "a batch drafts from one of a table, a draft model or mask slots"
-            )
+        if drafter is not None and (table is not None or masks > 0):
+            raise InvalidArgumentError("a batch with a draft model drafts from it alone")
+        self.lookup = lookup
         self.drafter = drafter
         # a draft model's token right: the first, and one after a right one
         self.draft_first = np.array([0.6, 1.0])
@@ -797,27 +773,37 @@ class DraftBatch:
     def _compact(self) -> None:
         self.kv.compact()
 
-    def _drafts(self) -> list[RowDraft]:
+    def _drafts(self, masks: bool = False) -> list[RowDraft]:
+        """Each row's draft tree (:meth:`_tree`); ``masks``: with its mask
+        candidates."""
         out = []
-        for row in self.rows:
+        for r, row in enumerate(self.rows):
             room = min(self.max_draft, row.limit - 1)
             d, n = (
-                lookup_match(row.context[: row.length], self.window, room) if room > 0 else ([], 0)
+                lookup_match(row.context[: row.length], self.window, room)
+                if room > 0 and self.lookup
+                else ([], 0)
             )
-            out.append(self._tree(row.last, d, n, room))
+            cands = self.masks.cands[r] if masks else None
+            out.append(self._tree(row.last, d, n, room, cands))
         return out
 
-    def _tree(self, root: int, chain: list[int], n: int, room: int) -> RowDraft:
+    def _tree(
+        self, root: int, chain: list[int], n: int, room: int, cands: np.ndarray | None = None
+    ) -> RowDraft:
         """A row's draft tree of at most ``room`` nodes, no deeper than
         ``room``, best first: the lookup's ``chain`` (matched on an
-        ``n``-gram) and, with a table, the table's candidates after the root
+        ``n``-gram); with a table, the table's candidates after the root
         and after every node taken (the paper's adjacency table read as a
         tree, best-first by the product of per-rank acceptance along the
-        path; Luo et al., 2024, §3.2). A node is worth the chance that it is
-        accepted; parents come before their children."""
+        path; Luo et al., 2024, §3.2); with mask candidates ``cands`` (k,
+        top), those of mask d under every node of depth d - 1 (ESP §3.2).
+        A node is worth the chance that it is accepted; parents come before
+        their children."""
         tree = RowDraft()
         if room <= 0:
             return tree
+        mq = self.masks.q() if cands is not None else None
         table = self.table.table if self.table is not None else None
         root_q = self.table_root[:, 0] / self.table_root[:, 1] if table is not None else None
         deep_q = self.table_deep[:, 0] / self.table_deep[:, 1] if table is not None else None
@@ -834,6 +820,10 @@ class DraftBatch:
                 if t >= 0:
                     order += 1
                     heapq.heappush(heap, (-root_q[r], order, 0, 1, t, ("table", r)))
+        if cands is not None:
+            for r, t in enumerate(cands[0].tolist()):
+                order += 1
+                heapq.heappush(heap, (-mq[0, r], order, 0, 1, t, ("mask", r)))
         slots: dict[tuple[int, int], int] = {}  # (parent, token) -> slot
         while heap and len(tree.tokens) < room:
             v, _, parent, depth, token, kind = heapq.heappop(heap)
@@ -852,13 +842,19 @@ class DraftBatch:
                 order += 1
                 i = kind[1] + 1
                 heapq.heappush(heap, (v * q, order, slot, depth + 1, chain[i], ("lookup", i)))
-            if table is not None and tree.kinds[slot - 1] == kind and 0 <= token < len(table):
+            if tree.kinds[slot - 1] != kind:
+                continue  # a lookup chain going on below a node already there
+            if table is not None and 0 <= token < len(table):
                 for r, t in enumerate(table[token].tolist()):
                     if t >= 0:
                         order += 1
                         heapq.heappush(
                             heap, (v * deep_q[r], order, slot, depth + 1, t, ("table", r))
                         )
+            if cands is not None and depth < len(cands):
+                for r, t in enumerate(cands[depth].tolist()):
+                    order += 1
+                    heapq.heappush(heap, (v * mq[depth, r], order, slot, depth + 1, t, ("mask", r)))
         tree.ngram = n
         return tree
 
@@ -866,14 +862,18 @@ class DraftBatch:
         """Count, for every sent node whose parent was accepted (or is the
         root), whether it was accepted: the lookup's first token by n-gram
         length and a token after a right one, the table's by rank under the
-        root and deeper."""
+        root and deeper, a mask candidate's by depth and rank."""
+        depth = [0]
         for i in range(sent):
             parent = tree.parents[i]
+            depth.append(depth[parent] + 1)
             if parent and parent not in on_path:
                 continue
             ok = (i + 1) in on_path
             kind, r = tree.kinds[i]
-            if kind == "lookup":
+            if kind == "mask":
+                self.masks.rates[depth[-1] - 1, r] += (ok, 1)
+            elif kind == "lookup":
                 (self.first[tree.ngram - 1] if parent == 0 else self.next)[:] += (ok, 1)
             elif kind == "draft":
                 (self.draft_first if parent == 0 else self.draft_next)[:] += (ok, 1)
@@ -945,50 +945,54 @@ class DraftBatch:
             return self.seconds[s] * (slots / s) ** 0.5
         return slots**0.5
 
-    def _width(self, drafts: list[RowDraft]) -> int:
-        """Draft nodes per row of the pass (0: a plain batched step): the
-        count with the most expected tokens per second."""
+    def _width(self, drafts: list[RowDraft], per: int = 1) -> tuple[int, float]:
+        """``(nodes per row, tokens per second)`` of the pass with the most
+        expected tokens per second (0 nodes: a plain batched step), each
+        token slot taking ``per`` slots (itself and the masks after it)."""
         rows = len(drafts)
-        longest = min(max(len(d.tokens) for d in drafts), self.max_slots // rows - 1)
+        longest = min(max(len(d.tokens) for d in drafts), self.max_slots // (rows * per) - 1)
         sums = [np.cumsum([0.0, *d.values]) for d in drafts]
-        best, best_rate = 0, rows / self._cost(rows)
+        best, best_rate = 0, rows / self._cost(rows * per)
         for k in range(1, longest + 1):
             expected = sum(c[min(k, len(c) - 1)] for c in sums)
-            rate = (rows + expected) / self._cost(rows * (k + 1))
+            rate = (rows + expected) / self._cost(rows * (k + 1) * per)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
 
-    def _mask_width(self, drafts: list[RowDraft]) -> tuple[int, bool]:
-        """``(nodes per row, masked)`` for a pass with mask slots: masked
-        while a pass of masks after every token slot, each row drafting the
-        tree its last masks grew, wins over plain steps in tokens per second
-        (the tree's expected accepted tokens from the measured rates of
-        each depth and rank, the pass times measured by size; the first
-        masked size is tried once to measure it); then the node count with
-        the most expected tokens per second from this step's trees."""
-        rows, per = len(drafts), 1 + self.masks.k
+    def _mask_width(self) -> tuple[list[RowDraft], int, bool]:
+        """``(drafts, nodes per row, masked)`` with mask slots: masked while
+        a pass with the masks after every token slot wins over one without
+        in tokens per second, steadily (each row's tree valued at least as
+        its tree without mask candidates and as a tree of mask candidates
+        alone: the measured rates of each depth and rank; the pass times
+        measured by size, the first masked size run once to measure it);
+        then the node count with the most expected tokens per second from
+        this step's trees."""
+        rows, per = len(self.rows), 1 + self.masks.k
+        plain = self._drafts()
+        k, rate = self._width(plain) if any(d.tokens for d in plain) else (0, 0.0)
         if rows * per > self.max_slots:
-            return 0, False
+            return plain, k, False
         if not self._masked:
-            return 0, True
-        plain = rows / self._cost(rows)
+            return [RowDraft() for _ in self.rows], 0, True
+        rate = rate or rows / self._cost(rows)
         rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
         most = min(max(rooms), self.max_slots // (rows * per) - 1)
         typical = self.masks.typical(most)
+        sums = [np.cumsum([0.0, *d.values]) for d in plain]
         steady = max(
-            (rows + sum(typical[min(k, m)] for m in rooms)) / self._cost(rows * (1 + k) * per)
-            for k in range(most + 1)
+            (
+                rows
+                + sum(max(c[min(j, len(c) - 1)], typical[min(j, m)]) for c, m in zip(sums, rooms))
+            )
+            / self._cost(rows * (1 + j) * per)
+            for j in range(most + 1)
         )
-        if steady <= plain:
-            return 0, False
-        sums = [np.cumsum([0.0, *d.values]) for d in drafts]
-        longest = min(most, max(len(d.tokens) for d in drafts))
-        rates = [
-            (rows + sum(c[min(k, len(c) - 1)] for c in sums)) / self._cost(rows * (1 + k) * per)
-            for k in range(longest + 1)
-        ]
-        return int(np.argmax(rates)), True
+        if steady <= rate:
+            return plain, k, False
+        drafts = self._drafts(masks=True)
+        return drafts, self._width(drafts, per)[0], True
 
     def _learn(
         self, inputs: np.ndarray, keep: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
@@ -1018,19 +1022,14 @@ class DraftBatch:
         if self.drafter is not None:
             depth = self._depth() if self.max_draft else 0
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
-        elif self.masks is not None:
-            drafts = [
-                self.masks.tree(r, min(self.max_draft, row.limit - 1))
-                for r, row in enumerate(self.rows)
-            ]
+        elif self.masks is not None and self.max_draft:
+            drafts, k, masked = self._mask_width()
         else:
             drafts = self._drafts() if self.max_draft else None
         if drafts is None:
             drafts = [RowDraft() for _ in self.rows]
-        if self.masks is not None:
-            k, masked = self._mask_width(drafts) if self.max_draft else (0, False)
-        else:
-            k = self._width(drafts) if any(d.tokens for d in drafts) else 0
+        if not masked:
+            k = self._width(drafts)[0] if any(d.tokens for d in drafts) else 0
         # a row's slots: its root and k nodes, then (masked) the masks after each
         nt = k + 1
         per = self.masks.k if masked else 0
@@ -1095,9 +1094,7 @@ class DraftBatch:
             sent = int(real[r].sum()) - 1
             path, bonus = paths[r]
             keep[r, [0, *path]] = True
-            if sent and self.masks is not None:
-                self.masks.learn(d, sent, set(path))
-            elif sent:
+            if sent:
                 self._learn_rates(d, sent, set(path))
             row.drafted += sent
             row.accepted += len(path)

@@ -106,7 +106,7 @@ def _run_draft_batch(batch, prompts, limits, max_batch, remove_at=None):
 def _always_draft(batch):
     """Make every pass as wide as the longest draft (rows with shorter or no
     drafts padded), so rejected slots pile up in the cache."""
-    batch._width = lambda drafts: max(len(d.tokens) for d in drafts)
+    batch._width = lambda drafts, per=1: (max(len(d.tokens) for d in drafts), 0.0)
     batch.compact_at = 1.0
 
 
@@ -300,33 +300,43 @@ def test_batch_generate_draft(smollm, solo, near_draft):
 def _always_mask(batch):
     """Make every pass carry masks and as many nodes per row as the largest
     tree (rows with smaller or no trees padded)."""
-    batch._mask_width = lambda drafts: (max(len(d.tokens) for d in drafts), True)
+
+    def every_pass(batch=batch):
+        drafts = batch._drafts(masks=True)
+        return drafts, max(len(d.tokens) for d in drafts), True
+
+    batch._mask_width = every_pass
     batch.compact_at = 1.0
 
 
-@pytest.mark.parametrize("masks", [1, 2])
-def test_probe_batch_equals_solo_greedy(smollm, solo, short_spec_prompts, masks):
-    """ESP's mask slots inside the batch: every pass puts ``masks`` mask
-    slots after every token slot of every row (their own ancestor masks and
-    positions), the masks after each row's deepest accepted slot grow its
-    next tree, and every pass is as wide as the largest tree. Rows join as
-    others leave and one is dropped midway: every other answer is the solo
-    greedy one, and mask candidates were accepted."""
+@pytest.mark.parametrize("masks,lookup", [(1, False), (2, False), (1, True)])
+def test_probe_and_hybrid_batches_equal_solo_greedy(
+    smollm, solo, short_spec_prompts, masks, lookup
+):
+    """ESP's mask slots inside the batch (probe; with ``lookup``, hybrid's
+    trees of lookup chains and mask candidates): every pass puts ``masks``
+    mask slots after every token slot of every row (their own ancestor
+    masks and positions), the masks after each row's deepest accepted slot
+    grow its next tree, and every pass is as wide as the largest tree. Rows
+    join as others leave and one is dropped midway: every other answer is
+    the solo greedy one, and mask candidates were accepted."""
     from mlx_mtp.batching import DraftBatch
 
     prompts = [list(p) for p in short_spec_prompts[:5]]
     limits = [24, 12, 24, 20, 24]
     ntp = MTPModel(smollm, make_method("ntp"))
-    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=masks)
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=masks, lookup=lookup)
     _always_mask(batch)
     trees = []
-    real = batch.masks.tree
-    batch.masks.tree = lambda r, room: (trees.append(real(r, room)), trees[-1])[1]
+    real = batch._drafts
+    batch._drafts = lambda masks=False: (trees.extend(real(masks)), trees[-len(batch.rows) :])[1]
     got = _run_draft_batch(batch, prompts, limits, max_batch=3, remove_at=(4, 1))
     assert got[1] is None
     for p, n, g in zip(prompts, limits, got):
         if g is not None:
             assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    kinds = {k for t in trees for k, _ in t.kinds}
+    assert kinds == ({"mask", "lookup"} if lookup else {"mask"})
     assert sum(len(t.tokens) for t in trees) > 50
     if masks == 2:  # trees two deep: a node under a node
         assert any(any(p > 0 for p in t.parents) for t in trees)
@@ -356,14 +366,15 @@ def test_probe_batch_drafts_on_a_flat_cost_curve_and_never_on_a_steep_one(smollm
         assert (max(r.max_slots for r in rows) > 2) == drafts
 
 
-def test_batch_generate_probe(smollm, solo):
-    """The API's probe batch: solo answers, named as such."""
+@pytest.mark.parametrize("method", ["probe", "hybrid"])
+def test_batch_generate_probe_and_hybrid(smollm, solo, method):
+    """The API's probe and hybrid batches: solo answers, named as such."""
     got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
-                                method="probe")  # fmt: skip
+                                method=method)  # fmt: skip
     for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
         want = solo(prompt, max_tokens=n, temp=0.0)
         assert g.tokens == want.tokens and g.finish_reason == want.finish_reason
-        assert g.stats.method.startswith("probe(batch")
+        assert g.stats.method.startswith(f"{method}(batch")
 
 
 def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen):
@@ -376,7 +387,7 @@ def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen)
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        ({"method": "hybrid"}, "runs method 'ntp', 'pld', 'recycle', 'draft', 'probe'"),
+        ({"method": "lookahead"}, "runs method 'ntp', 'pld', 'recycle', 'draft', 'probe'"),
         ({"method": "draft"}, "method 'draft' needs draft_model="),
         ({"method": "pld", "draft_model": "smollm2-135m"}, "draft_model is for method 'draft'"),
         ({"method": "pld", "temp": 0.7}, "greedy only"),

@@ -1258,13 +1258,14 @@ def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
     assert_healthy(base, worker)
 
 
-def test_batched_probe_requests_draft_from_their_masks_and_equal_their_solo_answers(
-    server, client, ref, monkeypatch
+@pytest.mark.parametrize("method", ["probe", "hybrid"])
+def test_batched_probe_and_hybrid_requests_draft_from_their_masks_and_equal_their_solo_answers(
+    server, client, ref, monkeypatch, method
 ):
-    """With --max-batch 4, concurrent greedy probe requests run in one batch
-    whose passes carry ESP's mask slots after every token slot (pass times
-    made flat, as a GPU's, so that the batch drafts from its masks); each
-    answer equals the Python API's solo probe answer."""
+    """With --max-batch 4, concurrent greedy probe (or hybrid) requests run
+    in one batch whose passes carry ESP's mask slots after every token slot
+    (pass times made flat, as a GPU's, so that the batch drafts from its
+    masks); each answer equals the Python API's solo answer."""
     from mlx_mtp.batching import DraftBatch
 
     base, worker = server
@@ -1286,13 +1287,13 @@ def test_batched_probe_requests_draft_from_their_masks_and_equal_their_solo_answ
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name three colours of the rainbow."}],
     ]
-    results, seen = concurrent_chats(client, worker, prompts, "probe", 16)
+    results, seen = concurrent_chats(client, worker, prompts, method, 16)
     assert max(seen) >= 2, "never batched"
     assert max(drafted) > 0
     for i, p in enumerate(prompts):
         r = results[i]
-        assert r.choices[0].message.content == ref(p, "probe", n=16).text
-        assert r.model_extra["mtp"]["method"] == "probe(batch)"
+        assert r.choices[0].message.content == ref(p, method, n=16).text
+        assert r.model_extra["mtp"]["method"] == f"{method}(batch)"
     assert_healthy(base, worker)
 
 

@@ -3,10 +3,11 @@
 With ``--max-batch N`` above 1, the worker runs every active request of one
 kind in one batched forward pass per step. ``ntp`` requests run with mlx-lm's
 ``BatchGenerator`` (``BatchKVCache``); greedy ``pld``, ``recycle``,
-``probe`` and ``draft`` requests run in a
+``probe``, ``hybrid`` and ``draft`` requests run in a
 :class:`~mlx_mtp.batching.DraftBatch`, where each row's draft (prompt
 lookup; with recycle the table's tree; with probe the tree its mask slots
-grew; with draft the draft model's chain) is verified in the batch's pass
+grew; with hybrid both lookup and masks; with draft the draft model's
+chain) is verified in the batch's pass
 (a request joins after its prompt is prefilled alone). An ``ntp`` request joins after its prompt is
 prefilled (with up to 7 others, each in chunks of its share of the server's
 prefill step, so that no pass is larger than the time bound allows) and
@@ -71,7 +72,8 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
-        kind: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"`` or ``"probe"``.
+        kind: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``
+            or ``"hybrid"``.
         max_slots: with a drafting kind, most tokens in one decoding
             pass (the server's slots bound: rows x draft width).
         table: with ``recycle``, the table to draft from and fill (the
@@ -113,7 +115,7 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        if kind in ("pld", "recycle", "draft", "probe"):
+        if kind in ("pld", "recycle", "draft", "probe", "hybrid"):
             drafter = None
             if kind == "draft":
                 drafter = BatchDrafter(draft_model, prefill_step)
@@ -124,7 +126,8 @@ class BatchRunner:
                 max_slots=max_slots,
                 table=table if kind == "recycle" else None,
                 drafter=drafter,
-                masks=1 if kind == "probe" else 0,
+                masks=1 if kind in ("probe", "hybrid") else 0,
+                lookup=kind != "probe",
             )
         else:
             self.gen = BatchGenerator(

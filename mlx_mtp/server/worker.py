@@ -112,9 +112,10 @@ class Worker:
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
         max_batch: ``ntp`` requests, or greedy ``pld``, ``recycle``,
-            ``probe`` or ``draft`` requests with their drafts, decoded together in one forward pass
-            (:mod:`~.batch`; at most the slots bound); 1: one request at a
-            time, whatever its method.
+            ``probe``, ``hybrid`` or ``draft`` requests with their drafts,
+            decoded together in one forward pass (:mod:`~.batch`; at most
+            the slots bound); 1: one request at a time, whatever its
+            method.
 
     Raises:
         InvalidArgumentError: queue_size, max_methods or max_batch below 1,
@@ -416,8 +417,9 @@ class Worker:
         """The kind of batch a job runs in (None: it runs alone): ``"ntp"``
         for plain decoding, ``"pld"`` for greedy prompt lookup,
         ``"recycle"`` for greedy token recycling (with prompt lookup),
-        ``"probe"`` for greedy ESP mask slots and ``"draft"`` for the
-        server's greedy draft model, on a model whose
+        ``"probe"`` for greedy ESP mask slots, ``"hybrid"`` for both
+        prompt lookup and mask slots and ``"draft"`` for the server's
+        greedy draft model, on a model whose
         layers all keep a full KV cache (the server's method without options
         but its draft model, or a method asked for without options); with
         ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
@@ -441,8 +443,8 @@ class Worker:
     def _drafts_batch(self, kind: str) -> bool:
         """Whether this model can run a drafting batch of ``kind`` (checked
         once per kind): a full KV cache in every layer; for ``recycle`` a
-        family that runs draft trees; for ``probe`` one that also takes input
-        embeddings (mask slots); for ``draft`` a draft model that loads,
+        family that runs draft trees; for ``probe`` and ``hybrid`` one that
+        also takes input embeddings (mask slots); for ``draft`` a draft model that loads,
         shares the tokenizer and keeps a full KV cache too. Where it cannot,
         the requests run alone (and get the method's own error if it cannot
         run at all)."""
@@ -454,7 +456,7 @@ class Worker:
                 check_batchable(self.loaded.model)
                 if kind == "recycle":
                     check_tree_support(self.loaded.model, "recycle")
-                if kind == "probe":
+                if kind in ("probe", "hybrid"):
                     check_mask_support(self.loaded.model)
                 if kind == "draft":
                     BatchDrafter(self._draft_model())
