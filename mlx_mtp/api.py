@@ -494,6 +494,9 @@ def batch_generate(
     ``method="hybrid"``: one tree per row of its lookup's chain and its
     mask candidates (hybrid's ``pld`` and ``probe`` sources; its other
     sources do not run in a batch).
+    ``method="clp"``: the model's CLP heads (verified mode) at each row's
+    deepest accepted slot write its next chain, cut to the span predictor's
+    length; they run while that wins over plain steps.
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -513,8 +516,8 @@ def batch_generate(
             (seed None with ``temp > 0``: a random base seed per prompt).
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
-        method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``
-            or ``"hybrid"``.
+        method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``,
+            ``"hybrid"`` or ``"clp"`` (the heads made for the model).
         max_draft: with a drafting method, most draft tokens per row and step
             (the width of each pass, and a draft model's passes, are chosen by
             measured cost, 0 to ``max_draft``).
@@ -536,8 +539,10 @@ def batch_generate(
         UnsupportedModelError: a drafting method on a model with
             sliding-window or state-space layers; ``recycle``, ``probe`` or
             ``hybrid`` on a family that cannot run draft trees, ``probe`` or
-            ``hybrid`` on one that takes no input embeddings; a draft model whose tokenizer
-            differs from the target's.
+            ``hybrid`` on one that takes no input embeddings; a draft model
+            whose tokenizer differs from the target's.
+        ModelNotFoundError: ``clp`` on a model with no CLP heads.
+        CheckpointMismatchError: CLP heads made for another model.
         ContextLengthError: a prompt and its ``max_tokens`` do not fit in the
             model's context.
     """
@@ -669,6 +674,7 @@ def _draft_batch(
     import time
 
     from .batching import BatchDrafter, DraftBatch
+    from .clp_format import heads_for
     from .sources.recycle import RecycleTable
 
     table = RecycleTable() if method == "recycle" else None
@@ -684,6 +690,7 @@ def _draft_batch(
         drafter=drafter,
         masks=1 if method in ("probe", "hybrid") else 0,
         lookup=method != "probe",
+        heads=heads_for(loaded.model, None, loaded.name)[0] if method == "clp" else None,
     )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
@@ -733,7 +740,7 @@ def _draft_batch(
 
 
 #: the methods :func:`batch_generate` runs
-BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid")
+BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

@@ -605,6 +605,80 @@ class BatchMasks:
         return np.cumsum([0.0, *values])
 
 
+class BatchHeads:
+    """CLP's MTP heads for the rows of a :class:`DraftBatch` (Xie & Zhou,
+    arXiv 2606.10935, "backbone as architect"): after a pass, head ``j`` at
+    each row's deepest accepted slot (its final-norm hidden state ``h`` and
+    the input embedding of its bonus token) writes the token ``j + 1``
+    places after the bonus, and the span predictor on ``h`` says how many of
+    the ``k`` to keep: the row's draft chain for the next step.
+
+    Args:
+        heads: a :class:`~mlx_mtp.clp_format.CLPHeads` loaded for the model.
+        embed: the model's token embedding.
+    """
+
+    def __init__(self, heads: Any, embed: Any):
+        self.heads, self.embed, self.k = heads, embed, heads.k
+        #: per row: its chain for the next step, or None (no heads ran)
+        self.chains: list[list[int] | None] = []
+        # head j's token right, given the one before it was: [right, tried]
+        self.rates = np.array([[0.5 * 0.8**j, 1.0] for j in range(self.k)])
+        #: mean length of the kept span (exponential average)
+        self.span = float(self.k)
+        #: seconds of the heads by rows (exponential averages)
+        self.seconds: dict[int, float] = {}
+
+    def add(self) -> None:
+        """A row joins (no chain before its first pass)."""
+        self.chains.append(None)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        self.chains = [self.chains[i] for i in keep]
+
+    def cost(self, rows: int) -> float:
+        """Seconds of the heads for ``rows`` rows (the nearest measured row
+        count's; 0 before any)."""
+        if not self.seconds:
+            return 0.0
+        return self.seconds[min(self.seconds, key=lambda n: abs(n - rows))]
+
+    def typical(self, room: int) -> np.ndarray:
+        """Cumulative expected accepted tokens of the first 0..``room``
+        tokens of a row's chain: the measured rates along it, times the
+        share of chains kept that long."""
+        q = np.cumprod(self.rates[:, 0] / self.rates[:, 1])[:room]
+        kept = np.clip(self.span - np.arange(len(q)), 0.0, 1.0)
+        return np.cumsum([0.0, *(q * kept)])
+
+    def drafts(self, rooms: list[int]) -> list[RowDraft]:
+        """Each row's chain as its draft (cut to its room), each token valued
+        by the measured rates along it."""
+        q = np.cumprod(self.rates[:, 0] / self.rates[:, 1])
+        out = []
+        for chain, room in zip(self.chains, rooms):
+            c = (chain or [])[: max(room, 0)]
+            n = len(c)
+            out.append(RowDraft(c, list(range(n)), q[:n].tolist(), [("head", i) for i in range(n)]))
+        return out
+
+    def read(self, head: Any, h: mx.array, bonus: list[int]) -> None:
+        """The next chains from ``h`` (rows, D), the hidden states at each
+        row's deepest accepted slot, whose next tokens are ``bonus``."""
+        t0 = time.perf_counter()
+        x = self.heads.head_logits(h, self.embed(mx.array(bonus)), head)  # (k, rows, V)
+        toks = mx.argmax(x, axis=-1).T
+        span = mx.minimum(mx.argmax(self.heads.predictor(h.astype(mx.float32)), axis=-1), self.k)
+        mx.eval(toks, span)
+        spans = np.array(span).tolist()
+        self.chains = [t[:s] for t, s in zip(np.array(toks).tolist(), spans)]
+        self.span = 0.9 * self.span + 0.1 * float(np.mean(spans))
+        rows, seconds = len(bonus), time.perf_counter() - t0
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
 class DraftBatch:
     """Continuous batching with drafts verified in the batch's forward pass
     (greedy): prompt lookup, with a ``table`` token recycling, with a
@@ -671,10 +745,13 @@ class DraftBatch:
         drafter: BatchDrafter | None = None,
         masks: int = 0,
         lookup: bool = True,
+        heads: Any = None,
     ):
         check_batchable(model)
-        if drafter is not None and (table is not None or masks > 0):
-            raise InvalidArgumentError("a batch with a draft model drafts from it alone")
+        if (drafter is not None or heads is not None) and (table is not None or masks > 0):
+            raise InvalidArgumentError("a batch with a draft model or heads drafts from it alone")
+        if drafter is not None and heads is not None:
+            raise InvalidArgumentError("a batch drafts from a draft model or from heads")
         self.lookup = lookup
         self.drafter = drafter
         # a draft model's token right: the first, and one after a right one
@@ -705,6 +782,7 @@ class DraftBatch:
         # root (``table_root[r]``) and deeper (``table_deep[r]``): [right, tried]
         self.table_root = np.array([[RANK_PRIORS[min(r, 7)], 1.0] for r in range(k)])
         self.table_deep = np.array([[DEEP_PRIORS[min(r, 7)], 1.0] for r in range(k)])
+        self.heads = BatchHeads(heads, embed) if heads is not None else None
         self.masks: BatchMasks | None = None
         if masks > 0:
             check_mask_support(model)
@@ -745,6 +823,8 @@ class DraftBatch:
             self.drafter.add(tokens, first)
         if self.masks is not None:
             self.masks.add([*tokens, first])
+        if self.heads is not None:
+            self.heads.add()
         self.rows.append(row)
         return uid, StepTokens(uid, [first], None)
 
@@ -769,6 +849,8 @@ class DraftBatch:
             self.drafter.keep(keep)
         if self.masks is not None:
             self.masks.keep(keep)
+        if self.heads is not None:
+            self.heads.keep(keep)
 
     def _compact(self) -> None:
         self.kv.compact()
@@ -873,6 +955,8 @@ class DraftBatch:
             kind, r = tree.kinds[i]
             if kind == "mask":
                 self.masks.rates[depth[-1] - 1, r] += (ok, 1)
+            elif kind == "head":
+                self.heads.rates[r] += (ok, 1)
             elif kind == "lookup":
                 (self.first[tree.ngram - 1] if parent == 0 else self.next)[:] += (ok, 1)
             elif kind == "draft":
@@ -945,17 +1029,18 @@ class DraftBatch:
             return self.seconds[s] * (slots / s) ** 0.5
         return slots**0.5
 
-    def _width(self, drafts: list[RowDraft], per: int = 1) -> tuple[int, float]:
+    def _width(self, drafts: list[RowDraft], per: int = 1, extra: float = 0.0) -> tuple[int, float]:
         """``(nodes per row, tokens per second)`` of the pass with the most
         expected tokens per second (0 nodes: a plain batched step), each
-        token slot taking ``per`` slots (itself and the masks after it)."""
+        token slot taking ``per`` slots (itself and the masks after it), and
+        ``extra`` seconds of other device work with it."""
         rows = len(drafts)
         longest = min(max(len(d.tokens) for d in drafts), self.max_slots // (rows * per) - 1)
         sums = [np.cumsum([0.0, *d.values]) for d in drafts]
-        best, best_rate = 0, rows / self._cost(rows * per)
+        best, best_rate = 0, rows / (self._cost(rows * per) + extra)
         for k in range(1, longest + 1):
             expected = sum(c[min(k, len(c) - 1)] for c in sums)
-            rate = (rows + expected) / self._cost(rows * (k + 1) * per)
+            rate = (rows + expected) / (self._cost(rows * (k + 1) * per) + extra)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -994,6 +1079,34 @@ class DraftBatch:
         drafts = self._drafts(masks=True)
         return drafts, self._width(drafts, per)[0], True
 
+    def _head_plan(self) -> tuple[list[RowDraft], int, bool]:
+        """``(drafts, nodes per row, headed)`` with CLP heads: each row
+        drafts the chain its heads wrote after the last pass (if they ran);
+        the heads run after this pass while a pass with them wins over
+        plain steps in tokens per second, steadily (each row's chain valued
+        by the measured rates along it and the mean kept span, the heads'
+        time measured, run once first to measure it); then the node count
+        with the most expected tokens per second."""
+        rows = len(self.rows)
+        rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
+        drafts = self.heads.drafts(rooms)
+        if not self.heads.seconds:
+            headed = True
+        else:
+            extra = self.heads.cost(rows)
+            most = min(max(rooms), self.max_slots // rows - 1, self.heads.k)
+            typical = self.heads.typical(most)
+            steady = max(
+                (rows + sum(typical[min(j, m)] for m in rooms))
+                / (self._cost(rows * (1 + j)) + extra)
+                for j in range(most + 1)
+            )
+            headed = steady > rows / self._cost(rows)
+        if not any(d.tokens for d in drafts):
+            return drafts, 0, headed
+        extra = self.heads.cost(rows) if headed else 0.0
+        return drafts, self._width(drafts, extra=extra)[0], headed
+
     def _learn(
         self, inputs: np.ndarray, keep: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
     ) -> None:
@@ -1018,18 +1131,24 @@ class DraftBatch:
             self._compact()
         lay = self.kv.layout
         rows = len(self.rows)
-        depth, masked = 0, False
+        depth, masked, headed = 0, False, False
         if self.drafter is not None:
             depth = self._depth() if self.max_draft else 0
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
         elif self.masks is not None and self.max_draft:
             drafts, k, masked = self._mask_width()
-        else:
+        elif self.heads is not None and self.max_draft:
+            drafts, k, headed = self._head_plan()
+        elif self.heads is None:
             drafts = self._drafts() if self.max_draft else None
+        else:
+            drafts = None
         if drafts is None:
             drafts = [RowDraft() for _ in self.rows]
-        if not masked:
+        if not masked and self.heads is None:
             k = self._width(drafts)[0] if any(d.tokens for d in drafts) else 0
+        elif self.heads is not None and not self.max_draft:
+            k = 0
         # a row's slots: its root and k nodes, then (masked) the masks after each
         nt = k + 1
         per = self.masks.k if masked else 0
@@ -1088,6 +1207,14 @@ class DraftBatch:
         slots = inputs.size
         old = self.seconds.get(slots)
         self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if headed:  # the heads at each row's deepest accepted slot: the next chains
+            deepest = np.array([path[-1] if path else 0 for path, _ in paths])
+            at_last = mx.array(np.arange(rows) * width + deepest)
+            self.heads.read(
+                self.head, h.reshape(-1, h.shape[-1])[at_last], [int(b) for _, b in paths]
+            )
+        elif self.heads is not None:
+            self.heads.chains = [None] * rows
         keep = np.zeros((rows, width), bool)
         out, done, news = [], [], []
         for r, (row, d) in enumerate(zip(self.rows, drafts)):

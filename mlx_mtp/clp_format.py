@@ -456,6 +456,34 @@ def find_heads(model: nn.Module, search: list[Path] | None = None) -> Path | Non
     return find_artifact(model, roots, f"*/{CONFIG_FILE}", accept=heads)
 
 
+def heads_for(model: nn.Module, spec: str | None, name: str) -> tuple[CLPHeads, Path]:
+    """The CLP heads ``model`` runs with and their folder: ``spec`` (a
+    folder or hub repo id), else the user's or the shipped heads made for
+    it (:func:`find_heads`).
+
+    Args:
+        model: the base model.
+        spec: a heads folder or hub repo id, or None.
+        name: the model's name, for the error.
+
+    Raises:
+        ModelNotFoundError: no heads for this model (saying how to make
+            some), or ``spec`` cannot be found.
+        ModelLoadError, CheckpointMismatchError: see :func:`load_heads`.
+    """
+    if spec:
+        folder = resolve_heads(spec)
+    else:
+        folder = find_heads(model)
+        if folder is None:
+            raise ModelNotFoundError(
+                f"--method clp: no CLP heads for {name}. Train them with "
+                f"`mlx-mtp train clp --model {name} --data prompts.jsonl`, import them with "
+                "`mlx-mtp convert clp-heads`, or pass --opt heads=FOLDER."
+            )
+    return load_heads(folder, model), folder
+
+
 def resolve_heads(spec: str | Path) -> Path:
     """A local heads folder for ``spec``: an existing folder, or a Hugging Face
     repo id (``org/name``) downloaded with ``huggingface_hub`` (config and

@@ -366,9 +366,41 @@ def test_probe_batch_drafts_on_a_flat_cost_curve_and_never_on_a_steep_one(smollm
         assert (max(r.max_slots for r in rows) > 2) == drafts
 
 
-@pytest.mark.parametrize("method", ["probe", "hybrid"])
-def test_batch_generate_probe_and_hybrid(smollm, solo, method):
-    """The API's probe and hybrid batches: solo answers, named as such."""
+def test_clp_batch_equals_solo_greedy(smollm, solo, short_spec_prompts):
+    """CLP's heads inside the batch (SmolLM2's shipped heads): after every
+    pass the heads at each row's deepest accepted slot write its next chain,
+    cut to the span predictor's length, and every pass is as wide as the
+    longest chain. Rows join as others leave and one is dropped midway:
+    every other answer is the solo greedy one, and head tokens were
+    accepted."""
+    from mlx_mtp.batching import DraftBatch
+    from mlx_mtp.clp_format import heads_for
+
+    prompts = [list(p) for p in short_spec_prompts[:5]]
+    limits = [24, 12, 24, 20, 24]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    heads = heads_for(smollm.model, None, "smollm2-135m")[0]
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, heads=heads)
+    plan = batch._head_plan
+
+    def every_pass():
+        drafts, _, _ = plan()
+        return drafts, max(len(d.tokens) for d in drafts), True
+
+    batch._head_plan = every_pass
+    batch.compact_at = 1.0
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3, remove_at=(4, 1))
+    assert got[1] is None
+    for p, n, g in zip(prompts, limits, got):
+        if g is not None:
+            assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    right, tried = batch.heads.rates[0] - (0.5, 1.0)  # the counts, less the prior
+    assert tried > 5 and right > 0
+
+
+@pytest.mark.parametrize("method", ["probe", "hybrid", "clp"])
+def test_batch_generate_probe_hybrid_and_clp(smollm, solo, method):
+    """The API's probe, hybrid and clp batches: solo answers, named as such."""
     got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
                                 method=method)  # fmt: skip
     for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):

@@ -1258,14 +1258,15 @@ def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
     assert_healthy(base, worker)
 
 
-@pytest.mark.parametrize("method", ["probe", "hybrid"])
-def test_batched_probe_and_hybrid_requests_draft_from_their_masks_and_equal_their_solo_answers(
+@pytest.mark.parametrize("method", ["probe", "hybrid", "clp"])
+def test_batched_probe_hybrid_and_clp_requests_draft_and_equal_their_solo_answers(
     server, client, ref, monkeypatch, method
 ):
     """With --max-batch 4, concurrent greedy probe (or hybrid) requests run
-    in one batch whose passes carry ESP's mask slots after every token slot
-    (pass times made flat, as a GPU's, so that the batch drafts from its
-    masks); each answer equals the Python API's solo answer."""
+    in one batch whose passes carry ESP's mask slots after every token slot,
+    clp requests one whose heads write each row's next chain (pass times
+    made flat, as a GPU's, so that the batch drafts); each answer equals
+    the Python API's solo answer."""
     from mlx_mtp.batching import DraftBatch
 
     base, worker = server

@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         max_batch: int = typer.Option(
             1,
             "--max-batch",
-            help="Plain (ntp) requests, or greedy pld, recycle, probe, hybrid or draft "
+            help="Plain (ntp) requests, or greedy pld, recycle, probe, hybrid, clp or draft "
             "(--method's draft model) requests with their drafts, decoded together in one "
             "forward pass "
             "(continuous batching; at most the slots bound). 1: one request at a time.",

@@ -44,10 +44,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..clp_format import CLPHeads, count_params, find_heads, load_heads, resolve_heads
+from ..clp_format import CLPHeads, count_params, heads_for
 from ..context import Context
 from ..engine import Engine
-from ..errors import InvalidArgumentError, ModelNotFoundError, UnsupportedModelError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..offers import Offer, PlainResult, StepOutput, chain_offer
 from ..speculative import Draft, Verified
 from ..verify import Sampler, target_graph
@@ -120,18 +120,8 @@ class CLP(DraftMethod):
                 "--method clp needs a model with the llama-style layout (hidden states and an "
                 "LM head); use --method ntp for this model."
             )
-        if self.heads_spec:
-            folder = resolve_heads(self.heads_spec)
-        else:
-            folder = find_heads(engine.model)
-            if folder is None:
-                name = getattr(ctx.loaded, "name", "this model")
-                raise ModelNotFoundError(
-                    f"--method clp: no CLP heads for {name}. Train them with "
-                    f"`mlx-mtp train clp --model {name} --data prompts.jsonl`, import them with "
-                    "`mlx-mtp convert clp-heads`, or pass --opt heads=FOLDER."
-                )
-        self.heads = load_heads(folder, engine.model)
+        name = getattr(ctx.loaded, "name", "this model")
+        self.heads, folder = heads_for(engine.model, self.heads_spec, name)
         self.heads_folder = folder
         if self.k is None:
             self.k = self.heads.k

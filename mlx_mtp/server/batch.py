@@ -6,8 +6,8 @@ kind in one batched forward pass per step. ``ntp`` requests run with mlx-lm's
 ``probe``, ``hybrid`` and ``draft`` requests run in a
 :class:`~mlx_mtp.batching.DraftBatch`, where each row's draft (prompt
 lookup; with recycle the table's tree; with probe the tree its mask slots
-grew; with hybrid both lookup and masks; with draft the draft model's
-chain) is verified in the batch's pass
+grew; with hybrid both lookup and masks; with clp the chain its CLP heads
+wrote; with draft the draft model's chain) is verified in the batch's pass
 (a request joins after its prompt is prefilled alone). An ``ntp`` request joins after its prompt is
 prefilled (with up to 7 others, each in chunks of its share of the server's
 prefill step, so that no pass is larger than the time bound allows) and
@@ -72,8 +72,8 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
-        kind: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``
-            or ``"hybrid"``.
+        kind: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``,
+            ``"hybrid"`` or ``"clp"``.
         max_slots: with a drafting kind, most tokens in one decoding
             pass (the server's slots bound: rows x draft width).
         table: with ``recycle``, the table to draft from and fill (the
@@ -81,6 +81,8 @@ class BatchRunner:
             from one batch to the next).
         draft_model: with ``draft``, the server's draft model (an mlx-lm
             model of the target's tokenizer, checked by the worker).
+        heads: with ``clp``, the model's CLP heads
+            (:class:`~mlx_mtp.clp_format.CLPHeads`, loaded by the worker).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class BatchRunner:
         max_slots: int = 1024,
         table: Any = None,
         draft_model: Any = None,
+        heads: Any = None,
     ):
         from mlx_lm.generate import BatchGenerator
 
@@ -115,7 +118,7 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        if kind in ("pld", "recycle", "draft", "probe", "hybrid"):
+        if kind in ("pld", "recycle", "draft", "probe", "hybrid", "clp"):
             drafter = None
             if kind == "draft":
                 drafter = BatchDrafter(draft_model, prefill_step)
@@ -128,6 +131,7 @@ class BatchRunner:
                 drafter=drafter,
                 masks=1 if kind in ("probe", "hybrid") else 0,
                 lookup=kind != "probe",
+                heads=heads if kind == "clp" else None,
             )
         else:
             self.gen = BatchGenerator(

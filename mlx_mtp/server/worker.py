@@ -112,7 +112,7 @@ class Worker:
         limits: the bounds on requests (:class:`~.limits.Limits`; default
             ones if None). Its forward-time bound is measured at start.
         max_batch: ``ntp`` requests, or greedy ``pld``, ``recycle``,
-            ``probe``, ``hybrid`` or ``draft`` requests with their drafts,
+            ``probe``, ``hybrid``, ``clp`` or ``draft`` requests with their drafts,
             decoded together in one forward pass (:mod:`~.batch`; at most
             the slots bound); 1: one request at a time, whatever its
             method.
@@ -178,6 +178,8 @@ class Worker:
         #: the table of a ``recycle`` batch, kept for the next one (as a
         #: recycle method object keeps its own across generations)
         self._recycle_table: Any = None
+        #: the CLP heads of a ``clp`` batch (loaded once, when first checked)
+        self._clp_heads: Any = None
         #: a job taken off the queue that waits for the batch to drain (another method)
         self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
@@ -418,8 +420,8 @@ class Worker:
         for plain decoding, ``"pld"`` for greedy prompt lookup,
         ``"recycle"`` for greedy token recycling (with prompt lookup),
         ``"probe"`` for greedy ESP mask slots, ``"hybrid"`` for both
-        prompt lookup and mask slots and ``"draft"`` for the server's
-        greedy draft model, on a model whose
+        prompt lookup and mask slots, ``"clp"`` for greedy CLP heads
+        (verified) and ``"draft"`` for the server's greedy draft model, on a model whose
         layers all keep a full KV cache (the server's method without options
         but its draft model, or a method asked for without options); with
         ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
@@ -444,7 +446,8 @@ class Worker:
         """Whether this model can run a drafting batch of ``kind`` (checked
         once per kind): a full KV cache in every layer; for ``recycle`` a
         family that runs draft trees; for ``probe`` and ``hybrid`` one that
-        also takes input embeddings (mask slots); for ``draft`` a draft model that loads,
+        also takes input embeddings (mask slots); for ``clp`` CLP heads
+        made for the model (loaded here); for ``draft`` a draft model that loads,
         shares the tokenizer and keeps a full KV cache too. Where it cannot,
         the requests run alone (and get the method's own error if it cannot
         run at all)."""
@@ -458,6 +461,11 @@ class Worker:
                     check_tree_support(self.loaded.model, "recycle")
                 if kind in ("probe", "hybrid"):
                     check_mask_support(self.loaded.model)
+                if kind == "clp":
+                    from ..clp_format import heads_for
+
+                    name = getattr(self.loaded, "name", self.model_id)
+                    self._clp_heads = heads_for(self.loaded.model, None, name)[0]
                 if kind == "draft":
                     BatchDrafter(self._draft_model())
                 self._draft_batchable[kind] = True
@@ -536,6 +544,7 @@ class Worker:
                     self.limits.slots,
                     self._recycle_table,
                     self._draft_model() if kind == "draft" else None,
+                    self._clp_heads if kind == "clp" else None,
                 )
             self._batch.add(job, sampling_of(job.request))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving
