@@ -673,24 +673,17 @@ def _draft_batch(
     :class:`~mlx_mtp.batching.DraftBatch` in order as rows leave it."""
     import time
 
-    from .batching import BatchDrafter, DraftBatch
+    from .batching import DraftBatch
     from .clp_format import heads_for
-    from .sources.recycle import RecycleTable
 
-    table = RecycleTable() if method == "recycle" else None
-    drafter = None
-    if method == "draft":
-        drafter = BatchDrafter(draft_for(loaded, draft_model).model, prefill_step)
-    batch = DraftBatch(
+    batch = DraftBatch.for_method(
         loaded.model,
         eos,
+        method,
+        draft_model=draft_for(loaded, draft_model).model if method == "draft" else None,
+        heads=heads_for(loaded.model, None, loaded.name)[0] if method == "clp" else None,
         max_draft=max_draft,
         prefill_step=prefill_step,
-        table=table,
-        drafter=drafter,
-        masks=1 if method in ("probe", "hybrid") else 0,
-        lookup=method != "probe",
-        heads=heads_for(loaded.model, None, loaded.name)[0] if method == "clp" else None,
     )
     out: dict[int, list[int]] = {}
     finish: dict[int, str] = {}

@@ -32,7 +32,6 @@ the per-row mask.
 from __future__ import annotations
 
 import heapq
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +43,11 @@ from mlx_lm.utils import does_model_support_input_embeddings
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
 from .memory import weight_bytes
+from .planner import EPSILON
 from .sources.lookup import lookup_match
 from .sources.masks import PROBE_RANK_PRIORS
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
+from .timing import DeviceClock, make_clock
 from .verify import top_tokens, walk_tree
 
 #: cache slots are allocated in blocks of this many (as mlx-lm's KVCache)
@@ -428,6 +429,10 @@ class BatchDrafter:
         self.backbone, self.head, _ = model_parts(model)
         self.prefill_step = prefill_step
         self.kv = BatchCache(model)
+        #: the device clock (the batch's: :class:`DraftBatch` sets it) and
+        #: this model's pass time in the target's one-token passes
+        self.clock: DeviceClock = make_clock()
+        self.share = 1.0
         #: per row: committed tokens not in the draft cache yet
         self.pending: list[list[int]] = []
         #: seconds per draft pass by rows: an exponential average
@@ -460,7 +465,7 @@ class BatchDrafter:
         lay = self.kv.layout
         rows = lay.rows
         inputs, keep = _left_aligned(self.pending)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         h = self.backbone(mx.array(inputs), cache=self.kv.caches)
         lay.commit(keep)
         last = mx.array(keep.sum(axis=1) - 1)
@@ -471,8 +476,8 @@ class BatchDrafter:
             lay.commit(np.ones((rows, 1), bool))
             tokens.append(mx.argmax(self.head(h)[:, -1], axis=-1))
         out = mx.stack(tokens, axis=1)
-        mx.eval(out)
-        per = (time.perf_counter() - t0) / depth
+        _run(self.clock, [out], rows, depth * self.share)
+        per = (self.clock.now() - t0) / depth
         old = self.seconds.get(rows)
         self.seconds[rows] = per if old is None else 0.8 * old + 0.2 * per
         return np.array(out).astype(np.int64)
@@ -490,7 +495,8 @@ class BatchDrafter:
             ]
             inputs, keep = _left_aligned(feed)
             self.backbone(mx.array(inputs), cache=self.kv.caches)
-            mx.eval([(c.keys, c.values) for c in self.kv.caches])
+            kv = [a for c in self.kv.caches for a in (c.keys, c.values)]
+            _run(self.clock, kv, inputs.size, self.share)
             lay.commit(keep)
             lay.size -= lay.common_tail()
             self.pending = [toks[len(f) :] for toks, f in zip(self.pending, feed)]
@@ -514,7 +520,26 @@ class BatchDrafter:
         lay.size -= lay.common_tail()
 
 
-class BatchMasks:
+class _AfterPass:
+    """Seconds of a source's device work after each pass (reading mask
+    candidates, running heads), by rows: exponential averages."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def cost(self, rows: int) -> float:
+        """Seconds for ``rows`` rows (the nearest measured row count's; 0
+        before any)."""
+        if not self.seconds:
+            return 0.0
+        return self.seconds[min(self.seconds, key=lambda n: abs(n - rows))]
+
+    def _note(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
+class BatchMasks(_AfterPass):
     """ESP's mask slots for the rows of a :class:`DraftBatch` (Goel et al.,
     arXiv 2603.17942, §3.1-3.2).
 
@@ -535,6 +560,7 @@ class BatchMasks:
     """
 
     def __init__(self, embed: Any, k: int = 1, top: int = 4, lam: float = 0.1):
+        super().__init__()
         self.embed, self.k, self.top, self.lam = embed, k, top, lam
         #: per row: (k, D) mask vectors (lazy)
         self.vec: list[mx.array] = []
@@ -568,14 +594,16 @@ class BatchMasks:
         emb = self.embed(tokens)
         return mx.concatenate([emb, masks.astype(emb.dtype)], axis=1)
 
-    def read(self, head: Any, h: mx.array, at: np.ndarray) -> None:
+    def read(self, head: Any, h: mx.array, at: np.ndarray, clock: DeviceClock, cost: float) -> None:
         """The next candidates: ``at`` (rows, k) flat slots of ``h`` (rows x
-        width, D) holding the masks after each row's deepest accepted slot."""
+        width, D) holding the masks after each row's deepest accepted slot
+        (``cost``: the LM head's time in one-token passes)."""
+        t0 = clock.now()
         logits = head(h[mx.array(at.ravel())])
         top = top_tokens(logits, self.top)
-        mx.eval(top, *self.vec)
-        top = np.array(top).reshape(len(at), self.k, -1)
-        self.cands = list(top)
+        _run(clock, [top, *self.vec], at.size, cost)
+        self.cands = list(np.array(top).reshape(len(at), self.k, -1))
+        self._note(len(at), clock.now() - t0)
 
     def update(self, r: int, tokens: list[int]) -> None:
         """Row ``r`` committed ``tokens``: its vectors move towards each."""
@@ -605,7 +633,7 @@ class BatchMasks:
         return np.cumsum([0.0, *values])
 
 
-class BatchHeads:
+class BatchHeads(_AfterPass):
     """CLP's MTP heads for the rows of a :class:`DraftBatch` (Xie & Zhou,
     arXiv 2606.10935, "backbone as architect"): after a pass, head ``j`` at
     each row's deepest accepted slot (its final-norm hidden state ``h`` and
@@ -619,6 +647,7 @@ class BatchHeads:
     """
 
     def __init__(self, heads: Any, embed: Any):
+        super().__init__()
         self.heads, self.embed, self.k = heads, embed, heads.k
         #: per row: its chain for the next step, or None (no heads ran)
         self.chains: list[list[int] | None] = []
@@ -626,8 +655,6 @@ class BatchHeads:
         self.rates = np.array([[0.5 * 0.8**j, 1.0] for j in range(self.k)])
         #: mean length of the kept span (exponential average)
         self.span = float(self.k)
-        #: seconds of the heads by rows (exponential averages)
-        self.seconds: dict[int, float] = {}
 
     def add(self) -> None:
         """A row joins (no chain before its first pass)."""
@@ -636,13 +663,6 @@ class BatchHeads:
     def keep(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (indices, in order)."""
         self.chains = [self.chains[i] for i in keep]
-
-    def cost(self, rows: int) -> float:
-        """Seconds of the heads for ``rows`` rows (the nearest measured row
-        count's; 0 before any)."""
-        if not self.seconds:
-            return 0.0
-        return self.seconds[min(self.seconds, key=lambda n: abs(n - rows))]
 
     def typical(self, room: int) -> np.ndarray:
         """Cumulative expected accepted tokens of the first 0..``room``
@@ -663,20 +683,21 @@ class BatchHeads:
             out.append(RowDraft(c, list(range(n)), q[:n].tolist(), [("head", i) for i in range(n)]))
         return out
 
-    def read(self, head: Any, h: mx.array, bonus: list[int]) -> None:
+    def read(
+        self, head: Any, h: mx.array, bonus: list[int], clock: DeviceClock, cost: float
+    ) -> None:
         """The next chains from ``h`` (rows, D), the hidden states at each
-        row's deepest accepted slot, whose next tokens are ``bonus``."""
-        t0 = time.perf_counter()
+        row's deepest accepted slot, whose next tokens are ``bonus``
+        (``cost``: the heads' time in one-token passes)."""
+        t0 = clock.now()
         x = self.heads.head_logits(h, self.embed(mx.array(bonus)), head)  # (k, rows, V)
         toks = mx.argmax(x, axis=-1).T
         span = mx.minimum(mx.argmax(self.heads.predictor(h.astype(mx.float32)), axis=-1), self.k)
-        mx.eval(toks, span)
+        _run(clock, [toks, span], len(bonus), cost)
         spans = np.array(span).tolist()
         self.chains = [t[:s] for t, s in zip(np.array(toks).tolist(), spans)]
         self.span = 0.9 * self.span + 0.1 * float(np.mean(spans))
-        rows, seconds = len(bonus), time.perf_counter() - t0
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._note(len(bonus), clock.now() - t0)
 
 
 class DraftBatch:
@@ -782,18 +803,81 @@ class DraftBatch:
         # root (``table_root[r]``) and deeper (``table_deep[r]``): [right, tried]
         self.table_root = np.array([[RANK_PRIORS[min(r, 7)], 1.0] for r in range(k)])
         self.table_deep = np.array([[DEEP_PRIORS[min(r, 7)], 1.0] for r in range(k)])
+        #: the device clock (a simulated device's in a simulated benchmark)
+        self.clock = make_clock()
+        # the LM head's and the heads' time, in one-token passes (memory-bound:
+        # their weight bytes over the model's)
+        total = max(weight_bytes(model), 1)
+        self._head_share = weight_bytes(embed) / total
         self.heads = BatchHeads(heads, embed) if heads is not None else None
+        if heads is not None:
+            self._heads_share = heads.k * self._head_share + weight_bytes(heads) / total
+        if drafter is not None:
+            drafter.clock = self.clock
+            drafter.share = drafter.weight_share(model)
         self.masks: BatchMasks | None = None
         if masks > 0:
             check_mask_support(model)
             self.masks = BatchMasks(embed, masks)
         # seconds per pass by slots (rows x width): exponential averages
         self.seconds: dict[int, float] = {}
-        #: slot counts of the masked passes run so far
-        self._masked: set[int] = set()
+        #: slots of the last pass (rows x width)
+        self.last_slots = 0
+        #: seconds that probes of masks or heads may still spend (:meth:`_probe`)
+        self._credit = 0.0
         #: the cache is compacted when its slots exceed this many times the
         #: longest row's kept tokens
         self.compact_at = 2.0
+
+    #: the methods a batch drafts for (:meth:`for_method`)
+    METHODS = ("pld", "recycle", "draft", "probe", "hybrid", "clp")
+
+    @classmethod
+    def for_method(
+        cls,
+        model: Any,
+        eos: set[int],
+        method: str,
+        *,
+        table: RecycleTable | None = None,
+        draft_model: Any = None,
+        heads: Any = None,
+        **kw: Any,
+    ) -> DraftBatch:
+        """The batch that drafts as ``method`` does: ``pld`` (lookup
+        chains), ``recycle`` (and ``table``'s trees; a new table if None),
+        ``draft`` (``draft_model``'s chains), ``probe`` (ESP mask slots),
+        ``hybrid`` (lookup chains and mask slots) or ``clp`` (``heads``'
+        chains); ``kw`` as :class:`DraftBatch` takes them.
+
+        Raises:
+            InvalidArgumentError: another method, or ``draft`` / ``clp``
+                without their draft model / heads.
+            UnsupportedModelError: as :class:`DraftBatch`.
+        """
+        if method not in cls.METHODS:
+            raise InvalidArgumentError(
+                f"a drafting batch runs {', '.join(cls.METHODS)}, not {method!r}"
+            )
+        if (method == "draft" and draft_model is None) or (method == "clp" and heads is None):
+            raise InvalidArgumentError(
+                f"a {method} batch needs its {'draft model' if method == 'draft' else 'heads'}"
+            )
+        drafter = None
+        if method == "draft":
+            drafter = BatchDrafter(draft_model, kw.get("prefill_step", 2048))
+        if method == "recycle" and table is None:
+            table = RecycleTable()
+        return cls(
+            model,
+            eos,
+            table=table if method == "recycle" else None,
+            drafter=drafter,
+            masks=1 if method in ("probe", "hybrid") else 0,
+            lookup=method != "probe",
+            heads=heads if method == "clp" else None,
+            **kw,
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -940,18 +1024,23 @@ class DraftBatch:
         tree.ngram = n
         return tree
 
-    def _learn_rates(self, tree: RowDraft, sent: int, on_path: set[int]) -> None:
+    def _learn_rates(self, tree: RowDraft, sent: int, on_path: set[int], first: int) -> None:
         """Count, for every sent node whose parent was accepted (or is the
-        root), whether it was accepted: the lookup's first token by n-gram
-        length and a token after a right one, the table's by rank under the
-        root and deeper, a mask candidate's by depth and rank."""
+        root), whether it was accepted, and for every node under the root
+        that was not sent whether it is ``first``, the token the row
+        committed after its root (what verification would have said, for
+        free): the lookup's first token by n-gram length and a token after
+        a right one, the table's by rank under the root and deeper, a mask
+        candidate's by depth and rank, a head's by depth."""
         depth = [0]
-        for i in range(sent):
+        for i in range(len(tree.tokens)):
             parent = tree.parents[i]
             depth.append(depth[parent] + 1)
+            if i >= sent and parent:
+                continue
             if parent and parent not in on_path:
                 continue
-            ok = (i + 1) in on_path
+            ok = (i + 1) in on_path if i < sent else tree.tokens[i] == first
             kind, r = tree.kinds[i]
             if kind == "mask":
                 self.masks.rates[depth[-1] - 1, r] += (ok, 1)
@@ -1051,17 +1140,17 @@ class DraftBatch:
         in tokens per second, steadily (each row's tree valued at least as
         its tree without mask candidates and as a tree of mask candidates
         alone: the measured rates of each depth and rank; the pass times
-        measured by size, the first masked size run once to measure it);
+        measured by size and the time of reading the masks' candidates
+        added, free before it is measured), or as a probe (:meth:`_probe`);
         then the node count with the most expected tokens per second from
         this step's trees."""
         rows, per = len(self.rows), 1 + self.masks.k
-        plain = self._drafts()
+        plain = self._drafts(masks=True)  # the last mask pass's candidates, if any
         k, rate = self._width(plain) if any(d.tokens for d in plain) else (0, 0.0)
         if rows * per > self.max_slots:
             return plain, k, False
-        if not self._masked:
-            return [RowDraft() for _ in self.rows], 0, True
         rate = rate or rows / self._cost(rows)
+        extra = self.masks.cost(rows)
         rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
         most = min(max(rooms), self.max_slots // (rows * per) - 1)
         typical = self.masks.typical(most)
@@ -1071,13 +1160,22 @@ class DraftBatch:
                 rows
                 + sum(max(c[min(j, len(c) - 1)], typical[min(j, m)]) for c, m in zip(sums, rooms))
             )
-            / self._cost(rows * (1 + j) * per)
+            / (self._cost(rows * (1 + j) * per) + extra)
             for j in range(most + 1)
         )
-        if steady <= rate:
+        if steady <= rate and not self._probe(extra + self._cost(rows * per) - self._cost(rows)):
             return plain, k, False
-        drafts = self._drafts(masks=True)
-        return drafts, self._width(drafts, per)[0], True
+        return plain, self._width(plain, per, extra)[0], True
+
+    def _probe(self, cost: float) -> bool:
+        """Whether to run the masks or heads once where they are not
+        predicted to pay (so that their rates are measured again): when the
+        credit, ``EPSILON`` of every pass's time (the solo planner's bound on
+        what drafting may lose), covers ``cost`` seconds; it is then spent."""
+        if self._credit < cost:
+            return False
+        self._credit -= cost
+        return True
 
     def _head_plan(self) -> tuple[list[RowDraft], int, bool]:
         """``(drafts, nodes per row, headed)`` with CLP heads: each row
@@ -1085,27 +1183,22 @@ class DraftBatch:
         the heads run after this pass while a pass with them wins over
         plain steps in tokens per second, steadily (each row's chain valued
         by the measured rates along it and the mean kept span, the heads'
-        time measured, run once first to measure it); then the node count
-        with the most expected tokens per second."""
+        time measured; free before it is), or as a probe (:meth:`_probe`);
+        then the node count with the most expected tokens per second."""
         rows = len(self.rows)
         rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
         drafts = self.heads.drafts(rooms)
-        if not self.heads.seconds:
-            headed = True
-        else:
-            extra = self.heads.cost(rows)
-            most = min(max(rooms), self.max_slots // rows - 1, self.heads.k)
-            typical = self.heads.typical(most)
-            steady = max(
-                (rows + sum(typical[min(j, m)] for m in rooms))
-                / (self._cost(rows * (1 + j)) + extra)
-                for j in range(most + 1)
-            )
-            headed = steady > rows / self._cost(rows)
+        extra = self.heads.cost(rows)
+        most = min(max(rooms), self.max_slots // rows - 1, self.heads.k)
+        typical = self.heads.typical(most)
+        steady = max(
+            (rows + sum(typical[min(j, m)] for m in rooms)) / (self._cost(rows * (1 + j)) + extra)
+            for j in range(most + 1)
+        )
+        headed = steady > rows / self._cost(rows) or self._probe(extra)
         if not any(d.tokens for d in drafts):
             return drafts, 0, headed
-        extra = self.heads.cost(rows) if headed else 0.0
-        return drafts, self._width(drafts, extra=extra)[0], headed
+        return drafts, self._width(drafts, extra=extra if headed else 0.0)[0], headed
 
     def _learn(
         self, inputs: np.ndarray, keep: np.ndarray, at: np.ndarray, top: np.ndarray, vocab: int
@@ -1175,7 +1268,7 @@ class DraftBatch:
             lay.tree_offsets = mx.array(
                 (lay.positions[:, None] + depths - np.arange(width)).astype(np.int32)
             )
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         ids_in = mx.array(inputs)
         emb = self.masks.inputs(ids_in[:, :nt]) if masked else None
         h = self.backbone(ids_in, cache=self.kv.caches, input_embeddings=emb)
@@ -1187,7 +1280,8 @@ class DraftBatch:
             logits = self.head(h.reshape(-1, h.shape[-1])[mx.array(at)])
         ids = mx.argmax(logits, axis=-1)
         top = top_tokens(logits, self.table.k) if self.table is not None else None
-        mx.eval(ids, *([] if top is None else [top]), *(self.masks.vec if self.masks else []))
+        outs = [ids, *([] if top is None else [top]), *(self.masks.vec if self.masks else [])]
+        _run(self.clock, outs, inputs.size)
         lay.anc = lay.tree_offsets = None
         pred = np.zeros(real.size, np.int64)
         pred[at] = np.array(ids)
@@ -1196,22 +1290,32 @@ class DraftBatch:
             walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
             for r, sent in enumerate(real.sum(axis=1) - 1)
         ]
+        seconds = self.clock.now() - t0
+        self._credit += EPSILON * seconds
+        slots = self.last_slots = inputs.size
+        old = self.seconds.get(slots)
+        self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if masked:  # the masks after each row's deepest accepted slot: the next trees
             deepest = np.array([path[-1] if path else 0 for path, _ in paths])
             at_masks = np.arange(rows)[:, None] * width + (nt + deepest * per)[:, None]
-            self.masks.read(self.head, h.reshape(-1, h.shape[-1]), at_masks + np.arange(per))
-            self._masked.add(inputs.size)
+            self.masks.read(
+                self.head,
+                h.reshape(-1, h.shape[-1]),
+                at_masks + np.arange(per),
+                self.clock,
+                self._head_share,
+            )
         elif self.masks is not None:  # no masks ran: no candidates follow the new roots
             self.masks.cands = [None] * rows
-        seconds = time.perf_counter() - t0
-        slots = inputs.size
-        old = self.seconds.get(slots)
-        self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if headed:  # the heads at each row's deepest accepted slot: the next chains
             deepest = np.array([path[-1] if path else 0 for path, _ in paths])
             at_last = mx.array(np.arange(rows) * width + deepest)
             self.heads.read(
-                self.head, h.reshape(-1, h.shape[-1])[at_last], [int(b) for _, b in paths]
+                self.head,
+                h.reshape(-1, h.shape[-1])[at_last],
+                [int(b) for _, b in paths],
+                self.clock,
+                self._heads_share,
             )
         elif self.heads is not None:
             self.heads.chains = [None] * rows
@@ -1221,8 +1325,9 @@ class DraftBatch:
             sent = int(real[r].sum()) - 1
             path, bonus = paths[r]
             keep[r, [0, *path]] = True
-            if sent:
-                self._learn_rates(d, sent, set(path))
+            if d.tokens:
+                first = int(inputs[r, path[0]]) if path else int(bonus)
+                self._learn_rates(d, sent, set(path), first)
             row.drafted += sent
             row.accepted += len(path)
             row.passes += 1
@@ -1256,6 +1361,16 @@ class DraftBatch:
         if done:
             self._keep([r for r in range(len(self.rows)) if r not in done])
         return out
+
+
+def _run(
+    clock: DeviceClock, outputs: list[mx.array], slots: int, cost: float | None = None
+) -> None:
+    """Evaluate ``outputs``, a pass of ``slots`` slots (or other device
+    work of ``cost`` one-token passes), on ``clock``'s device (a simulated
+    device takes its own time for it)."""
+    done = clock.launch(outputs, slots, cost)
+    clock.block(lambda: mx.eval(*outputs), done)
 
 
 def _ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

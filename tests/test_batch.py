@@ -347,8 +347,8 @@ def test_probe_and_hybrid_batches_equal_solo_greedy(
 def test_probe_batch_drafts_on_a_flat_cost_curve_and_never_on_a_steep_one(smollm, solo):
     """The batch's choice of mask passes follows the pass times: where a pass
     of any size takes as long as a one-token one (a GPU's flat curve) it
-    drafts from its masks; where a pass's time grows with its slots it
-    measures one mask pass and then decodes plainly. Both answer as solo."""
+    drafts from its masks; where a pass's time grows with its slots it never
+    runs one. Both answer as solo."""
     from mlx_mtp.batching import DraftBatch
 
     ntp = MTPModel(smollm, make_method("ntp"))
@@ -361,9 +361,30 @@ def test_probe_batch_drafts_on_a_flat_cost_curve_and_never_on_a_steep_one(smollm
             assert g == solo(p, max_tokens=N, temp=0.0).tokens
         rows = list(batch.finished.values())
         assert (sum(r.drafted for r in rows) > 0) == drafts
-        if not drafts:  # the one mask pass that measured its time
-            assert len(batch._masked) == 1
+        assert bool(batch.masks.seconds) == drafts  # mask passes ran
         assert (max(r.max_slots for r in rows) > 2) == drafts
+
+
+def test_probe_batch_measures_its_masks_again_after_its_estimates_fell(smollm, solo):
+    """Mask candidates whose estimated rates fell to zero are not predicted
+    to pay, even on a flat curve; the batch still runs mask passes while
+    its credit lasts (1% of its time; here a second given at the start),
+    scores the candidates it did not send against the tokens the rows
+    committed, and drafts again once the rates say so."""
+    from mlx_mtp.batching import DraftBatch
+
+    ntp = MTPModel(smollm, make_method("ntp"))
+    prompts = [ntp.encode(p, True) for p in PROMPTS[:3]]
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=1)
+    batch._cost = lambda slots: 0.05
+    batch.masks.rates[:, :, 0] = 0.0  # every rank: 0 right of 1 tried
+    batch._credit = 1.0
+    got = _run_draft_batch(batch, prompts, [2 * N] * 3, max_batch=3)
+    for p, g in zip(PROMPTS, got):
+        assert g == solo(p, max_tokens=2 * N, temp=0.0).tokens
+    right, tried = batch.masks.rates[0, 0]
+    assert right > 0 and tried > 3
+    assert sum(r.drafted for r in batch.finished.values()) > 0
 
 
 def test_clp_batch_equals_solo_greedy(smollm, solo, short_spec_prompts):

@@ -102,7 +102,7 @@ class BatchRunner:
     ):
         from mlx_lm.generate import BatchGenerator
 
-        from ..batching import BatchDrafter, DraftBatch
+        from ..batching import DraftBatch
 
         self.kind = kind
         self.model = model
@@ -118,20 +118,16 @@ class BatchRunner:
         together = min(max_batch, 8)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
-        if kind in ("pld", "recycle", "draft", "probe", "hybrid", "clp"):
-            drafter = None
-            if kind == "draft":
-                drafter = BatchDrafter(draft_model, prefill_step)
-            self.drafts = DraftBatch(
+        if kind in DraftBatch.METHODS:
+            self.drafts = DraftBatch.for_method(
                 model.model,
                 self.eos,
+                kind,
+                table=table,
+                draft_model=draft_model,
+                heads=heads,
                 prefill_step=prefill_step,
                 max_slots=max_slots,
-                table=table if kind == "recycle" else None,
-                drafter=drafter,
-                masks=1 if kind in ("probe", "hybrid") else 0,
-                lookup=kind != "probe",
-                heads=heads if kind == "clp" else None,
             )
         else:
             self.gen = BatchGenerator(
