@@ -562,8 +562,8 @@ class BatchMasks(_AfterPass):
     def __init__(self, embed: Any, k: int = 1, top: int = 4, lam: float = 0.1):
         super().__init__()
         self.embed, self.k, self.top, self.lam = embed, k, top, lam
-        #: per row: (k, D) mask vectors (lazy)
-        self.vec: list[mx.array] = []
+        #: (rows, k, D) every row's mask vectors (lazy), None before a row
+        self.vec: mx.array | None = None
         #: per row: (k, top) candidate ids from its last masked pass, or None
         self.cands: list[np.ndarray | None] = []
         # the rank-r candidate of mask d right, given its parent was: [right, tried]
@@ -577,12 +577,13 @@ class BatchMasks(_AfterPass):
     def add(self, prompt: list[int]) -> None:
         """A row joins: its vectors from its prompt's mean embedding."""
         mean = mx.mean(self.embed(mx.array(prompt)), axis=0)
-        self.vec.append(mx.broadcast_to(mean, (self.k, mean.shape[0])))
+        row = mx.broadcast_to(mean, (1, self.k, mean.shape[0]))
+        self.vec = row if self.vec is None else mx.concatenate([self.vec, row])
         self.cands.append(None)
 
     def keep(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (indices, in order)."""
-        self.vec = [self.vec[i] for i in keep]
+        self.vec = self.vec[mx.array(keep, dtype=mx.int32)] if keep else None
         self.cands = [self.cands[i] for i in keep]
 
     def inputs(self, tokens: mx.array) -> mx.array:
@@ -590,7 +591,7 @@ class BatchMasks(_AfterPass):
         slots ``tokens`` (rows, n), then each row's k masks after each of
         them (mask j after slot i at ``n + i k + j``)."""
         n = tokens.shape[1]
-        masks = mx.tile(mx.stack(self.vec), (1, n, 1))
+        masks = mx.tile(self.vec, (1, n, 1))
         emb = self.embed(tokens)
         return mx.concatenate([emb, masks.astype(emb.dtype)], axis=1)
 
@@ -601,16 +602,25 @@ class BatchMasks(_AfterPass):
         t0 = clock.now()
         logits = head(h[mx.array(at.ravel())])
         top = top_tokens(logits, self.top)
-        _run(clock, [top, *self.vec], at.size, cost)
+        _run(clock, [top, self.vec], at.size, cost)
         self.cands = list(np.array(top).reshape(len(at), self.k, -1))
         self._note(len(at), clock.now() - t0)
 
-    def update(self, r: int, tokens: list[int]) -> None:
-        """Row ``r`` committed ``tokens``: its vectors move towards each."""
-        e = self.embed(mx.array(tokens))
-        n, lam = len(tokens), self.lam
-        w = mx.array([lam * (1 - lam) ** (n - 1 - i) for i in range(n)], dtype=e.dtype)
-        self.vec[r] = (1 - lam) ** n * self.vec[r] + (w @ e)[None]
+    def update(self, new: list[list[int]]) -> None:
+        """Each row committed its ``new`` tokens: its vectors move towards
+        each, ``m <- m + lam (e - m)`` in order (in closed form, all rows in
+        one graph)."""
+        n, lam = max(map(len, new)), self.lam
+        toks = np.zeros((len(new), n), np.int32)
+        w = np.zeros((len(new), 1, n), np.float32)
+        decay = np.empty((len(new), 1, 1), np.float32)
+        for r, t in enumerate(new):
+            toks[r, : len(t)] = t
+            w[r, 0, : len(t)] = lam * (1 - lam) ** np.arange(len(t) - 1, -1, -1)
+            decay[r] = (1 - lam) ** len(t)
+        e = self.embed(mx.array(toks))  # (rows, n, D)
+        dt = self.vec.dtype
+        self.vec = mx.array(decay, dt) * self.vec + mx.array(w, dt) @ e
 
     def q(self) -> np.ndarray:
         """(k, top): the estimated rate of each depth and rank."""
@@ -823,8 +833,9 @@ class DraftBatch:
         self.seconds: dict[int, float] = {}
         #: slots of the last pass (rows x width)
         self.last_slots = 0
-        #: seconds that probes of masks or heads may still spend (:meth:`_probe`)
-        self._credit = 0.0
+        #: seconds that passes with masks or heads may still lose, and that
+        #: probes of them may spend (:meth:`_runs`)
+        self._credit = self._probes = 0.0
         #: the cache is compacted when its slots exceed this many times the
         #: longest row's kept tokens
         self.compact_at = 2.0
@@ -1141,7 +1152,7 @@ class DraftBatch:
         its tree without mask candidates and as a tree of mask candidates
         alone: the measured rates of each depth and rank; the pass times
         measured by size and the time of reading the masks' candidates
-        added, free before it is measured), or as a probe (:meth:`_probe`);
+        added, free before it is measured), within the ledger (:meth:`_runs`);
         then the node count with the most expected tokens per second from
         this step's trees."""
         rows, per = len(self.rows), 1 + self.masks.k
@@ -1163,18 +1174,26 @@ class DraftBatch:
             / (self._cost(rows * (1 + j) * per) + extra)
             for j in range(most + 1)
         )
-        if steady <= rate and not self._probe(extra + self._cost(rows * per) - self._cost(rows)):
+        probe = extra + self._cost(rows * per) - self._cost(rows)
+        if not self._runs(steady > rate, probe):
             return plain, k, False
         return plain, self._width(plain, per, extra)[0], True
 
-    def _probe(self, cost: float) -> bool:
-        """Whether to run the masks or heads once where they are not
-        predicted to pay (so that their rates are measured again): when the
-        credit, ``EPSILON`` of every pass's time (the solo planner's bound on
-        what drafting may lose), covers ``cost`` seconds; it is then spent."""
-        if self._credit < cost:
+    def _runs(self, pays: bool, cost: float) -> bool:
+        """Whether the masks or heads run this step. Where predicted to pay:
+        while a ledger (the solo planner's) allows, every pass adding
+        ``EPSILON`` of its time to a credit and every pass with masks or
+        heads taking off what it lost against plain steps (its time less its
+        tokens at a plain step's time per token; a gain adds), down to minus
+        one plain step. Where not (a probe, so that their estimates are
+        measured again): when a second credit, ``EPSILON`` of every pass's
+        time, covers their estimated ``cost`` seconds, which it then pays."""
+        rows = len(self.rows)
+        if pays and self._credit + self._cost(rows) > 0:
+            return True
+        if self._probes < cost:
             return False
-        self._credit -= cost
+        self._probes -= cost
         return True
 
     def _head_plan(self) -> tuple[list[RowDraft], int, bool]:
@@ -1183,7 +1202,7 @@ class DraftBatch:
         the heads run after this pass while a pass with them wins over
         plain steps in tokens per second, steadily (each row's chain valued
         by the measured rates along it and the mean kept span, the heads'
-        time measured; free before it is), or as a probe (:meth:`_probe`);
+        time measured; free before it is), within the ledger (:meth:`_runs`);
         then the node count with the most expected tokens per second."""
         rows = len(self.rows)
         rooms = [max(0, min(self.max_draft, r.limit - 1)) for r in self.rows]
@@ -1195,7 +1214,7 @@ class DraftBatch:
             (rows + sum(typical[min(j, m)] for m in rooms)) / (self._cost(rows * (1 + j)) + extra)
             for j in range(most + 1)
         )
-        headed = steady > rows / self._cost(rows) or self._probe(extra)
+        headed = self._runs(steady > rows / self._cost(rows), extra)
         if not any(d.tokens for d in drafts):
             return drafts, 0, headed
         return drafts, self._width(drafts, extra=extra if headed else 0.0)[0], headed
@@ -1280,7 +1299,7 @@ class DraftBatch:
             logits = self.head(h.reshape(-1, h.shape[-1])[mx.array(at)])
         ids = mx.argmax(logits, axis=-1)
         top = top_tokens(logits, self.table.k) if self.table is not None else None
-        outs = [ids, *([] if top is None else [top]), *(self.masks.vec if self.masks else [])]
+        outs = [ids, *([] if top is None else [top]), *([self.masks.vec] if self.masks else [])]
         _run(self.clock, outs, inputs.size)
         lay.anc = lay.tree_offsets = None
         pred = np.zeros(real.size, np.int64)
@@ -1292,6 +1311,7 @@ class DraftBatch:
         ]
         seconds = self.clock.now() - t0
         self._credit += EPSILON * seconds
+        self._probes += EPSILON * seconds
         slots = self.last_slots = inputs.size
         old = self.seconds.get(slots)
         self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
@@ -1346,8 +1366,6 @@ class DraftBatch:
             row.generated.extend(new)
             row.append(new)
             row.last = new[-1]
-            if self.masks is not None:
-                self.masks.update(r, new)
             out.append(StepTokens(row.uid, new, reason))
             if reason is not None:
                 done.append(r)
@@ -1356,6 +1374,12 @@ class DraftBatch:
             self._learn(inputs, keep, at, np.array(top), logits.shape[-1])
         if self.drafter is not None:
             self.drafter.settle(depth, keep.sum(axis=1) - 1, news)
+        if self.masks is not None:
+            self.masks.update(news)
+        if masked or headed:  # the ledger: what this pass lost against plain steps
+            plain_per_token = self._cost(rows) / rows
+            lost = self.clock.now() - t0 - sum(map(len, news)) * plain_per_token
+            self._credit -= lost
         lay.commit(keep)
         lay.size -= lay.common_tail()
         if done:

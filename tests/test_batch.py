@@ -378,7 +378,7 @@ def test_probe_batch_measures_its_masks_again_after_its_estimates_fell(smollm, s
     batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, masks=1)
     batch._cost = lambda slots: 0.05
     batch.masks.rates[:, :, 0] = 0.0  # every rank: 0 right of 1 tried
-    batch._credit = 1.0
+    batch._probes = 1.0
     got = _run_draft_batch(batch, prompts, [2 * N] * 3, max_batch=3)
     for p, g in zip(PROMPTS, got):
         assert g == solo(p, max_tokens=2 * N, temp=0.0).tokens
