@@ -331,7 +331,9 @@ class RowDraft:
         parents: each node's parent slot (0: the root; before the node).
         values: each node's chance of being accepted (estimated).
         kinds: what proposed each node: ``("lookup", i)``, token i of the
-            lookup's chain, or ``("table", r)``, the table's rank-r candidate.
+            lookup's chain; ``("table", r)``, the table's rank-r candidate;
+            ``("mask", r)``, a mask's rank-r candidate; ``("head", i)`` and
+            ``("draft", i)``, token i of the heads' or a draft model's chain.
         ngram: the length of the lookup's matched n-gram (0: no match).
     """
 
@@ -640,6 +642,7 @@ class BatchMasks(_AfterPass):
             if d + 1 < min(self.k, room):
                 for r in range(self.top):
                     heapq.heappush(heap, (v * q[d + 1, r], d + 1))
+        values += [0.0] * (room - len(values))  # a tree can hold no more nodes
         return np.cumsum([0.0, *values])
 
 
@@ -731,8 +734,8 @@ class DraftBatch:
     rate of a right token after a right one; a table candidate by the
     measured rate of its rank, under the root or deeper, times its parent's
     value) over the measured time of a pass of that many slots (rows x
-    width, measured here, on this machine; an unmeasured size is guessed to
-    cost the square root of its share of slots, and is tried once where that
+    width, measured here, on this machine; an unmeasured size is guessed
+    from the measured ones (:meth:`_cost`), and is tried once where that
     guess wins).
 
     Args:
@@ -749,18 +752,23 @@ class DraftBatch:
             lookup only.
         drafter: a draft model's :class:`BatchDrafter` (instead of lookup):
             each row drafts its chain, the depth chosen by :meth:`_depth`.
-        masks: mask slots after every token slot (ESP, k; 0: none): each row
-            drafts the tree its last masks grew (:class:`BatchMasks`, instead
-            of lookup); passes carry masks while that wins
-            (:meth:`_mask_width`).
+        masks: mask slots after every token slot (ESP, k in 0..3; 0: none):
+            each row's tree also holds the candidates its last masks gave
+            (:class:`BatchMasks`); passes carry masks while that wins
+            (:meth:`_mask_width`, :meth:`_runs`).
+        lookup: whether rows draft by prompt lookup (False: probe's trees
+            of mask candidates alone).
+        heads: CLP heads (:class:`~mlx_mtp.clp_format.CLPHeads`; instead of
+            lookup): each row drafts the chain its heads wrote
+            (:class:`BatchHeads`, :meth:`_head_plan`).
 
     Raises:
         UnsupportedModelError: see :func:`check_batchable`; with a ``table``,
             a model whose family cannot run a draft tree
             (:func:`~mlx_mtp.families.check_tree_support`); with ``masks``,
             see :func:`check_mask_support`.
-        InvalidArgumentError: more than one of ``table``, ``drafter`` and
-            ``masks``.
+        InvalidArgumentError: a ``drafter`` or ``heads`` with another
+            source; ``masks`` outside 0..3.
     """
 
     def __init__(
@@ -783,6 +791,8 @@ class DraftBatch:
             raise InvalidArgumentError("a batch with a draft model or heads drafts from it alone")
         if drafter is not None and heads is not None:
             raise InvalidArgumentError("a batch drafts from a draft model or from heads")
+        if isinstance(masks, bool) or not isinstance(masks, int) or not 0 <= masks <= 3:
+            raise InvalidArgumentError(f"masks must be an integer in [0, 3], got {masks!r}")
         self.lookup = lookup
         self.drafter = drafter
         # a draft model's token right: the first, and one after a right one
@@ -836,6 +846,7 @@ class DraftBatch:
         #: seconds that passes with masks or heads may still lose, and that
         #: probes of them may spend (:meth:`_runs`)
         self._credit = self._probes = 0.0
+        self._probing = False
         #: the cache is compacted when its slots exceed this many times the
         #: longest row's kept tokens
         self.compact_at = 2.0
@@ -1187,13 +1198,16 @@ class DraftBatch:
         tokens at a plain step's time per token; a gain adds), down to minus
         one plain step. Where not (a probe, so that their estimates are
         measured again): when a second credit, ``EPSILON`` of every pass's
-        time, covers their estimated ``cost`` seconds, which it then pays."""
+        time, covers their estimated ``cost`` seconds (at least 5% of a
+        plain pass), which it then pays (instead of the ledger)."""
         rows = len(self.rows)
         if pays and self._credit + self._cost(rows) > 0:
             return True
+        cost = max(cost, 0.05 * self._cost(rows))  # never free (noisy pass times)
         if self._probes < cost:
             return False
         self._probes -= cost
+        self._probing = True
         return True
 
     def _head_plan(self) -> tuple[list[RowDraft], int, bool]:
@@ -1209,6 +1223,8 @@ class DraftBatch:
         drafts = self.heads.drafts(rooms)
         extra = self.heads.cost(rows)
         most = min(max(rooms), self.max_slots // rows - 1, self.heads.k)
+        if most < 1:  # no room for a draft token: plain passes
+            return drafts, 0, False
         typical = self.heads.typical(most)
         steady = max(
             (rows + sum(typical[min(j, m)] for m in rooms)) / (self._cost(rows * (1 + j)) + extra)
@@ -1244,6 +1260,7 @@ class DraftBatch:
         lay = self.kv.layout
         rows = len(self.rows)
         depth, masked, headed = 0, False, False
+        self._probing = False
         if self.drafter is not None:
             depth = self._depth() if self.max_draft else 0
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
@@ -1376,9 +1393,9 @@ class DraftBatch:
             self.drafter.settle(depth, keep.sum(axis=1) - 1, news)
         if self.masks is not None:
             self.masks.update(news)
-        if masked or headed:  # the ledger: what this pass lost against plain steps
+        if (masked or headed) and not self._probing:  # the ledger: lost against plain steps
             plain_per_token = self._cost(rows) / rows
-            lost = self.clock.now() - t0 - sum(map(len, news)) * plain_per_token
+            lost = self.clock.now() - t0 - sum(len(o.tokens) for o in out) * plain_per_token
             self._credit -= lost
         lay.commit(keep)
         lay.size -= lay.common_tail()

@@ -419,6 +419,27 @@ def test_clp_batch_equals_solo_greedy(smollm, solo, short_spec_prompts):
     assert tried > 5 and right > 0
 
 
+def test_mask_and_head_batches_at_wide_and_narrow_bounds(smollm, solo):
+    """Trees wider than a mask can fill (max_draft 8 with one mask of 4
+    candidates), three masks, and a clp batch whose slots bound leaves no
+    room for a draft token all decode as solo; four masks are refused."""
+    from mlx_mtp.batching import DraftBatch
+    from mlx_mtp.clp_format import heads_for
+
+    ntp = MTPModel(smollm, make_method("ntp"))
+    prompts = [ntp.encode(p, True) for p in PROMPTS[:3]]
+    heads = heads_for(smollm.model, None, "smollm2-135m")[0]
+    for kw in ({"masks": 1, "max_draft": 8}, {"masks": 1, "lookup": True, "max_draft": 8},
+               {"masks": 3}, {"heads": heads, "max_slots": 2}):  # fmt: skip
+        batch = DraftBatch(smollm.model, ntp.eos_ids, **kw)
+        batch._cost = lambda slots: 1.0  # a flat curve: mask passes and heads pay
+        got = _run_draft_batch(batch, prompts, [12] * 3, max_batch=3)
+        for p, g in zip(PROMPTS, got):
+            assert g == solo(p, max_tokens=12, temp=0.0).tokens, kw
+    with pytest.raises(InvalidArgumentError, match=r"masks must be an integer in \[0, 3\]"):
+        DraftBatch(smollm.model, ntp.eos_ids, masks=4)
+
+
 @pytest.mark.parametrize("method", ["probe", "hybrid", "clp"])
 def test_batch_generate_probe_hybrid_and_clp(smollm, solo, method):
     """The API's probe, hybrid and clp batches: solo answers, named as such."""
