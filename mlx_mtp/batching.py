@@ -1259,25 +1259,24 @@ class DraftBatch:
             self._compact()
         lay = self.kv.layout
         rows = len(self.rows)
-        depth, masked, headed = 0, False, False
+        depth, k, masked, headed = 0, 0, False, False
         self._probing = False
-        if self.drafter is not None:
-            depth = self._depth() if self.max_draft else 0
+        drafts = None
+        if not self.max_draft:
+            pass
+        elif self.drafter is not None:
+            depth = self._depth()
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
-        elif self.masks is not None and self.max_draft:
+        elif self.masks is not None:
             drafts, k, masked = self._mask_width()
-        elif self.heads is not None and self.max_draft:
+        elif self.heads is not None:
             drafts, k, headed = self._head_plan()
-        elif self.heads is None:
-            drafts = self._drafts() if self.max_draft else None
         else:
-            drafts = None
+            drafts = self._drafts()
         if drafts is None:
             drafts = [RowDraft() for _ in self.rows]
-        if not masked and self.heads is None:
-            k = self._width(drafts)[0] if any(d.tokens for d in drafts) else 0
-        elif self.heads is not None and not self.max_draft:
-            k = 0
+        if self.masks is None and self.heads is None and any(d.tokens for d in drafts):
+            k = self._width(drafts)[0]
         # a row's slots: its root and k nodes, then (masked) the masks after each
         nt = k + 1
         per = self.masks.k if masked else 0
