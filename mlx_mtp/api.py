@@ -25,7 +25,12 @@ from .context import Context
 from .data import render_prompt
 from .decoding import GenerationStats, generate_steps
 from .engine import PREFILL_STEP, Engine
-from .errors import ContextLengthError, InvalidArgumentError, ModelBusyError
+from .errors import (
+    ContextLengthError,
+    InvalidArgumentError,
+    ModelBusyError,
+    UnsupportedModelError,
+)
 from .families import check_cache_support
 from .loading import (
     EMBEDDED_MODEL,
@@ -497,6 +502,13 @@ def batch_generate(
     ``method="clp"``: the model's CLP heads (verified mode) at each row's
     deepest accepted slot write its next chain, cut to the span predictor's
     length; they run while that wins over plain steps.
+    ``method="lookahead"``: each row's Jacobi columns ride in the batch's
+    pass (:class:`~mlx_mtp.batching.BatchLookahead`, at most 10% more pass
+    time, within the batch's ledger), fill its n-gram pool, and the pool's
+    n-grams after its newest token are its draft.
+    ``method="mtp"``: the checkpoint's own MTP layer
+    (:class:`~mlx_mtp.batching.BatchNative`, its own batched KV cache)
+    drafts each row's chain, as a draft model would.
 
     Each prompt's answer is the one :meth:`MTPModel.generate` gives it alone
     with the same arguments (greedy: the argmax of each row; sampled: each
@@ -517,7 +529,8 @@ def batch_generate(
         max_batch: most prompts decoded in one forward pass (>= 1).
         prefill_step: prompt tokens per prefill pass.
         method: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``,
-            ``"hybrid"`` or ``"clp"`` (the heads made for the model).
+            ``"hybrid"``, ``"clp"`` (the heads made for the model),
+            ``"lookahead"`` or ``"mtp"`` (the checkpoint's MTP layer).
         max_draft: with a drafting method, most draft tokens per row and step
             (the width of each pass, and a draft model's passes, are chosen by
             measured cost, 0 to ``max_draft``).
@@ -682,6 +695,7 @@ def _draft_batch(
         method,
         draft_model=draft_for(loaded, draft_model).model if method == "draft" else None,
         heads=heads_for(loaded.model, None, loaded.name)[0] if method == "clp" else None,
+        native=native_layer(loaded) if method == "mtp" else None,
         max_draft=max_draft,
         prefill_step=prefill_step,
     )
@@ -732,8 +746,29 @@ def _draft_batch(
     return results
 
 
+def native_layer(loaded: LoadedModel) -> Any:
+    """The native MTP layer of ``loaded``'s checkpoint (for a batch).
+
+    Raises:
+        UnsupportedModelError: a model loaded without its folder, or of a
+            family without a native MTP layer.
+        ModelLoadError: no (or unfitting) MTP tensors in the folder.
+    """
+    from pathlib import Path
+
+    from .native_mtp import load_native_mtp
+
+    folder = getattr(loaded, "path", None)
+    if folder is None:
+        raise UnsupportedModelError(
+            "the native MTP layer is read from the model's checkpoint folder; load the model "
+            "with mlx_mtp.load(...) or --model."
+        )
+    return load_native_mtp(Path(folder), loaded.model, getattr(loaded, "config", None))
+
+
 #: the methods :func:`batch_generate` runs
-BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp")
+BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp", "lookahead", "mtp")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")

@@ -40,12 +40,15 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import does_model_support_input_embeddings
 
+from .cache_view import install_positional_rope
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
 from .memory import weight_bytes
+from .native_mtp import draft_cost_of
 from .planner import EPSILON
 from .sources.lookup import lookup_match
 from .sources.masks import PROBE_RANK_PRIORS
+from .sources.pool import JACOBI_EXTRA, NGramPool
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
 from .timing import DeviceClock, make_clock
 from .verify import top_tokens, walk_tree
@@ -376,16 +379,25 @@ def check_mask_support(model: Any) -> None:
         )
 
 
-def _prefill(model: Any, tokens: list[int], step: int) -> tuple[list[KVCache], mx.array]:
+def _prefill(
+    model: Any, tokens: list[int], step: int, hidden: bool = False
+) -> tuple[list[KVCache], mx.array, mx.array | None]:
     """A prompt through ``model`` alone, in chunks of ``step`` tokens: its
-    mlx-lm caches and the logits (V,) after its last token (lazy)."""
+    mlx-lm caches, the logits (V,) after its last token (lazy) and, with
+    ``hidden``, the final-norm hidden states (n, D) after every token."""
     cache = make_prompt_cache(model)
     prompt = mx.array(tokens)[None]
+    backbone, head, _ = model_parts(model)
+    states = []
     for s in range(0, len(tokens), step):
-        logits = model(prompt[:, s : s + step], cache=cache)
+        if hidden:
+            states.append(backbone(prompt[:, s : s + step], cache=cache)[0])
+            logits = head(states[-1][None, -1:])
+        else:
+            logits = model(prompt[:, s : s + step], cache=cache)
         if s + step < len(tokens):
-            mx.eval([c.state for c in cache])
-    return cache, logits[0, -1]
+            mx.eval([c.state for c in cache], states)
+    return cache, logits[0, -1], mx.concatenate(states) if hidden else None
 
 
 def _left_aligned(tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -449,7 +461,7 @@ class BatchDrafter:
 
     def add(self, tokens: list[int], first: int) -> None:
         """A row joins: its prompt prefilled alone; ``first`` is pending."""
-        cache, _ = _prefill(self.model, tokens, self.prefill_step)
+        cache, _, _ = _prefill(self.model, tokens, self.prefill_step)
         self.kv.join(cache, len(tokens))
         self.pending.append([first])
 
@@ -520,6 +532,124 @@ class BatchDrafter:
             self.pending[r] = ([] if depth else self.pending[r]) + new[r][seen:]
         lay._offset = None
         lay.size -= lay.common_tail()
+
+
+class BatchNative:
+    """A checkpoint's own MTP layer drafting greedy chains for every row of
+    a :class:`DraftBatch` (``mtp``: DeepSeek-V3 §2.2's ``nextn`` layer and
+    the Qwen3-Next / Qwen3.5 ``mtp.*`` layer, :mod:`mlx_mtp.native_mtp`),
+    with :class:`BatchDrafter`'s interface.
+
+    The layer keeps its own batched KV cache over the pairs ``(h_i,
+    t_{i+1})`` of each row's committed positions (the target's final-norm
+    hidden state at i, the token committed after it). The pairs of the
+    positions a step committed wait (pending) until the next draft, which
+    feeds every row's pending pairs in one pass: the layer's output at each
+    row's last pair, through the target's LM head, is draft 1; depths 2..k
+    re-feed the layer its own output with the token it drafted, and those
+    speculative entries leave the layer's cache after the draft.
+
+    Args:
+        layer: the loaded MTP layer (:func:`~mlx_mtp.native_mtp.load_native_mtp`).
+        model: the target model it belongs to.
+
+    Raises:
+        UnsupportedModelError: see :func:`check_batchable` (the target).
+    """
+
+    def __init__(self, layer: Any, model: Any):
+        check_batchable(model)
+        install_positional_rope(layer)
+        self.layer = layer
+        _, self.head, self.embed = model_parts(model)
+        self.kv = BatchCache(layer)
+        self.clock: DeviceClock = make_clock()
+        self.share = draft_cost_of(layer, model)
+        #: per row: (hidden states (P, D), the P tokens committed after them)
+        self.pending: list[list[tuple[mx.array, list[int]]]] = []
+        #: seconds per draft pass by rows: an exponential average
+        self.seconds: dict[int, float] = {}
+
+    def weight_share(self, target: Any) -> float:
+        """One draft's time in the target's one-token passes (the layer's
+        and the LM head's weight bytes over the target's)."""
+        return self.share
+
+    def add(self, tokens: list[int], first: int, hidden: mx.array) -> None:
+        """A row joins: the pairs of its prompt (``hidden`` (n, D), the
+        target's states after each prompt token) fed alone, the pair of its
+        last prompt token and ``first`` pending."""
+        n = len(tokens)
+        cache = self.layer.make_cache()
+        if n > 1:
+            self.layer(hidden[None, : n - 1], self.embed(mx.array(tokens[1:]))[None], cache)
+        self.kv.join(cache, n - 1)
+        self.pending.append([(hidden[n - 1 :], [first])])
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        self.pending = [self.pending[i] for i in keep]
+        self.kv.keep(keep)
+
+    def _feed(self) -> mx.array:
+        """Every row's pending pairs through the layer in one pass (padded
+        after them): (rows, D) the output at each row's last pair (lazy)."""
+        if self.kv.due(2.0):
+            self.kv.compact()
+        rows = len(self.pending)
+        hs = [mx.concatenate([h for h, _ in p]) for p in self.pending]
+        toks = [[t for _, ts in p for t in ts] for p in self.pending]
+        inputs, keep = _left_aligned(toks)
+        width = inputs.shape[1]
+        h = mx.stack([mx.pad(x, [(0, width - x.shape[0]), (0, 0)]) for x in hs])
+        out = self.layer(h, self.embed(mx.array(inputs)), self.kv.caches)
+        self.kv.layout.commit(keep)
+        self.pending = [[] for _ in range(rows)]
+        last = mx.array(keep.sum(axis=1) - 1)
+        return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+
+    def draft(self, depth: int) -> np.ndarray:
+        """(rows, depth) int64: each row's chain of ``depth`` tokens after
+        its newest one (``depth`` >= 1)."""
+        rows = len(self.pending)
+        t0 = self.clock.now()
+        last = self._feed()
+        tokens = [mx.argmax(self.head(last), axis=-1)]
+        lay = self.kv.layout
+        for _ in range(depth - 1):
+            last = self.layer(last[:, None], self.embed(tokens[-1])[:, None], self.kv.caches)[:, 0]
+            lay.commit(np.ones((rows, 1), bool))
+            tokens.append(mx.argmax(self.head(last), axis=-1))
+        out = mx.stack(tokens, axis=1)
+        _run(self.clock, [out], rows, depth * self.share)
+        if depth > 1:  # the speculative entries leave the layer's cache
+            lay.valid[:, lay.size - depth + 1 : lay.size] = False
+            lay.positions = lay.positions - (depth - 1)
+            lay.size -= depth - 1
+            lay._offset = None
+        per = (self.clock.now() - t0) / depth
+        old = self.seconds.get(rows)
+        self.seconds[rows] = per if old is None else 0.8 * old + 0.2 * per
+        return np.array(out).astype(np.int64)
+
+    def settle(
+        self,
+        depth: int,
+        accepted: np.ndarray,
+        new: list[list[int]],
+        hidden: list[mx.array] | None = None,
+    ) -> None:
+        """After the target's pass: row ``r`` committed ``new[r]`` after the
+        slots whose hidden states are ``hidden[r]`` (its root and accepted
+        slots, in order); those pairs are pending. Rows whose pairs pile up
+        past ``CATCH_UP`` (steps that drafted nothing) are fed without a
+        draft."""
+        for r, (toks, h) in enumerate(zip(new, hidden or [])):
+            self.pending[r].append((h, toks))
+        if max(sum(len(t) for _, t in p) for p in self.pending) > CATCH_UP:
+            out = self._feed()
+            kv = [a for c in self.kv.caches for a in (c.keys, c.values)]
+            _run(self.clock, [out, *kv], len(self.pending), self.share)
 
 
 class _AfterPass:
@@ -713,6 +843,112 @@ class BatchHeads(_AfterPass):
         self._note(len(bonus), clock.now() - t0)
 
 
+class BatchLookahead:
+    """Lookahead decoding's Jacobi window and n-gram pool for every row of a
+    :class:`DraftBatch` (Fu et al., ICML 2024, arXiv 2402.02057, §3).
+
+    Each row keeps ``window`` Jacobi columns of up to ``level - 1`` tokens
+    (column ``j`` starts as one token drawn from the row's prompt) and its
+    own n-gram pool. A pass that carries the lookahead branch puts the first
+    ``w`` columns of every row after its token slots, column by column:
+    level 0 of column ``j`` below level 0 of column ``j - 1`` (the first
+    below the root), level ``l`` below level ``l - 1`` of its column (the
+    paper's Fig. 2b attention, a tree), so the slot at level ``l`` of column
+    ``j`` sits ``j + l + 1`` places after the root. The model's argmax after
+    a column's last token is one Jacobi update of it: a column not yet
+    ``level - 1`` long grows by it; a full one gives the n-gram of its
+    tokens and the update to the pool (keyed by its first token, the newest
+    ``guess`` per key) and shifts by one. The pool's n-grams after a row's
+    newest token are its next draft (:meth:`tree`), verified like any other.
+
+    Args:
+        level: N, the n-gram size (2..16).
+        window: W, the most Jacobi columns per row (1..64).
+        guess: G, the pool's n-grams per key, all offered to the draft.
+        seed: seed of the prompt tokens that start each row's columns.
+    """
+
+    def __init__(self, level: int = 5, window: int = 7, guess: int = 7, seed: int = 0):
+        self.level, self.window, self.guess, self.seed = level, window, guess, seed
+        #: per row: its W columns (lists of up to N - 1 token ids)
+        self.cols: list[list[list[int]]] = []
+        self.pools: list[NGramPool] = []
+        # a pool token right: under the root, and after a right one: [right, tried]
+        self.first = np.array([0.3, 1.0])
+        self.next = np.array([0.6, 1.0])
+
+    def add(self, prompt: list[int]) -> None:
+        """A row joins: its columns start from tokens drawn from its prompt."""
+        rng = np.random.default_rng(self.seed)
+        self.cols.append([[int(t)] for t in rng.choice(np.asarray(prompt), size=self.window)])
+        self.pools.append(NGramPool(self.guess))
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order)."""
+        self.cols = [self.cols[i] for i in keep]
+        self.pools = [self.pools[i] for i in keep]
+
+    def slots(self, w: int) -> int:
+        """The most slots the first ``w`` columns take in any row."""
+        return max(sum(len(c) for c in cols[:w]) for cols in self.cols)
+
+    def branch(self, r: int, w: int, offset: int) -> tuple[list[int], list[int], list[int]]:
+        """Row ``r``'s first ``w`` columns from slot ``offset`` on:
+        ``(tokens, parent slots, slot of each column's last token)``."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        last: list[int] = []
+        above = 0  # the slot level 0 of the next column hangs below
+        for col in self.cols[r][:w]:
+            top = offset + len(tokens)
+            for i, t in enumerate(col):
+                parents.append(above if i == 0 else offset + len(tokens) - 1)
+                tokens.append(t)
+            above = top
+            last.append(offset + len(tokens) - 1)
+        return tokens, parents, last
+
+    def update(self, r: int, outs: list[int]) -> None:
+        """Row ``r``'s first ``len(outs)`` columns got their Jacobi updates
+        ``outs``: grow, or harvest an n-gram and shift."""
+        pool = self.pools[r]
+        for col, o in zip(self.cols[r], outs):
+            if len(col) < self.level - 1:
+                col.append(o)
+                continue
+            pool.add(col[0], (*col[1:], o))
+            col[:] = [*col[1:], o]
+
+    def tree(self, r: int, root: int, room: int) -> RowDraft:
+        """Row ``r``'s draft: the trie of its pool's n-grams after ``root``,
+        best first, at most ``room`` nodes; a node of depth ``d`` first
+        proposed by the rank-``i`` n-gram (newest first) is worth
+        ``first next^(d - 1) / 2^i`` (the n-grams are alternatives), the
+        rates measured."""
+        cands = self.pools[r].get(root, self.guess) if room > 0 else []
+        p, q = self.first[0] / self.first[1], self.next[0] / self.next[1]
+        nodes: list[tuple[float, int, int, int]] = []  # (value, parent node, token, rank)
+        index: dict[tuple[int, int], int] = {}
+        for i, cand in enumerate(cands):
+            parent = -1
+            for d, t in enumerate(cand):
+                if (parent, t) not in index:
+                    index[(parent, t)] = len(nodes)
+                    nodes.append((p * q**d * 0.5**i, parent, t, i))
+                parent = index[(parent, t)]
+        # a parent is worth at least its child and comes first on a tie
+        order = sorted(range(len(nodes)), key=lambda n: -nodes[n][0])[:room]
+        slot = {n: s + 1 for s, n in enumerate(order)}
+        tree = RowDraft()
+        for n in order:
+            value, parent, t, i = nodes[n]
+            tree.tokens.append(t)
+            tree.parents.append(0 if parent < 0 else slot[parent])
+            tree.values.append(value)
+            tree.kinds.append(("pool", i))
+        return tree
+
+
 class DraftBatch:
     """Continuous batching with drafts verified in the batch's forward pass
     (greedy): prompt lookup, with a ``table`` token recycling, with a
@@ -733,10 +969,11 @@ class DraftBatch:
     token valued by its matched n-gram length, a later one by the measured
     rate of a right token after a right one; a table candidate by the
     measured rate of its rank, under the root or deeper, times its parent's
-    value) over the measured time of a pass of that many slots (rows x
-    width, measured here, on this machine; an unmeasured size is guessed
-    from the measured ones (:meth:`_cost`), and is tried once where that
-    guess wins).
+    value) over the measured time of a step of that many slots (rows x
+    width: the step's host work, its drafts and layout, and its pass;
+    measured here, on this machine; an unmeasured size is guessed from the
+    measured ones (:meth:`_cost`), and is tried once where that guess
+    wins).
 
     Args:
         model: an mlx-lm model with a full KV cache in every layer.
@@ -750,8 +987,12 @@ class DraftBatch:
         table: token recycling's table (:class:`~mlx_mtp.sources.recycle.RecycleTable`,
             shared with later batches of the same model), or None: prompt
             lookup only.
-        drafter: a draft model's :class:`BatchDrafter` (instead of lookup):
-            each row drafts its chain, the depth chosen by :meth:`_depth`.
+        drafter: a draft model's :class:`BatchDrafter`, or a checkpoint's
+            MTP layer's :class:`BatchNative` (instead of lookup): each row
+            drafts its chain, the depth chosen by :meth:`_depth`.
+        lookahead: lookahead decoding's :class:`BatchLookahead` (instead of
+            lookup): each row drafts from its n-gram pool, and passes carry
+            its Jacobi columns while they add little (:meth:`_columns`).
         masks: mask slots after every token slot (ESP, k in 0..3; 0: none):
             each row's tree also holds the candidates its last masks gave
             (:class:`BatchMasks`); passes carry masks while that wins
@@ -781,16 +1022,22 @@ class DraftBatch:
         prefill_step: int = 2048,
         max_slots: int = 1024,
         table: RecycleTable | None = None,
-        drafter: BatchDrafter | None = None,
+        drafter: BatchDrafter | BatchNative | None = None,
         masks: int = 0,
         lookup: bool = True,
         heads: Any = None,
+        lookahead: BatchLookahead | None = None,
     ):
         check_batchable(model)
-        if (drafter is not None or heads is not None) and (table is not None or masks > 0):
-            raise InvalidArgumentError("a batch with a draft model or heads drafts from it alone")
-        if drafter is not None and heads is not None:
-            raise InvalidArgumentError("a batch drafts from a draft model or from heads")
+        alone = sum(x is not None for x in (drafter, heads, lookahead))
+        if alone and (table is not None or masks > 0):
+            raise InvalidArgumentError(
+                "a batch with a draft model, heads or lookahead drafts from it alone"
+            )
+        if alone > 1:
+            raise InvalidArgumentError(
+                "a batch drafts from one of a draft model, heads and lookahead"
+            )
         if isinstance(masks, bool) or not isinstance(masks, int) or not 0 <= masks <= 3:
             raise InvalidArgumentError(f"masks must be an integer in [0, 3], got {masks!r}")
         self.lookup = lookup
@@ -835,11 +1082,15 @@ class DraftBatch:
         if drafter is not None:
             drafter.clock = self.clock
             drafter.share = drafter.weight_share(model)
+        self.look = lookahead
+        if lookahead is not None:  # the Jacobi branch is a tree
+            check_tree_support(model, "lookahead")
         self.masks: BatchMasks | None = None
         if masks > 0:
             check_mask_support(model)
             self.masks = BatchMasks(embed, masks)
-        # seconds per pass by slots (rows x width): exponential averages
+        # seconds per step by slots (rows x width; its host work and its
+        # pass): exponential averages
         self.seconds: dict[int, float] = {}
         #: slots of the last pass (rows x width)
         self.last_slots = 0
@@ -852,7 +1103,7 @@ class DraftBatch:
         self.compact_at = 2.0
 
     #: the methods a batch drafts for (:meth:`for_method`)
-    METHODS = ("pld", "recycle", "draft", "probe", "hybrid", "clp")
+    METHODS = ("pld", "recycle", "draft", "probe", "hybrid", "clp", "lookahead", "mtp")
 
     @classmethod
     def for_method(
@@ -864,30 +1115,36 @@ class DraftBatch:
         table: RecycleTable | None = None,
         draft_model: Any = None,
         heads: Any = None,
+        native: Any = None,
         **kw: Any,
     ) -> DraftBatch:
         """The batch that drafts as ``method`` does: ``pld`` (lookup
         chains), ``recycle`` (and ``table``'s trees; a new table if None),
         ``draft`` (``draft_model``'s chains), ``probe`` (ESP mask slots),
-        ``hybrid`` (lookup chains and mask slots) or ``clp`` (``heads``'
-        chains); ``kw`` as :class:`DraftBatch` takes them.
+        ``hybrid`` (lookup chains and mask slots), ``clp`` (``heads``'
+        chains), ``lookahead`` (Jacobi columns and their n-gram pool, at
+        the method's defaults: N = 5, W = 7, G = 7) or ``mtp`` (``native``,
+        the checkpoint's MTP layer, :class:`BatchNative`); ``kw`` as
+        :class:`DraftBatch` takes them.
 
         Raises:
-            InvalidArgumentError: another method, or ``draft`` / ``clp``
-                without their draft model / heads.
+            InvalidArgumentError: another method, or ``draft`` / ``clp`` /
+                ``mtp`` without their draft model / heads / MTP layer.
             UnsupportedModelError: as :class:`DraftBatch`.
         """
         if method not in cls.METHODS:
             raise InvalidArgumentError(
                 f"a drafting batch runs {', '.join(cls.METHODS)}, not {method!r}"
             )
-        if (method == "draft" and draft_model is None) or (method == "clp" and heads is None):
-            raise InvalidArgumentError(
-                f"a {method} batch needs its {'draft model' if method == 'draft' else 'heads'}"
-            )
+        needs = {"draft": draft_model, "clp": heads, "mtp": native}
+        if method in needs and needs[method] is None:
+            what = {"draft": "draft model", "clp": "heads", "mtp": "MTP layer"}[method]
+            raise InvalidArgumentError(f"a {method} batch needs its {what}")
         drafter = None
         if method == "draft":
             drafter = BatchDrafter(draft_model, kw.get("prefill_step", 2048))
+        if method == "mtp":
+            drafter = BatchNative(native, model)
         if method == "recycle" and table is None:
             table = RecycleTable()
         return cls(
@@ -896,8 +1153,9 @@ class DraftBatch:
             table=table if method == "recycle" else None,
             drafter=drafter,
             masks=1 if method in ("probe", "hybrid") else 0,
-            lookup=method != "probe",
+            lookup=method not in ("probe", "lookahead"),
             heads=heads if method == "clp" else None,
+            lookahead=BatchLookahead() if method == "lookahead" else None,
             **kw,
         )
 
@@ -915,7 +1173,8 @@ class DraftBatch:
             Its uid and its first token (``finish_reason`` set if it is
             already done: EOS, or a limit of 1; it is then not in the batch).
         """
-        cache, logits = _prefill(self.model, tokens, self.prefill_step)
+        native = isinstance(self.drafter, BatchNative)
+        cache, logits, hidden = _prefill(self.model, tokens, self.prefill_step, native)
         first = int(mx.argmax(logits).item())
         self._uid += 1
         uid = self._uid
@@ -925,12 +1184,16 @@ class DraftBatch:
         row = BatchRow(uid, context, 0, len(tokens), limit - 1, first, [first])
         row.append([*tokens, first])
         self.kv.join(cache, len(tokens))
-        if self.drafter is not None:
+        if native:
+            self.drafter.add(tokens, first, hidden)
+        elif self.drafter is not None:
             self.drafter.add(tokens, first)
         if self.masks is not None:
             self.masks.add([*tokens, first])
         if self.heads is not None:
             self.heads.add()
+        if self.look is not None:
+            self.look.add(tokens)
         self.rows.append(row)
         return uid, StepTokens(uid, [first], None)
 
@@ -957,6 +1220,8 @@ class DraftBatch:
             self.masks.keep(keep)
         if self.heads is not None:
             self.heads.keep(keep)
+        if self.look is not None:
+            self.look.keep(keep)
 
     def _compact(self) -> None:
         self.kv.compact()
@@ -1068,6 +1333,8 @@ class DraftBatch:
                 self.masks.rates[depth[-1] - 1, r] += (ok, 1)
             elif kind == "head":
                 self.heads.rates[r] += (ok, 1)
+            elif kind == "pool":
+                (self.look.first if parent == 0 else self.look.next)[:] += (ok, 1)
             elif kind == "lookup":
                 (self.first[tree.ngram - 1] if parent == 0 else self.next)[:] += (ok, 1)
             elif kind == "draft":
@@ -1210,6 +1477,26 @@ class DraftBatch:
         self._probing = True
         return True
 
+    def _columns(self, nt: int) -> int:
+        """Jacobi columns per row this pass carries after its ``nt`` token
+        slots per row (0: none): the most, up to W, whose slots cost at most
+        ``JACOBI_EXTRA`` more than the pass without them at the measured
+        pass times (solo lookahead's rule for its window, for the whole
+        batch), within the ledger (:meth:`_runs`); where none does, one
+        column as a probe now and then (an unmeasured size is guessed, and
+        the guess can be far off)."""
+        rows = len(self.rows)
+        base = self._cost(rows * nt)
+        fits = [
+            w
+            for w in range(1, self.look.window + 1)
+            if rows * (nt + self.look.slots(w)) <= self.max_slots
+        ]
+        cost = {w: self._cost(rows * (nt + self.look.slots(w))) - base for w in fits}
+        best = max((w for w in fits if cost[w] <= JACOBI_EXTRA * base), default=0)
+        w = best or min(fits, default=0)
+        return w if w and self._runs(best > 0, cost[w]) else 0
+
     def _head_plan(self) -> tuple[list[RowDraft], int, bool]:
         """``(drafts, nodes per row, headed)`` with CLP heads: each row
         drafts the chain its heads wrote after the last pass (if they ran);
@@ -1257,6 +1544,9 @@ class DraftBatch:
             return []
         if self.kv.due(self.compact_at):
             self._compact()
+        # a step's time: its host work (drafts, layout) and its pass, not a
+        # draft model's passes (timed apart)
+        t0, aside = self.clock.now(), 0.0
         lay = self.kv.layout
         rows = len(self.rows)
         depth, k, masked, headed = 0, 0, False, False
@@ -1266,21 +1556,30 @@ class DraftBatch:
             pass
         elif self.drafter is not None:
             depth = self._depth()
+            t = self.clock.now()
             drafts = self._chains(self.drafter.draft(depth)) if depth else None
+            aside = self.clock.now() - t
         elif self.masks is not None:
             drafts, k, masked = self._mask_width()
         elif self.heads is not None:
             drafts, k, headed = self._head_plan()
+        elif self.look is not None:
+            drafts = [
+                self.look.tree(r, row.last, min(self.max_draft, row.limit - 1))
+                for r, row in enumerate(self.rows)
+            ]
         else:
             drafts = self._drafts()
         if drafts is None:
             drafts = [RowDraft() for _ in self.rows]
         if self.masks is None and self.heads is None and any(d.tokens for d in drafts):
             k = self._width(drafts)[0]
-        # a row's slots: its root and k nodes, then (masked) the masks after each
+        # a row's slots: its root and k nodes, then (masked) the masks after
+        # each, or (lookahead) its first ``cols`` Jacobi columns
         nt = k + 1
         per = self.masks.k if masked else 0
-        width = nt * (1 + per)
+        cols = self._columns(nt) if self.look is not None and self.max_draft else 0
+        width = nt * (1 + per) + (self.look.slots(cols) if cols else 0)
         inputs = np.empty((rows, width), np.int32)
         parents = np.full((rows, width), -1, np.int64)
         real = np.zeros((rows, width), bool)
@@ -1296,6 +1595,16 @@ class DraftBatch:
             parents[:, first] = np.arange(nt)
             for j in range(1, per):
                 parents[:, first + j] = first + j - 1
+        jacobi = np.zeros((rows, width), bool)  # the slots whose argmax updates a column
+        lasts = []
+        for r in range(rows if cols else 0):
+            toks, pars, last = self.look.branch(r, cols, nt)
+            end = nt + len(toks)
+            inputs[r, nt:end] = toks
+            parents[r, nt:end] = pars
+            parents[r, end:] = np.arange(end - 1, width - 1)  # padding: a chain below
+            jacobi[r, last] = True
+            lasts.append(last)
         chain = (parents[:, 1:] == np.arange(width - 1)).all()
         if not chain:  # a pass of trees: ancestor masks and a position per slot
             anc, depths = _ancestry(parents)
@@ -1303,12 +1612,11 @@ class DraftBatch:
             lay.tree_offsets = mx.array(
                 (lay.positions[:, None] + depths - np.arange(width)).astype(np.int32)
             )
-        t0 = self.clock.now()
         ids_in = mx.array(inputs)
         emb = self.masks.inputs(ids_in[:, :nt]) if masked else None
         h = self.backbone(ids_in, cache=self.kv.caches, input_embeddings=emb)
         # the LM head only where a row has a token (padding has no logits to check)
-        at = np.flatnonzero(real.ravel())
+        at = np.flatnonzero((real | jacobi).ravel())
         if len(at) == real.size:
             logits = self.head(h).reshape(real.size, -1)
         else:
@@ -1321,11 +1629,13 @@ class DraftBatch:
         pred = np.zeros(real.size, np.int64)
         pred[at] = np.array(ids)
         pred = pred.reshape(real.shape)
+        for r, last in enumerate(lasts):
+            self.look.update(r, pred[r, last].tolist())
         paths = [
             walk_tree(parents[r, : sent + 1], inputs[r, : sent + 1], pred[r])
             for r, sent in enumerate(real.sum(axis=1) - 1)
         ]
-        seconds = self.clock.now() - t0
+        seconds = self.clock.now() - t0 - aside
         self._credit += EPSILON * seconds
         self._probes += EPSILON * seconds
         slots = self.last_slots = inputs.size
@@ -1388,11 +1698,14 @@ class DraftBatch:
                 self.finished[row.uid] = row
         if top is not None:
             self._learn(inputs, keep, at, np.array(top), logits.shape[-1])
-        if self.drafter is not None:
+        if isinstance(self.drafter, BatchNative):  # the pairs of the kept slots
+            hidden = [h[r][mx.array([0, *path])] for r, (path, _) in enumerate(paths)]
+            self.drafter.settle(depth, keep.sum(axis=1) - 1, news, hidden)
+        elif self.drafter is not None:
             self.drafter.settle(depth, keep.sum(axis=1) - 1, news)
         if self.masks is not None:
             self.masks.update(news)
-        if (masked or headed) and not self._probing:  # the ledger: lost against plain steps
+        if (masked or headed or cols) and not self._probing:  # the ledger: lost against plain steps
             plain_per_token = self._cost(rows) / rows
             lost = self.clock.now() - t0 - sum(len(o.tokens) for o in out) * plain_per_token
             self._credit -= lost

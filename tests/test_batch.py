@@ -440,9 +440,68 @@ def test_mask_and_head_batches_at_wide_and_narrow_bounds(smollm, solo):
         DraftBatch(smollm.model, ntp.eos_ids, masks=4)
 
 
-@pytest.mark.parametrize("method", ["probe", "hybrid", "clp"])
-def test_batch_generate_probe_hybrid_and_clp(smollm, solo, method):
-    """The API's probe, hybrid and clp batches: solo answers, named as such."""
+@pytest.mark.parametrize("level,window,widths", [(5, 7, [7]), (3, 3, [3, 1, 0, 2])])
+def test_lookahead_batch_equals_solo_greedy(
+    smollm, solo, short_spec_prompts, level, window, widths
+):
+    """Lookahead decoding inside the batch: every pass carries every row's
+    Jacobi columns after its token slots (a tree per row: level 0 a chain
+    below the root, each level below the one above it; columns of differing
+    lengths while they fill), their argmax updates the columns and fills
+    each row's n-gram pool, and the pool's n-grams after a row's newest
+    token are its draft, every pass as wide as the largest; passes carry
+    ``widths`` columns in turn (columns of one row then differ in length).
+    Rows join as others leave and one is dropped midway: every other answer
+    is the solo greedy one, and pool tokens were accepted."""
+    import itertools
+
+    from mlx_mtp.batching import BatchLookahead, DraftBatch
+
+    prompts = [list(p) for p in short_spec_prompts[:5]]
+    limits = [32, 12, 32, 28, 32]
+    ntp = MTPModel(smollm, make_method("ntp"))
+    look = BatchLookahead(level=level, window=window)
+    batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, lookahead=look, lookup=False)
+    _always_draft(batch)
+    turn = itertools.cycle(widths)
+    batch._columns = lambda nt: next(turn)
+    got = _run_draft_batch(batch, prompts, limits, max_batch=3, remove_at=(4, 1))
+    assert got[1] is None
+    for p, n, g in zip(prompts, limits, got):
+        if g is not None:
+            assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    right, tried = look.first - (0.3, 1.0)  # the counts, less the prior
+    assert tried > 0 and right > 0
+    assert sum(r.accepted for r in batch.finished.values()) > 0
+
+
+def test_lookahead_batch_runs_its_columns_on_a_flat_cost_curve_and_never_on_a_steep_one(
+    smollm, solo
+):
+    """The Jacobi columns ride in a pass where they add at most a tenth of
+    its time: all seven where a pass of any size takes as long as a
+    one-token one (a GPU's flat curve), none where a pass's time grows with
+    its slots. Both answer as solo."""
+    from mlx_mtp.batching import DraftBatch
+
+    ntp = MTPModel(smollm, make_method("ntp"))
+    prompts = [ntp.encode(p, True) for p in PROMPTS[:3]]
+    for curve, runs in ((lambda s: 1.0, True), (lambda s: float(s), False)):
+        batch = DraftBatch.for_method(smollm.model, ntp.eos_ids, "lookahead")
+        batch._cost = curve
+        columns, update = [], batch.look.update
+        batch.look.update = lambda r, outs, c=columns, u=update: (c.append(len(outs)), u(r, outs))
+        got = _run_draft_batch(batch, prompts, [N] * 3, max_batch=3)
+        for p, g in zip(PROMPTS, got):
+            assert g == solo(p, max_tokens=N, temp=0.0).tokens
+        assert columns == ([7] * len(columns) if runs else [])
+        assert len(columns) > 20 if runs else True
+
+
+@pytest.mark.parametrize("method", ["probe", "hybrid", "clp", "lookahead"])
+def test_batch_generate_probe_hybrid_clp_and_lookahead(smollm, solo, method):
+    """The API's probe, hybrid, clp and lookahead batches: solo answers,
+    named as such."""
     got = smollm.batch_generate(PROMPTS, max_tokens=[N, N, 6, N, 10], max_batch=3,
                                 method=method)  # fmt: skip
     for prompt, n, g in zip(PROMPTS, [N, N, 6, N, 10], got):
@@ -461,7 +520,7 @@ def test_batch_generate_refuses_a_draft_model_of_another_tokenizer(smollm, qwen)
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        ({"method": "lookahead"}, "runs method 'ntp', 'pld', 'recycle', 'draft', 'probe'"),
+        ({"method": "confadapt"}, "runs method 'ntp', 'pld', 'recycle', 'draft', 'probe'"),
         ({"method": "draft"}, "method 'draft' needs draft_model="),
         ({"method": "pld", "draft_model": "smollm2-135m"}, "draft_model is for method 'draft'"),
         ({"method": "pld", "temp": 0.7}, "greedy only"),

@@ -22,6 +22,7 @@ from conftest import assert_one_pass_equals_steps, decode
 from tiny_models import write_tiny_deepseek
 
 from mlx_mtp import planner
+from mlx_mtp.api import MTPModel
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
 from mlx_mtp.engine import Engine
@@ -233,3 +234,92 @@ def test_convert_clp_heads_writes_the_nextn_layer_and_mtp_loads_it(deepseek, tmp
     p = [5, 77, 140, 3]
     out, stats = _generate(eng, m, p, 6)
     assert out == _generate(eng, ntp, p, 6)[0] and stats.drafted > 0
+
+
+def test_mtp_batch_drafts_as_the_solo_layer_does_and_equals_solo_greedy(deepseek, monkeypatch):
+    """The nextn layer inside a batch (``DraftBatch.for_method("mtp")``):
+    every row's pairs of committed positions go through the layer's own
+    batched cache (prompts joining as others leave, rows accepting
+    different numbers of drafts), and each draft equals the one the solo
+    ``mtp`` method (depth 3) drafts at the same position; every answer
+    equals plain greedy decoding."""
+    from mlx_mtp.batching import BatchNative, DraftBatch
+    from mlx_mtp.sources.native import NativeDrafter
+
+    model, loaded = deepseek
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(5)]
+    limits = [16, 9, 16, 12, 16]
+    solo: dict[int, dict[int, list[int]]] = {}
+    real = NativeDrafter.draft
+
+    def record(self, engine, depth):
+        out = real(self, engine, depth)
+        solo.setdefault(self.row, {})[engine.offset] = out
+        return out
+
+    monkeypatch.setattr(NativeDrafter, "draft", record)
+    refs = []
+    for i, p in enumerate(prompts):
+        ctx = _engine(deepseek)
+        refs.append(_generate(ctx.engine, _method(ctx, "ntp"), p, limits[i])[0])
+        ctx = _engine(deepseek)  # a fresh cache: the layer sees the whole prompt
+        mtp = _method(ctx, "mtp", depth=3)
+        mtp.drafter.row = i
+        assert _generate(ctx.engine, mtp, p, limits[i])[0] == refs[i]
+
+    layer = load_native_mtp(loaded.path, model, loaded.config)
+    batch = DraftBatch.for_method(model, set(), "mtp", native=layer, max_draft=3)
+    batch._depth = lambda: 3
+    seen: dict[int, dict[int, list[int]]] = {}
+    draft = BatchNative.draft
+
+    def batched(self, depth):
+        out = draft(self, depth)
+        for row, pos, chain in zip(batch.rows, batch.kv.layout.positions, out.tolist()):
+            seen.setdefault(row.uid, {})[int(pos)] = chain
+        return out
+
+    monkeypatch.setattr(BatchNative, "draft", batched)
+    out, index, waiting = {}, {}, list(range(len(prompts)))
+    while waiting or len(batch):
+        while waiting and len(batch) < 3:
+            i = waiting.pop(0)
+            uid, got = batch.add(prompts[i], limits[i])
+            index[uid], out[i] = i, list(got.tokens)
+        for got in batch.step():
+            out[index[got.uid]].extend(got.tokens)
+    compared = 0
+    for uid, i in index.items():
+        assert out[i] == refs[i]
+        for pos, chain in seen.get(uid, {}).items():
+            if pos in solo[i]:
+                n = min(len(chain), len(solo[i][pos]))
+                assert chain[:n] == solo[i][pos][:n], (i, pos)
+                compared += 1
+    assert compared >= 15
+
+
+def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path):
+    """``batch_generate(method="mtp")`` on a nextn checkpoint loaded by
+    folder (SmolLM2's tokenizer beside it): each answer is the solo greedy
+    one; a model without a native MTP layer is refused with a message."""
+    import shutil
+
+    from mlx_mtp.errors import UnsupportedModelError
+    from mlx_mtp.loading import load_model
+
+    _, loaded = deepseek
+    folder = tmp_path / "deepseek"
+    shutil.copytree(loaded.path, folder)
+    for f in Path(smollm.path).glob("*token*"):
+        shutil.copy(f, folder / f.name)
+    lm = load_model(str(folder), dtype="float32")
+    prompts = [[5, 77, 140, 3, 9], [12, 8, 200], [7, 7, 7, 7, 30, 31]]
+    got = lm.batch_generate(prompts, max_tokens=[10, 6, 10], max_batch=2, method="mtp")
+    ntp = MTPModel(lm, make_method("ntp"))
+    for p, n, g in zip(prompts, [10, 6, 10], got):
+        assert g.tokens == ntp.generate(p, max_tokens=n, temp=0.0).tokens
+        assert g.stats.method.startswith("mtp(batch")
+    with pytest.raises(UnsupportedModelError, match="native MTP layer"):
+        smollm.batch_generate(["Hi"], max_tokens=2, method="mtp")

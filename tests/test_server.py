@@ -1258,8 +1258,8 @@ def test_batched_requests_of_the_servers_draft_model_equal_their_solo_answers(
     assert_healthy(base, worker)
 
 
-@pytest.mark.parametrize("method", ["probe", "hybrid", "clp"])
-def test_batched_probe_hybrid_and_clp_requests_draft_and_equal_their_solo_answers(
+@pytest.mark.parametrize("method", ["probe", "hybrid", "clp", "lookahead"])
+def test_batched_probe_hybrid_clp_and_lookahead_requests_draft_and_equal_their_solo_answers(
     server, client, ref, monkeypatch, method
 ):
     """With --max-batch 4, concurrent greedy probe (or hybrid) requests run

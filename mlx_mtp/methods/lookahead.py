@@ -45,7 +45,7 @@ from ..acceptance import chain_values
 from ..context import Context
 from ..families import check_tree_support
 from ..offers import Item, Offer, PlainResult
-from ..sources.pool import NGramPool, build_trie
+from ..sources.pool import JACOBI_EXTRA, NGramPool, build_trie
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_int
@@ -97,7 +97,7 @@ class Lookahead(DraftMethod):
     name = "lookahead"
     lossless = True
     #: the extra cost (fraction of a one-token forward) ``window="auto"`` allows
-    AUTO_WINDOW_COST = 0.10
+    AUTO_WINDOW_COST = JACOBI_EXTRA
     #: the paper's W and G: the caps of ``"auto"``
     PAPER_WINDOW = PAPER_GUESS = 7
 

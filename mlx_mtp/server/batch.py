@@ -72,8 +72,7 @@ class BatchRunner:
         sampling: the server's sampling defaults (the API's keywords).
         max_tokens: new tokens when a request does not say.
         emit / finish: the worker's ``_emit(job, event)`` and ``_finish(job)``.
-        kind: ``"ntp"``, ``"pld"``, ``"recycle"``, ``"draft"``, ``"probe"``,
-            ``"hybrid"`` or ``"clp"``.
+        kind: ``"ntp"`` or a drafting kind (``DraftBatch.METHODS``).
         max_slots: with a drafting kind, most tokens in one decoding
             pass (the server's slots bound: rows x draft width).
         table: with ``recycle``, the table to draft from and fill (the
@@ -83,6 +82,8 @@ class BatchRunner:
             model of the target's tokenizer, checked by the worker).
         heads: with ``clp``, the model's CLP heads
             (:class:`~mlx_mtp.clp_format.CLPHeads`, loaded by the worker).
+        native: with ``mtp``, the checkpoint's MTP layer (loaded by the
+            worker).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class BatchRunner:
         table: Any = None,
         draft_model: Any = None,
         heads: Any = None,
+        native: Any = None,
     ):
         from mlx_lm.generate import BatchGenerator
 
@@ -126,6 +128,7 @@ class BatchRunner:
                 table=table,
                 draft_model=draft_model,
                 heads=heads,
+                native=native,
                 prefill_step=prefill_step,
                 max_slots=max_slots,
             )

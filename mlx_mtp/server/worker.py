@@ -180,6 +180,8 @@ class Worker:
         self._recycle_table: Any = None
         #: the CLP heads of a ``clp`` batch (loaded once, when first checked)
         self._clp_heads: Any = None
+        #: the MTP layer of an ``mtp`` batch (loaded once, when first checked)
+        self._native_layer: Any = None
         #: a job taken off the queue that waits for the batch to drain (another method)
         self._held: Job | None = None
         self._loaded_names: tuple[str, ...] = ()  # a snapshot for other threads
@@ -421,7 +423,9 @@ class Worker:
         ``"recycle"`` for greedy token recycling (with prompt lookup),
         ``"probe"`` for greedy ESP mask slots, ``"hybrid"`` for both
         prompt lookup and mask slots, ``"clp"`` for greedy CLP heads
-        (verified) and ``"draft"`` for the server's greedy draft model, on a model whose
+        (verified), ``"lookahead"`` for greedy Jacobi columns and their
+        n-gram pool, ``"mtp"`` for the checkpoint's own MTP layer and
+        ``"draft"`` for the server's greedy draft model, on a model whose
         layers all keep a full KV cache (the server's method without options
         but its draft model, or a method asked for without options); with
         ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
@@ -444,10 +448,11 @@ class Worker:
 
     def _drafts_batch(self, kind: str) -> bool:
         """Whether this model can run a drafting batch of ``kind`` (checked
-        once per kind): a full KV cache in every layer; for ``recycle`` a
-        family that runs draft trees; for ``probe`` and ``hybrid`` one that
+        once per kind): a full KV cache in every layer; for ``recycle`` and
+        ``lookahead`` a family that runs draft trees; for ``probe`` and ``hybrid`` one that
         also takes input embeddings (mask slots); for ``clp`` CLP heads
-        made for the model (loaded here); for ``draft`` a draft model that loads,
+        made for the model (loaded here); for ``mtp`` a native MTP layer
+        (loaded here); for ``draft`` a draft model that loads,
         shares the tokenizer and keeps a full KV cache too. Where it cannot,
         the requests run alone (and get the method's own error if it cannot
         run at all)."""
@@ -457,8 +462,8 @@ class Worker:
 
             try:
                 check_batchable(self.loaded.model)
-                if kind == "recycle":
-                    check_tree_support(self.loaded.model, "recycle")
+                if kind in ("recycle", "lookahead"):
+                    check_tree_support(self.loaded.model, kind)
                 if kind in ("probe", "hybrid"):
                     check_mask_support(self.loaded.model)
                 if kind == "clp":
@@ -468,6 +473,10 @@ class Worker:
                     self._clp_heads = heads_for(self.loaded.model, None, name)[0]
                 if kind == "draft":
                     BatchDrafter(self._draft_model())
+                if kind == "mtp":
+                    from ..api import native_layer
+
+                    self._native_layer = native_layer(self.loaded)
                 self._draft_batchable[kind] = True
             except MTPError:
                 self._draft_batchable[kind] = False
@@ -545,6 +554,7 @@ class Worker:
                     self._recycle_table,
                     self._draft_model() if kind == "draft" else None,
                     self._clp_heads if kind == "clp" else None,
+                    self._native_layer if kind == "mtp" else None,
                 )
             self._batch.add(job, sampling_of(job.request))
         except Exception as e:  # a bug or an MLX failure: answer 500, keep serving

@@ -17,38 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..context import Context
 from ..engine import Engine
 from ..errors import UnsupportedModelError
-from ..native_mtp import install_hidden_tap, load_native_mtp
+from ..native_mtp import draft_cost_of, install_hidden_tap, load_native_mtp
 
 #: committed positions that may wait for the MTP layer while nothing is drafted
 #: (hybrid whose other sources pay, the layer's do not): fed without drafting beyond
 MAX_PENDING = 64
-
-
-def draft_cost_of(layer: Any, model: Any) -> float:
-    """Cost of one MTP draft (the layer's pass and the LM head) relative to a
-    one-token forward of the backbone: the ratio of the weight bytes each
-    reads, which is what a memory-bound decode step costs (the input
-    embedding is a lookup, not read whole; a tied LM head is the embedding
-    matrix). On a MoE model every expert counts on both sides.
-
-    Returns:
-        The ratio (float >= 0).
-    """
-    params = tree_flatten(model.parameters())
-    total = sum(v.nbytes for _, v in params)
-    emb = sum(v.nbytes for k, v in params if "embed_tokens" in k)
-    tied = not any("lm_head" in k for k, _ in params)
-    head = emb  # (V, D) either way: the embedding itself, or an untied head of its size
-    backbone = total - emb + (emb if tied else 0)
-    if backbone <= 0:
-        return 0.0
-    layer_bytes = sum(v.nbytes for _, v in tree_flatten(layer.parameters()))
-    return (layer_bytes + head) / backbone
 
 
 class NativeDrafter:

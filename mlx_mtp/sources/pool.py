@@ -15,6 +15,10 @@ from collections import OrderedDict
 
 from ..speculative import Draft, Verified
 
+#: the extra time (a fraction of the pass without it) lookahead's Jacobi
+#: branch may add to a pass when the method chooses its width itself
+JACOBI_EXTRA = 0.10
+
 
 class PredictionPool:
     """``(previous token, token) -> the model's target token after them``."""
