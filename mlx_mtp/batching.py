@@ -190,8 +190,9 @@ class BatchCache:
         self.caches = [BatchLayerCache(self.layout) for _ in make_prompt_cache(model)]
 
     def join(self, cache: list[KVCache], n: int) -> None:
-        """Add a row whose ``n`` tokens a solo prefill left in ``cache``
-        (mlx-lm's per-layer caches), right-aligned with the others."""
+        """Add a row whose ``n`` tokens (0 or more) a solo prefill left in
+        ``cache`` (mlx-lm's per-layer caches), right-aligned with the
+        others."""
         lay = self.layout
         pad = max(0, n - lay.size)
         if pad:  # the batch's slots shift right to make room
@@ -201,9 +202,19 @@ class BatchCache:
             )
         size = lay.size + pad
         for bc, c in zip(self.caches, cache):
+            if n == 0:  # nothing cached yet: a row of padding
+                if bc.keys is not None:
+                    blank = mx.zeros_like(bc.keys[:1, :, :size])
+                    bc.keys = mx.concatenate([bc.keys[..., :size, :], blank])
+                    blank = mx.zeros_like(bc.values[:1, :, :size])
+                    bc.values = mx.concatenate([bc.values[..., :size, :], blank])
+                continue
             k, v = c.keys[..., :n, :], c.values[..., :n, :]
             row_k = mx.pad(k, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
             row_v = mx.pad(v, [(0, 0), (0, 0), (size - n, 0), (0, 0)])
+            if bc.keys is None and lay.rows:  # the rows before joined with nothing
+                bc.keys = mx.zeros((lay.rows, *row_k.shape[1:]), row_k.dtype)
+                bc.values = mx.zeros((lay.rows, *row_v.shape[1:]), row_v.dtype)
             if bc.keys is None:
                 bc.keys, bc.values = row_k, row_v
             else:
@@ -213,7 +224,7 @@ class BatchCache:
                     old_v = mx.pad(old_v, [(0, 0), (0, 0), (pad, 0), (0, 0)])
                 bc.keys = mx.concatenate([old_k, row_k])
                 bc.values = mx.concatenate([old_v, row_v])
-        mx.eval([(bc.keys, bc.values) for bc in self.caches])
+        mx.eval([(bc.keys, bc.values) for bc in self.caches if bc.keys is not None])
         valid = np.zeros((1, lay.valid.shape[1]), bool)
         valid[0, size - n : size] = True
         lay.valid = np.concatenate([lay.valid, valid])
@@ -236,8 +247,9 @@ class BatchCache:
         used = np.flatnonzero(lay.valid[:, : lay.size].any(axis=0))
         lead = int(used[0]) if len(used) else lay.size
         for bc in self.caches:
-            bc.keys = bc.keys[idx][..., lead:, :]
-            bc.values = bc.values[idx][..., lead:, :]
+            if bc.keys is not None:
+                bc.keys = bc.keys[idx][..., lead:, :]
+                bc.values = bc.values[idx][..., lead:, :]
         if lead:
             lay.valid = np.pad(lay.valid[:, lead:], ((0, 0), (0, lead)))
             lay.size -= lead
@@ -261,9 +273,10 @@ class BatchCache:
             valid[r, size - len(slots) : size] = True
         gather = mx.array(index)[:, None, :, None]
         for bc in self.caches:
-            bc.keys = mx.take_along_axis(bc.keys[..., : lay.size, :], gather, axis=2)
-            bc.values = mx.take_along_axis(bc.values[..., : lay.size, :], gather, axis=2)
-        mx.eval([(bc.keys, bc.values) for bc in self.caches])
+            if bc.keys is not None:
+                bc.keys = mx.take_along_axis(bc.keys[..., : lay.size, :], gather, axis=2)
+                bc.values = mx.take_along_axis(bc.values[..., : lay.size, :], gather, axis=2)
+        mx.eval([(bc.keys, bc.values) for bc in self.caches if bc.keys is not None])
         lay.valid, lay.size = valid, size
 
 

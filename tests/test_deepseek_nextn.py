@@ -249,7 +249,11 @@ def test_mtp_batch_drafts_as_the_solo_layer_does_and_equals_solo_greedy(deepseek
     model, loaded = deepseek
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(5)]
-    limits = [16, 9, 16, 12, 16]
+    # one-token prompts: no pair for the layer before their first token (the
+    # first to join, and one joining a cache that holds pairs)
+    prompts.insert(0, [42])
+    prompts.insert(2, [7])
+    limits = [9, 16, 9, 9, 16, 12, 16]
     solo: dict[int, dict[int, list[int]]] = {}
     real = NativeDrafter.draft
 
