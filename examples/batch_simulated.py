@@ -33,7 +33,7 @@ import platform
 
 from batch_agreement import spec_prompts
 
-from mlx_mtp.api import MTPModel
+from mlx_mtp.api import MTPModel, native_layer
 from mlx_mtp.batching import DraftBatch
 from mlx_mtp.bench.simulate import simulating
 from mlx_mtp.clp_format import heads_for
@@ -107,12 +107,13 @@ def main() -> None:
     solo = [ntp.generate(p, max_tokens=args.max_tokens).tokens for p in prompts]
     heads = heads_for(lm.model, None, lm.name)[0] if "clp" in methods else None
     draft = draft_for(lm, args.draft_model).model if "draft" in methods else None
+    native = native_layer(lm) if "mtp" in methods else None
 
     def batch(method: str) -> DraftBatch:
         if method == "plain":
             return DraftBatch(lm.model, ntp.eos_ids, max_draft=0)
         return DraftBatch.for_method(
-            lm.model, ntp.eos_ids, method, draft_model=draft, heads=heads,
+            lm.model, ntp.eos_ids, method, draft_model=draft, heads=heads, native=native,
             max_draft=args.max_draft,
         )  # fmt: skip
 

@@ -750,13 +750,17 @@ def native_layer(loaded: LoadedModel) -> Any:
     """The native MTP layer of ``loaded``'s checkpoint (for a batch).
 
     Raises:
-        UnsupportedModelError: a model loaded without its folder, or of a
-            family without a native MTP layer.
+        UnsupportedModelError: a model a drafting batch cannot run (see
+            :func:`~mlx_mtp.batching.check_batchable`), one loaded without
+            its folder, or of a family without a native MTP layer.
         ModelLoadError: no (or unfitting) MTP tensors in the folder.
     """
     from pathlib import Path
 
+    from .batching import check_batchable
     from .native_mtp import load_native_mtp
+
+    check_batchable(loaded.model)  # before reading the layer
 
     folder = getattr(loaded, "path", None)
     if folder is None:

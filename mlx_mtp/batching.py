@@ -56,7 +56,8 @@ from .verify import top_tokens, walk_tree
 #: cache slots are allocated in blocks of this many (as mlx-lm's KVCache)
 SLOT_BLOCK = 256
 #: most tokens per row of a draft model's pass that catches up on tokens it
-#: has not seen (steps that drafted nothing)
+#: has not seen (steps that drafted nothing); for an MTP layer, the pending
+#: pairs of a row past which they are fed without a draft
 CATCH_UP = 64
 
 
@@ -549,9 +550,11 @@ class BatchDrafter:
 
 class BatchNative:
     """A checkpoint's own MTP layer drafting greedy chains for every row of
-    a :class:`DraftBatch` (``mtp``: DeepSeek-V3 §2.2's ``nextn`` layer and
-    the Qwen3-Next / Qwen3.5 ``mtp.*`` layer, :mod:`mlx_mtp.native_mtp`),
-    with :class:`BatchDrafter`'s interface.
+    a :class:`DraftBatch` (``mtp``; DeepSeek-V3 §2.2's ``nextn`` layer,
+    :mod:`mlx_mtp.native_mtp`: the other families with an MTP layer have
+    state-space layers, which no drafting batch runs). It takes the place
+    of a :class:`BatchDrafter` (its :meth:`add` and :meth:`settle` also
+    take the target's hidden states).
 
     The layer keeps its own batched KV cache over the pairs ``(h_i,
     t_{i+1})`` of each row's committed positions (the target's final-norm
@@ -565,15 +568,17 @@ class BatchNative:
     Args:
         layer: the loaded MTP layer (:func:`~mlx_mtp.native_mtp.load_native_mtp`).
         model: the target model it belongs to.
+        prefill_step: prompt pairs per pass when a row joins.
 
     Raises:
         UnsupportedModelError: see :func:`check_batchable` (the target).
     """
 
-    def __init__(self, layer: Any, model: Any):
+    def __init__(self, layer: Any, model: Any, prefill_step: int = 2048):
         check_batchable(model)
         install_positional_rope(layer)
         self.layer = layer
+        self.prefill_step = prefill_step
         _, self.head, self.embed = model_parts(model)
         self.kv = BatchCache(layer)
         self.clock: DeviceClock = make_clock()
@@ -590,12 +595,15 @@ class BatchNative:
 
     def add(self, tokens: list[int], first: int, hidden: mx.array) -> None:
         """A row joins: the pairs of its prompt (``hidden`` (n, D), the
-        target's states after each prompt token) fed alone, the pair of its
-        last prompt token and ``first`` pending."""
-        n = len(tokens)
+        target's states after each prompt token) fed alone, in passes of
+        ``prefill_step`` pairs; the pair of its last prompt token and
+        ``first`` pending."""
+        n, step = len(tokens), self.prefill_step
         cache = self.layer.make_cache()
-        if n > 1:
-            self.layer(hidden[None, : n - 1], self.embed(mx.array(tokens[1:]))[None], cache)
+        for s in range(0, n - 1, step):
+            e = self.embed(mx.array(tokens[1 + s : 1 + s + step]))
+            self.layer(hidden[None, s : min(s + step, n - 1)], e[None], cache)
+            mx.eval([c.state for c in cache])
         self.kv.join(cache, n - 1)
         self.pending.append([(hidden[n - 1 :], [first])])
 
@@ -604,29 +612,33 @@ class BatchNative:
         self.pending = [self.pending[i] for i in keep]
         self.kv.keep(keep)
 
-    def _feed(self) -> mx.array:
-        """Every row's pending pairs through the layer in one pass (padded
-        after them): (rows, D) the output at each row's last pair (lazy)."""
+    def _feed(self, pairs: list[list[tuple[mx.array, list[int]]]]) -> mx.array:
+        """Every row's ``pairs`` through the layer in one pass (padded after
+        them; a row may have none): (rows, D) the output at each row's last
+        pair (lazy)."""
         if self.kv.due(2.0):
             self.kv.compact()
-        rows = len(self.pending)
-        hs = [mx.concatenate([h for h, _ in p]) for p in self.pending]
-        toks = [[t for _, ts in p for t in ts] for p in self.pending]
+        toks = [[t for _, ts in p for t in ts] for p in pairs]
         inputs, keep = _left_aligned(toks)
         width = inputs.shape[1]
-        h = mx.stack([mx.pad(x, [(0, width - x.shape[0]), (0, 0)]) for x in hs])
+        some = next(h for p in pairs for h, _ in p)
+        rows = [
+            mx.concatenate([h for h, _ in p]) if p else mx.zeros((0, some.shape[-1]), some.dtype)
+            for p in pairs
+        ]
+        h = mx.stack([mx.pad(x, [(0, width - x.shape[0]), (0, 0)]) for x in rows])
         out = self.layer(h, self.embed(mx.array(inputs)), self.kv.caches)
         self.kv.layout.commit(keep)
-        self.pending = [[] for _ in range(rows)]
-        last = mx.array(keep.sum(axis=1) - 1)
+        last = mx.array(np.maximum(keep.sum(axis=1) - 1, 0))
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
 
     def draft(self, depth: int) -> np.ndarray:
         """(rows, depth) int64: each row's chain of ``depth`` tokens after
-        its newest one (``depth`` >= 1)."""
+        its newest one (``depth`` >= 1; every row has a pending pair)."""
         rows = len(self.pending)
         t0 = self.clock.now()
-        last = self._feed()
+        last = self._feed(self.pending)
+        self.pending = [[] for _ in range(rows)]
         tokens = [mx.argmax(self.head(last), axis=-1)]
         lay = self.kv.layout
         for _ in range(depth - 1):
@@ -654,15 +666,23 @@ class BatchNative:
     ) -> None:
         """After the target's pass: row ``r`` committed ``new[r]`` after the
         slots whose hidden states are ``hidden[r]`` (its root and accepted
-        slots, in order); those pairs are pending. Rows whose pairs pile up
-        past ``CATCH_UP`` (steps that drafted nothing) are fed without a
-        draft."""
+        slots, in order); those pairs are pending. Once a row's pairs pile
+        up past ``CATCH_UP`` (steps that drafted nothing), every row's
+        pairs but its newest are fed without a draft (the newest stays for
+        the next draft to start from)."""
         for r, (toks, h) in enumerate(zip(new, hidden or [])):
             self.pending[r].append((h, toks))
-        if max(sum(len(t) for _, t in p) for p in self.pending) > CATCH_UP:
-            out = self._feed()
-            kv = [a for c in self.kv.caches for a in (c.keys, c.values)]
-            _run(self.clock, [out, *kv], len(self.pending), self.share)
+        if max(sum(len(t) for _, t in p) for p in self.pending) <= CATCH_UP:
+            return
+        older, newest = [], []
+        for p in self.pending:
+            h, toks = p[-1]
+            older.append([*p[:-1], *([(h[:-1], toks[:-1])] if len(toks) > 1 else [])])
+            newest.append([(h[-1:], toks[-1:])])
+        out = self._feed(older)
+        self.pending = newest
+        kv = [a for c in self.kv.caches for a in (c.keys, c.values)]
+        _run(self.clock, [out, *kv], len(newest), self.share)
 
 
 class _AfterPass:
@@ -875,8 +895,8 @@ class BatchLookahead:
     newest token are its next draft (:meth:`tree`), verified like any other.
 
     Args:
-        level: N, the n-gram size (2..16).
-        window: W, the most Jacobi columns per row (1..64).
+        level: N, the n-gram size (>= 2).
+        window: W, the most Jacobi columns per row (>= 1).
         guess: G, the pool's n-grams per key, all offered to the draft.
         seed: seed of the prompt tokens that start each row's columns.
     """
@@ -964,8 +984,10 @@ class BatchLookahead:
 
 class DraftBatch:
     """Continuous batching with drafts verified in the batch's forward pass
-    (greedy): prompt lookup, with a ``table`` token recycling, with a
-    ``drafter`` a draft model's chains, with ``masks`` ESP's mask slots.
+    (greedy): prompt lookup, with a ``table`` token recycling, with
+    ``masks`` ESP's mask slots; or, instead of lookup, a ``drafter``'s
+    chains (a draft model's or an MTP layer's), CLP ``heads``' chains or
+    ``lookahead``'s n-gram pool.
 
     A request joins with :meth:`add` (its prompt prefilled alone, in chunks
     of ``prefill_step``, as a solo generation does) and leaves at EOS, its
@@ -1021,8 +1043,8 @@ class DraftBatch:
             a model whose family cannot run a draft tree
             (:func:`~mlx_mtp.families.check_tree_support`); with ``masks``,
             see :func:`check_mask_support`.
-        InvalidArgumentError: a ``drafter`` or ``heads`` with another
-            source; ``masks`` outside 0..3.
+        InvalidArgumentError: a ``drafter``, ``heads`` or ``lookahead``
+            with another source; ``masks`` outside 0..3.
     """
 
     def __init__(
@@ -1135,8 +1157,9 @@ class DraftBatch:
         chains), ``recycle`` (and ``table``'s trees; a new table if None),
         ``draft`` (``draft_model``'s chains), ``probe`` (ESP mask slots),
         ``hybrid`` (lookup chains and mask slots), ``clp`` (``heads``'
-        chains), ``lookahead`` (Jacobi columns and their n-gram pool, at
-        the method's defaults: N = 5, W = 7, G = 7) or ``mtp`` (``native``,
+        chains), ``lookahead`` (Jacobi columns and their n-gram pool: N =
+        5, up to W = 7 columns, as many per pass as :meth:`_columns`
+        chooses, G = 7) or ``mtp`` (``native``,
         the checkpoint's MTP layer, :class:`BatchNative`); ``kw`` as
         :class:`DraftBatch` takes them.
 
@@ -1156,8 +1179,8 @@ class DraftBatch:
         drafter = None
         if method == "draft":
             drafter = BatchDrafter(draft_model, kw.get("prefill_step", 2048))
-        if method == "mtp":
-            drafter = BatchNative(native, model)
+        if method == "mtp" and kw.get("max_draft", 4):
+            drafter = BatchNative(native, model, kw.get("prefill_step", 2048))
         if method == "recycle" and table is None:
             table = RecycleTable()
         return cls(
@@ -1471,10 +1494,10 @@ class DraftBatch:
         return plain, self._width(plain, per, extra)[0], True
 
     def _runs(self, pays: bool, cost: float) -> bool:
-        """Whether the masks or heads run this step. Where predicted to pay:
-        while a ledger (the solo planner's) allows, every pass adding
-        ``EPSILON`` of its time to a credit and every pass with masks or
-        heads taking off what it lost against plain steps (its time less its
+        """Whether the masks, heads or Jacobi columns run this step. Where
+        predicted to pay: while a ledger (the solo planner's) allows, every
+        pass adding ``EPSILON`` of its time to a credit and every pass with
+        them taking off what it lost against plain steps (its time less its
         tokens at a plain step's time per token; a gain adds), down to minus
         one plain step. Where not (a probe, so that their estimates are
         measured again): when a second credit, ``EPSILON`` of every pass's
@@ -1494,10 +1517,11 @@ class DraftBatch:
         """Jacobi columns per row this pass carries after its ``nt`` token
         slots per row (0: none): the most, up to W, whose slots cost at most
         ``JACOBI_EXTRA`` more than the pass without them at the measured
-        pass times (solo lookahead's rule for its window, for the whole
-        batch), within the ledger (:meth:`_runs`); where none does, one
-        column as a probe now and then (an unmeasured size is guessed, and
-        the guess can be far off)."""
+        step times (solo lookahead's rule for its window, for the whole
+        batch), within the ledger (:meth:`_runs`); where the ledger refuses
+        them, as a probe now and then, and where no width fits the rule, one
+        column as a probe (an unmeasured size is guessed, and the guess can
+        be far off)."""
         rows = len(self.rows)
         base = self._cost(rows * nt)
         fits = [
