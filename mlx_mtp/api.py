@@ -29,6 +29,7 @@ from .errors import (
     ContextLengthError,
     InvalidArgumentError,
     ModelBusyError,
+    ModelLoadError,
     UnsupportedModelError,
 )
 from .families import check_cache_support
@@ -136,6 +137,8 @@ class MTPModel:
         Raises:
             InvalidArgumentError: an empty prompt, malformed messages, or token
                 ids outside the vocabulary.
+            ModelLoadError: the tokenizer gave ids the model has no
+                embedding for (a tokenizer of another model).
         """
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -144,7 +147,7 @@ class MTPModel:
             if chat_template and (self.has_chat_template or self.prompt_format == "plain"):
                 prompt = [{"role": "user", "content": prompt}]
             else:
-                return list(self.tokenizer.encode(prompt))
+                return self._in_vocabulary(list(self.tokenizer.encode(prompt)))
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -160,8 +163,10 @@ class MTPModel:
                         stacklevel=2,
                     )
                     self._warned_template = True
-            return render_prompt(
-                self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
+            return self._in_vocabulary(
+                render_prompt(
+                    self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
+                )
             )
         if (
             isinstance(prompt, list)
@@ -178,6 +183,19 @@ class MTPModel:
         raise InvalidArgumentError(
             "The prompt is empty or of the wrong type; give text, chat messages or token ids."
         )
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """``ids`` the tokenizer gave, checked against the model's embedding
+        rows (an id past them reads no row of it)."""
+        vocab = self.vocab_size
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
+        if bad:
+            raise ModelLoadError(
+                f"The tokenizer gave token id(s) {bad[:5]} outside this model's vocabulary "
+                f"[0, {vocab}): its tokenizer is not the one its weights were trained with. "
+                "Load the model's own tokenizer (its folder's tokenizer files)."
+            )
+        return ids
 
     @property
     def prompt_format(self) -> str:

@@ -335,5 +335,8 @@ def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path):
     for p, n, g in zip(prompts, [10, 6, 10], got):
         assert g.tokens == ntp.generate(p, max_tokens=n, temp=0.0).tokens
         assert g.stats.method.startswith("mtp(batch")
+    # SmolLM2's tokenizer gives ids past the tiny model's 256 rows for most text
+    with pytest.raises(ModelLoadError, match=r"outside this model's vocabulary \[0, 256\)"):
+        ntp.generate("hello there", max_tokens=2)
     with pytest.raises(UnsupportedModelError, match="native MTP layer"):
         smollm.batch_generate(["Hi"], max_tokens=2, method="mtp")
