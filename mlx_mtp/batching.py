@@ -48,7 +48,7 @@ from .native_mtp import draft_cost_of
 from .planner import EPSILON
 from .sources.lookup import lookup_match
 from .sources.masks import PROBE_RANK_PRIORS
-from .sources.pool import JACOBI_EXTRA, NGramPool
+from .sources.pool import JACOBI_EXTRA, NGramPool, ranked_trie
 from .sources.recycle import DEEP_PRIORS, RANK_PRIORS, RecycleTable
 from .timing import DeviceClock, make_clock
 from .verify import top_tokens, walk_tree
@@ -401,7 +401,7 @@ def _prefill(
     ``hidden``, the final-norm hidden states (n, D) after every token."""
     cache = make_prompt_cache(model)
     prompt = mx.array(tokens)[None]
-    backbone, head, _ = model_parts(model)
+    backbone, head, _ = model_parts(model) if hidden else (None, None, None)
     states = []
     for s in range(0, len(tokens), step):
         if hidden:
@@ -505,9 +505,7 @@ class BatchDrafter:
             tokens.append(mx.argmax(self.head(h)[:, -1], axis=-1))
         out = mx.stack(tokens, axis=1)
         _run(self.clock, [out], rows, depth * self.share)
-        per = (self.clock.now() - t0) / depth
-        old = self.seconds.get(rows)
-        self.seconds[rows] = per if old is None else 0.8 * old + 0.2 * per
+        _average(self.seconds, rows, (self.clock.now() - t0) / depth)
         return np.array(out).astype(np.int64)
 
     def _catch_up(self) -> None:
@@ -652,9 +650,7 @@ class BatchNative:
             lay.positions = lay.positions - (depth - 1)
             lay.size -= depth - 1
             lay._offset = None
-        per = (self.clock.now() - t0) / depth
-        old = self.seconds.get(rows)
-        self.seconds[rows] = per if old is None else 0.8 * old + 0.2 * per
+        _average(self.seconds, rows, (self.clock.now() - t0) / depth)
         return np.array(out).astype(np.int64)
 
     def settle(
@@ -700,8 +696,7 @@ class _AfterPass:
         return self.seconds[min(self.seconds, key=lambda n: abs(n - rows))]
 
     def _note(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        _average(self.seconds, rows, seconds)
 
 
 class BatchMasks(_AfterPass):
@@ -960,25 +955,20 @@ class BatchLookahead:
         rates measured."""
         cands = self.pools[r].get(root, self.guess) if room > 0 else []
         p, q = self.first[0] / self.first[1], self.next[0] / self.next[1]
-        nodes: list[tuple[float, int, int, int]] = []  # (value, parent node, token, rank)
-        index: dict[tuple[int, int], int] = {}
-        for i, cand in enumerate(cands):
-            parent = -1
-            for d, t in enumerate(cand):
-                if (parent, t) not in index:
-                    index[(parent, t)] = len(nodes)
-                    nodes.append((p * q**d * 0.5**i, parent, t, i))
-                parent = index[(parent, t)]
+        tokens, parents, ranks = ranked_trie(cands)
+        depth: list[int] = []
+        for parent in parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        values = [p * q ** (d - 1) * 0.5**i for d, i in zip(depth, ranks)]
         # a parent is worth at least its child and comes first on a tie
-        order = sorted(range(len(nodes)), key=lambda n: -nodes[n][0])[:room]
+        order = sorted(range(len(tokens)), key=lambda n: -values[n])[:room]
         slot = {n: s + 1 for s, n in enumerate(order)}
         tree = RowDraft()
         for n in order:
-            value, parent, t, i = nodes[n]
-            tree.tokens.append(t)
-            tree.parents.append(0 if parent < 0 else slot[parent])
-            tree.values.append(value)
-            tree.kinds.append(("pool", i))
+            tree.tokens.append(tokens[n])
+            tree.parents.append(0 if parents[n] < 0 else slot[parents[n]])
+            tree.values.append(values[n])
+            tree.kinds.append(("pool", ranks[n]))
         return tree
 
 
@@ -1172,10 +1162,10 @@ class DraftBatch:
             raise InvalidArgumentError(
                 f"a drafting batch runs {', '.join(cls.METHODS)}, not {method!r}"
             )
-        needs = {"draft": draft_model, "clp": heads, "mtp": native}
-        if method in needs and needs[method] is None:
-            what = {"draft": "draft model", "clp": "heads", "mtp": "MTP layer"}[method]
-            raise InvalidArgumentError(f"a {method} batch needs its {what}")
+        needs = {"draft": ("draft model", draft_model), "clp": ("heads", heads),
+                 "mtp": ("MTP layer", native)}  # fmt: skip
+        if method in needs and needs[method][1] is None:
+            raise InvalidArgumentError(f"a {method} batch needs its {needs[method][0]}")
         drafter = None
         if method == "draft":
             drafter = BatchDrafter(draft_model, kw.get("prefill_step", 2048))
@@ -1676,8 +1666,7 @@ class DraftBatch:
         self._credit += EPSILON * seconds
         self._probes += EPSILON * seconds
         slots = self.last_slots = inputs.size
-        old = self.seconds.get(slots)
-        self.seconds[slots] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        _average(self.seconds, slots, seconds)
         if masked:  # the masks after each row's deepest accepted slot: the next trees
             deepest = np.array([path[-1] if path else 0 for path, _ in paths])
             at_masks = np.arange(rows)[:, None] * width + (nt + deepest * per)[:, None]
@@ -1751,6 +1740,13 @@ class DraftBatch:
         if done:
             self._keep([r for r in range(len(self.rows)) if r not in done])
         return out
+
+
+def _average(seconds: dict[int, float], key: int, value: float) -> None:
+    """Fold ``value`` into ``seconds[key]``, an exponential average (the
+    first value as it is)."""
+    old = seconds.get(key)
+    seconds[key] = value if old is None else 0.8 * old + 0.2 * value
 
 
 def _run(

@@ -174,13 +174,13 @@ def test_cost_curve_of_a_model_without_input_embeddings(deepseek):
     assert curve.sizes == [1, 2, 4] and engine.cached == [5, 77, 140]
 
 
-def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
-    """depth=auto in plain mode (pipelined one-token steps on this attention
-    model) still feeds the layer every committed position: the probes'
-    drafts equal those of a fixed depth-2 run at the same positions."""
+def _record_solo_drafts(monkeypatch) -> dict:
+    """``{drafter.tag: {offset: drafts}}``: every chain the solo nextn
+    drafters draft from now on, by the tag set on their drafter and the
+    cache offset they drafted at."""
     from mlx_mtp.sources.native import NativeDrafter
 
-    seen: dict[str, dict[int, list[int]]] = {}
+    seen: dict = {}
     real = NativeDrafter.draft
 
     def record(self, engine, depth):
@@ -189,6 +189,14 @@ def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
         return out
 
     monkeypatch.setattr(NativeDrafter, "draft", record)
+    return seen
+
+
+def test_plain_steps_keep_feeding_the_nextn_layer(deepseek, monkeypatch):
+    """depth=auto in plain mode (pipelined one-token steps on this attention
+    model) still feeds the layer every committed position: the probes'
+    drafts equal those of a fixed depth-2 run at the same positions."""
+    seen = _record_solo_drafts(monkeypatch)
     monkeypatch.setattr(planner, "EPSILON", 0.25)  # several probes in 14 tokens
     prompt = [5, 77, 140, 3, 9]
     # probes between plain steps (c(3) = 1.03): drafts of 0.7 forwards each pay
@@ -253,7 +261,6 @@ def test_mtp_batch_drafts_as_the_solo_layer_does_and_equals_solo_greedy(
     from mlx_mtp.batching import BatchNative, DraftBatch
 
     monkeypatch.setattr(batching, "CATCH_UP", catch_up)
-    from mlx_mtp.sources.native import NativeDrafter
 
     model, loaded = deepseek
     rng = np.random.default_rng(7)
@@ -263,22 +270,14 @@ def test_mtp_batch_drafts_as_the_solo_layer_does_and_equals_solo_greedy(
     prompts.insert(0, [42])
     prompts.insert(2, [7])
     limits = [9, 16, 9, 9, 16, 12, 16]
-    solo: dict[int, dict[int, list[int]]] = {}
-    real = NativeDrafter.draft
-
-    def record(self, engine, depth):
-        out = real(self, engine, depth)
-        solo.setdefault(self.row, {})[engine.offset] = out
-        return out
-
-    monkeypatch.setattr(NativeDrafter, "draft", record)
+    solo = _record_solo_drafts(monkeypatch)
     refs = []
     for i, p in enumerate(prompts):
         ctx = _engine(deepseek)
         refs.append(_generate(ctx.engine, _method(ctx, "ntp"), p, limits[i])[0])
         ctx = _engine(deepseek)  # a fresh cache: the layer sees the whole prompt
         mtp = _method(ctx, "mtp", depth=3)
-        mtp.drafter.row = i
+        mtp.drafter.tag = i
         assert _generate(ctx.engine, mtp, p, limits[i])[0] == refs[i]
 
     layer = load_native_mtp(loaded.path, model, loaded.config)

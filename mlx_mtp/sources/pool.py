@@ -84,10 +84,24 @@ def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]
         (node tokens, node parents), parents indexing the node list with -1
         for the root; parents come before children.
     """
+    tokens, parents, _ = ranked_trie(candidates)
+    return tokens, parents
+
+
+def ranked_trie(
+    candidates: list[tuple[int, ...]],
+) -> tuple[list[int], list[int], list[int]]:
+    """:func:`build_trie`, and for every node the index of the first
+    candidate that passes through it (its rank).
+
+    Returns:
+        (node tokens, node parents, node ranks).
+    """
     tokens: list[int] = []
     parents: list[int] = []
+    ranks: list[int] = []
     index: dict[tuple[int, int], int] = {}
-    for cand in candidates:
+    for i, cand in enumerate(candidates):
         parent = -1
         for tok in cand:
             key = (parent, int(tok))
@@ -95,5 +109,6 @@ def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]
                 index[key] = len(tokens)
                 tokens.append(int(tok))
                 parents.append(parent)
+                ranks.append(i)
             parent = index[key]
-    return tokens, parents
+    return tokens, parents, ranks
