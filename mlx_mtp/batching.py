@@ -398,19 +398,22 @@ def _prefill(
 ) -> tuple[list[KVCache], mx.array, mx.array | None]:
     """A prompt through ``model`` alone, in chunks of ``step`` tokens: its
     mlx-lm caches, the logits (V,) after its last token (lazy) and, with
-    ``hidden``, the final-norm hidden states (n, D) after every token."""
+    ``hidden``, the final-norm hidden states (n, D) after every token.
+
+    The LM head runs on the last token's hidden state only: over every
+    prompt token it would be a fifth of SmolLM2's prefill and most of
+    Gemma 3 270M's (a vocabulary of 262k rows), for logits nobody reads."""
     cache = make_prompt_cache(model)
     prompt = mx.array(tokens)[None]
-    backbone, head, _ = model_parts(model) if hidden else (None, None, None)
+    backbone, head, _ = model_parts(model)
     states = []
     for s in range(0, len(tokens), step):
-        if hidden:
-            states.append(backbone(prompt[:, s : s + step], cache=cache)[0])
-            logits = head(states[-1][None, -1:])
-        else:
-            logits = model(prompt[:, s : s + step], cache=cache)
+        states.append(backbone(prompt[:, s : s + step], cache=cache)[0])
         if s + step < len(tokens):
-            mx.eval([c.state for c in cache], states)
+            mx.eval([c.state for c in cache], states if hidden else [])
+            if not hidden:
+                states.clear()
+    logits = head(states[-1][None, -1:])
     return cache, logits[0, -1], mx.concatenate(states) if hidden else None
 
 
