@@ -1129,6 +1129,56 @@ def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monk
     assert_healthy(base, worker)
 
 
+def test_batched_ntp_requests_start_from_a_finished_requests_cache(
+    server, client, ref, monkeypatch
+):
+    """A batched ntp request whose prompt shares a prefix with the newest
+    finished one (a system prompt, a chat's history) starts from that
+    prefix's KV cache: usage counts those tokens as cached, and every
+    answer still equals the Python API's solo answer."""
+    base, worker = server
+    monkeypatch.setattr(worker, "max_batch", 4)
+    monkeypatch.setattr(worker._queue, "maxsize", 8)  # three requests at once
+    wait_idle(worker)
+    system = {
+        "role": "system",
+        "content": "You are a careful assistant. Answer in one short sentence, plainly.",
+    }
+    first = [system, {"role": "user", "content": "What is the capital of France?"}]
+    r0 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=N, temperature=0)
+    assert r0.model_extra["mtp"]["method"] == "ntp(batch)"
+    assert r0.choices[0].message.content == ref(first, n=N).text
+    results: dict[int, object] = {}
+    asks = [
+        [system, {"role": "user", "content": "Name a large river in Africa."}],
+        [system, {"role": "user", "content": "What colour is the sky?"}],
+        # the first chat's next turn: its history is cached
+        [*first, {"role": "assistant", "content": r0.choices[0].message.content},
+         {"role": "user", "content": "And of Spain?"}],
+    ]  # fmt: skip
+
+    def chat(i):
+        results[i] = client.chat.completions.create(
+            model=MODEL, messages=asks[i], max_tokens=N, temperature=0
+        )
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, messages in enumerate(asks):
+        r = results[i]
+        assert r.choices[0].message.content == ref(messages, n=N).text, i
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert 8 <= cached < r.usage.prompt_tokens, (i, cached)
+        assert r.model_extra["mtp"]["prefill_tokens"] == r.usage.prompt_tokens - cached
+    # the next turn shares the whole first exchange but its last token
+    history = len(worker.loaded.tokenizer.apply_chat_template(first, add_generation_prompt=True))
+    assert results[2].usage.prompt_tokens_details.cached_tokens > history
+    assert_healthy(base, worker)
+
+
 def test_a_bad_prompt_in_the_batch_is_a_400_and_the_batch_goes_on(server, monkeypatch):
     """Prompts the API refuses (over the context, token ids outside the
     vocabulary) are refused as they join the batch, as when alone."""

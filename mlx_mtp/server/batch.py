@@ -10,8 +10,9 @@ grew; with hybrid both lookup and masks; with clp the chain its CLP heads
 wrote; with draft the draft model's chain) is verified in the batch's pass
 (a request joins after its prompt is prefilled alone). An ``ntp`` request joins after its prompt is
 prefilled (with up to 7 others, each in chunks of its share of the server's
-prefill step, so that no pass is larger than the time bound allows) and
-leaves at EOS, ``max_tokens``, a
+prefill step, so that no pass is larger than the time bound allows; a
+prefix it shares with the newest finished ``ntp`` request starts from that
+request's KV cache) and leaves at EOS, ``max_tokens``, a
 stop string, cancellation or disconnect, between steps. Each request keeps
 its own detokenizer, stop strings and sampler (:class:`~mlx_mtp.api.RowSampler`:
 its own seed and positions), so its answer is the one it gets alone, up to
@@ -44,6 +45,9 @@ class Row:
         uid: its id in mlx-lm's ``BatchGenerator``.
         prompt_tokens: the prompt's length.
         detok: its own streaming detokenizer.
+        prompt: its prompt's token ids (an ``ntp`` row: its finished cache
+            is kept for the next prompt that shares a prefix).
+        cached: prompt tokens whose KV cache came from an earlier request.
         cutter: its stop strings.
         tokens: the tokens generated so far.
         started / first: ``time.perf_counter()`` when it joined and when its
@@ -55,6 +59,8 @@ class Row:
     prompt_tokens: int
     detok: Any
     cutter: StopCutter
+    prompt: list[int] = field(default_factory=list)
+    cached: int = 0
     tokens: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first: float | None = None
@@ -141,6 +147,10 @@ class BatchRunner:
                 prefill_step_size=max(16, prefill_step // together),
             )
         self.rows: dict[int, Row] = {}
+        #: the tokens and KV cache (mlx-lm ``KVCache`` per layer) of the
+        #: newest finished ``ntp`` request: a joining prompt that shares a
+        #: prefix of them starts from that prefix's cache
+        self.last: tuple[list[int], list[Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -192,11 +202,62 @@ class BatchRunner:
                 given["temp"], given["top_p"], given["top_k"], given["min_p"], seed
             )
             samplers = [RowSampler(row_sampler, len(tokens))]
-        (uid,) = self.gen.insert([tokens], [limit], samplers=samplers)
+        cached, cache = self._reuse(tokens)
+        (uid,) = self.gen.insert(
+            [tokens[cached:]],
+            [limit],
+            caches=[cache],
+            all_tokens=[tokens[:cached]],
+            samplers=samplers,
+        )
         job.status = "running"
         detok = self.model.tokenizer.detokenizer  # a copy of its own
         detok.reset()
-        self.rows[uid] = Row(job, uid, len(tokens), detok, StopCutter(req.stop))
+        self.rows[uid] = Row(job, uid, len(tokens), detok, StopCutter(req.stop), tokens, cached)
+
+    #: fewest shared prompt tokens worth starting from an earlier cache
+    MIN_REUSE = 8
+
+    def _reuse(self, tokens: list[int]) -> tuple[int, list[Any] | None]:
+        """How many leading ``tokens`` the newest finished request's cache
+        holds (at least :attr:`MIN_REUSE`, and never the last token, which
+        the first decoding pass feeds), and a cache of just those tokens
+        (a copy: one ``KVCache`` per layer); ``(0, None)`` when none is
+        shared. As ``mlx_lm.server`` and a solo generation reuse a prefix:
+        a system prompt or a chat's history is prefilled once."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        if self.last is None:
+            return 0, None
+        held, layers = self.last
+        n = 0
+        for a, b in zip(held, tokens[:-1]):
+            if a != b:
+                break
+            n += 1
+        if n < self.MIN_REUSE:
+            return 0, None
+        cache = []
+        for layer in layers:
+            c = KVCache()
+            c.keys = mx.contiguous(layer.keys[..., :n, :])
+            c.values = mx.contiguous(layer.values[..., :n, :])
+            c.offset = n
+            cache.append(c)
+        return n, cache
+
+    def _keep_cache(self, row: Row, cache: list[Any] | None) -> None:
+        """Keep a finished ``ntp`` row's cache (its prompt and answer but
+        the last token) for the next joining prompt (:meth:`_reuse`); only
+        plain full caches, whose length matches the row's tokens."""
+        from mlx_lm.models.cache import KVCache
+
+        if not cache or any(type(c) is not KVCache or c.keys is None for c in cache):
+            return
+        held = [*row.prompt, *row.tokens][: cache[0].offset]
+        if len(held) == cache[0].offset and all(c.offset == len(held) for c in cache):
+            self.last = (held, cache)
 
     def step(self) -> None:
         """Drop the cancelled rows, run one step (a decoding pass of every
@@ -220,6 +281,8 @@ class BatchRunner:
             row = self.rows.get(r.uid)
             if row is not None:
                 self._take(row, [int(r.token)], r.finish_reason)
+                if r.finish_reason is not None:
+                    self._keep_cache(row, getattr(r, "prompt_cache", None))
 
     def _remove(self, uids: list[int]) -> None:
         if self.drafts is not None:
@@ -288,7 +351,7 @@ class BatchRunner:
         st = GenerationStats(
             method="ntp(batch)",
             prompt_tokens=row.prompt_tokens,
-            prefill_tokens=row.prompt_tokens,
+            prefill_tokens=row.prompt_tokens - row.cached,
             prefill_time=first - row.started,
             generated_tokens=n,
             decode_time=now - first,
@@ -303,6 +366,8 @@ class BatchRunner:
             st.forward_passes = st.steps = 1 + drafted.passes
             st.drafted, st.accepted = drafted.drafted, drafted.accepted
             st.slots, st.max_slots = drafted.slots, drafted.max_slots
-        event: Event = Done(finish, usage(row.prompt_tokens, n, 0), mtp_stats(st, 0, job))
+        event: Event = Done(
+            finish, usage(row.prompt_tokens, n, row.cached), mtp_stats(st, row.cached, job)
+        )
         self.emit(job, event)
         self.finish(job)
