@@ -44,6 +44,16 @@ from .timing import make_clock
 PREFILL_STEP = 2048
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    common = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common += 1
+    return common
+
+
 class Engine:
     """A model with one KV cache and the list of tokens that cache holds.
 
@@ -301,12 +311,7 @@ class Engine:
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the cache holds already."""
-        common = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            common += 1
-        return common
+        return common_prefix(self.cached, tokens)
 
     def catch_up(self, tokens: list[int], most: int) -> list[int]:
         """Bring the cache within ``most`` tokens of holding ``tokens``: keep

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..api import RowSampler
 from ..decoding import GenerationStats
+from ..engine import common_prefix
 from ..errors import MTPError
 from ..sampling import PositionalSampler, random_seed
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
@@ -43,12 +44,11 @@ class Row:
     Attributes:
         job: the worker's :class:`~.worker.Job`.
         uid: its id in mlx-lm's ``BatchGenerator``.
-        prompt_tokens: the prompt's length.
-        detok: its own streaming detokenizer.
         prompt: its prompt's token ids (an ``ntp`` row: its finished cache
             is kept for the next prompt that shares a prefix).
-        cached: prompt tokens whose KV cache came from an earlier request.
+        detok: its own streaming detokenizer.
         cutter: its stop strings.
+        cached: prompt tokens whose KV cache came from an earlier request.
         tokens: the tokens generated so far.
         started / first: ``time.perf_counter()`` when it joined and when its
             first token came.
@@ -56,14 +56,18 @@ class Row:
 
     job: Any
     uid: int
-    prompt_tokens: int
+    prompt: list[int]
     detok: Any
     cutter: StopCutter
-    prompt: list[int] = field(default_factory=list)
     cached: int = 0
     tokens: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length."""
+        return len(self.prompt)
 
 
 class BatchRunner:
@@ -191,7 +195,7 @@ class BatchRunner:
             job.status = "running"
             detok = self.model.tokenizer.detokenizer
             detok.reset()
-            row = Row(job, uid, len(tokens), detok, StopCutter(req.stop))
+            row = Row(job, uid, tokens, detok, StopCutter(req.stop))
             self.rows[uid] = row
             self._take(row, got.tokens, got.finish_reason)
             return
@@ -213,7 +217,7 @@ class BatchRunner:
         job.status = "running"
         detok = self.model.tokenizer.detokenizer  # a copy of its own
         detok.reset()
-        self.rows[uid] = Row(job, uid, len(tokens), detok, StopCutter(req.stop), tokens, cached)
+        self.rows[uid] = Row(job, uid, tokens, detok, StopCutter(req.stop), cached)
 
     #: fewest shared prompt tokens worth starting from an earlier cache
     MIN_REUSE = 8
@@ -231,11 +235,7 @@ class BatchRunner:
         if self.last is None:
             return 0, None
         held, layers = self.last
-        n = 0
-        for a, b in zip(held, tokens[:-1]):
-            if a != b:
-                break
-            n += 1
+        n = common_prefix(held, tokens[:-1])
         if n < self.MIN_REUSE:
             return 0, None
         cache = []
