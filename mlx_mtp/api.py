@@ -776,7 +776,7 @@ def native_layer(loaded: LoadedModel) -> Any:
     from pathlib import Path
 
     from .batching import check_batchable
-    from .native_mtp import load_native_mtp
+    from .native_mtp import native_layer_for
 
     check_batchable(loaded.model)  # before reading the layer
 
@@ -786,7 +786,7 @@ def native_layer(loaded: LoadedModel) -> Any:
             "the native MTP layer is read from the model's checkpoint folder; load the model "
             "with mlx_mtp.load(...) or --model."
         )
-    return load_native_mtp(Path(folder), loaded.model, getattr(loaded, "config", None))
+    return native_layer_for(Path(folder), loaded.model, getattr(loaded, "config", None))
 
 
 #: the methods :func:`batch_generate` runs

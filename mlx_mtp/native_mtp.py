@@ -520,6 +520,36 @@ def load_native_mtp(
     return layer
 
 
+#: layers loaded by :func:`native_layer_for`: (model id, folder, backbone
+#: embedding dtype) -> layer, dropped when the model is collected
+_LOADED: dict[tuple[int, str, str], nn.Module] = {}
+
+
+def native_layer_for(
+    folder: str | Path, model: nn.Module, config: dict[str, Any] | None = None
+) -> nn.Module:
+    """:func:`load_native_mtp`, once per model and folder in this process:
+    a later call for the same backbone (same object, same dtype) and folder
+    returns the layer already loaded (the layer holds no decoding state:
+    each user makes its own cache with ``make_cache``), so a batch or a
+    method bound again does not read the checkpoint's MTP tensors again.
+
+    Raises:
+        The errors of :func:`load_native_mtp`; nothing is kept after one.
+    """
+    import weakref
+
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    dtype = getattr(getattr(embed, "weight", None), "dtype", None)
+    key = (id(model), str(Path(folder).resolve()), str(dtype))
+    layer = _LOADED.get(key)
+    if layer is None:
+        layer = load_native_mtp(folder, model, config)
+        _LOADED[key] = layer
+        weakref.finalize(model, _LOADED.pop, key, None)
+    return layer
+
+
 # ------------------------------------------------------------ hidden tap
 class _TapRecord:
     def __init__(self) -> None:

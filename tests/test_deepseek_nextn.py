@@ -313,7 +313,7 @@ def test_mtp_batch_drafts_as_the_solo_layer_does_and_equals_solo_greedy(
     assert compared >= (15 if depths == [3] else 4)
 
 
-def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path):
+def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path, monkeypatch):
     """``batch_generate(method="mtp")`` on a nextn checkpoint loaded by
     folder (SmolLM2's tokenizer beside it): each answer is the solo greedy
     one; a model without a native MTP layer is refused with a message."""
@@ -334,6 +334,16 @@ def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path):
     for p, n, g in zip(prompts, [10, 6, 10], got):
         assert g.tokens == ntp.generate(p, max_tokens=n, temp=0.0).tokens
         assert g.stats.method.startswith("mtp(batch")
+    # a second batch, and the method bound solo, use the layer already loaded
+    import mlx_mtp.native_mtp as native_mtp
+
+    reads = []
+    read = native_mtp.load_native_mtp
+    monkeypatch.setattr(native_mtp, "load_native_mtp", lambda *a: reads.append(a) or read(*a))
+    again = lm.batch_generate(prompts, max_tokens=[10, 6, 10], max_batch=2, method="mtp")
+    assert [g.tokens for g in again] == [g.tokens for g in got]
+    solo = lm.bind("mtp").generate(prompts[0], max_tokens=10, temp=0.0)
+    assert solo.tokens == got[0].tokens and reads == []
     # SmolLM2's tokenizer gives ids past the tiny model's 256 rows for most text
     with pytest.raises(ModelLoadError, match=r"outside this model's vocabulary \[0, 256\)"):
         ntp.generate("hello there", max_tokens=2)

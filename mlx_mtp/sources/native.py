@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..context import Context
 from ..engine import Engine
 from ..errors import UnsupportedModelError
-from ..native_mtp import draft_cost_of, install_hidden_tap, load_native_mtp
+from ..native_mtp import draft_cost_of, install_hidden_tap, native_layer_for
 
 #: committed positions that may wait for the MTP layer while nothing is drafted
 #: (hybrid whose other sources pay, the layer's do not): fed without drafting beyond
@@ -61,7 +61,7 @@ class NativeDrafter:
                 "tensors."
             )
         config = getattr(loaded, "config", None) if heads is None else None
-        self.layer = load_native_mtp(Path(folder), engine.model, config)
+        self.layer = native_layer_for(Path(folder), engine.model, config)
         self.tap = install_hidden_tap(engine.model)
         self.cache = self.layer.make_cache()
         #: token t_p of every pair (h_{p-1}, t_p) in the MTP layer's cache, in order
