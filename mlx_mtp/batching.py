@@ -393,28 +393,68 @@ def check_mask_support(model: Any) -> None:
         )
 
 
+class Prefill:
+    """A prompt through a model alone, in chunks: each :meth:`advance` runs
+    the backbone over the next ``step`` tokens into the prompt's mlx-lm
+    caches; once every token is in, :attr:`logits` are those (V,) after the
+    last token (the LM head on its hidden state only: over every prompt
+    token it would be a fifth of SmolLM2's prefill and most of Gemma 3
+    270M's, a vocabulary of 262k rows, for logits nobody reads) and, with
+    ``hidden``, :attr:`hidden` the final-norm hidden states (n, D) after
+    every token.
+
+    Args:
+        model: an mlx-lm model.
+        tokens: the prompt's token ids (at least one).
+        hidden: keep every token's hidden state (an MTP layer reads them).
+    """
+
+    def __init__(self, model: Any, tokens: list[int], hidden: bool = False):
+        self.model = model
+        self.tokens = tokens
+        self.cache = make_prompt_cache(model)
+        self.keep_hidden = hidden
+        #: prompt tokens in the cache so far
+        self.done = 0
+        self._states: list[mx.array] = []
+        self.logits: mx.array | None = None
+        self.hidden: mx.array | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether every prompt token is in the cache."""
+        return self.done >= len(self.tokens)
+
+    def advance(self, step: int) -> bool:
+        """Run the next ``step`` prompt tokens (their cache evaluated; the
+        last chunk's logits left lazy); whether the prompt is now in."""
+        backbone, head, _ = model_parts(self.model)
+        chunk = mx.array(self.tokens[self.done : self.done + step])[None]
+        self._states.append(backbone(chunk, cache=self.cache)[0])
+        self.done += chunk.shape[1]
+        if not self.finished:
+            mx.eval([c.state for c in self.cache], self._states if self.keep_hidden else [])
+            if not self.keep_hidden:
+                self._states.clear()
+            return False
+        self.logits = head(self._states[-1][None, -1:])[0, -1]
+        if self.keep_hidden:
+            self.hidden = mx.concatenate(self._states)
+        self._states = []
+        return True
+
+
 def _prefill(
     model: Any, tokens: list[int], step: int, hidden: bool = False
 ) -> tuple[list[KVCache], mx.array, mx.array | None]:
-    """A prompt through ``model`` alone, in chunks of ``step`` tokens: its
-    mlx-lm caches, the logits (V,) after its last token (lazy) and, with
-    ``hidden``, the final-norm hidden states (n, D) after every token.
-
-    The LM head runs on the last token's hidden state only: over every
-    prompt token it would be a fifth of SmolLM2's prefill and most of
-    Gemma 3 270M's (a vocabulary of 262k rows), for logits nobody reads."""
-    cache = make_prompt_cache(model)
-    prompt = mx.array(tokens)[None]
-    backbone, head, _ = model_parts(model)
-    states = []
-    for s in range(0, len(tokens), step):
-        states.append(backbone(prompt[:, s : s + step], cache=cache)[0])
-        if s + step < len(tokens):
-            mx.eval([c.state for c in cache], states if hidden else [])
-            if not hidden:
-                states.clear()
-    logits = head(states[-1][None, -1:])
-    return cache, logits[0, -1], mx.concatenate(states) if hidden else None
+    """A prompt through ``model`` alone, in chunks of ``step`` tokens
+    (:class:`Prefill`): its mlx-lm caches, the logits (V,) after its last
+    token (lazy) and, with ``hidden``, the final-norm hidden states (n, D)
+    after every token."""
+    p = Prefill(model, tokens, hidden)
+    while not p.advance(step):
+        pass
+    return p.cache, p.logits, p.hidden
 
 
 def _left_aligned(tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -982,9 +1022,11 @@ class DraftBatch:
     chains (a draft model's or an MTP layer's), CLP ``heads``' chains or
     ``lookahead``'s n-gram pool.
 
-    A request joins with :meth:`add` (its prompt prefilled alone, in chunks
-    of ``prefill_step``, as a solo generation does) and leaves at EOS, its
-    limit, or :meth:`remove`. Each :meth:`step` runs one forward pass of every
+    A request joins with :meth:`add` (its prompt prefilled alone, at once,
+    in chunks of ``prefill_step``, as a solo generation does), or with
+    :meth:`begin` and then one chunk per :meth:`advance` between steps (the
+    server: the other rows go on decoding), and leaves at EOS, its limit, or
+    :meth:`remove`. Each :meth:`step` runs one forward pass of every
     row: its newest token and its draft (:meth:`_tree`), up to ``max_draft``
     nodes: the continuation of its context's last n-gram (n <= ``window``)
     seen earlier, and where ``table`` is given the table's candidates after
@@ -1082,6 +1124,9 @@ class DraftBatch:
         self.max_slots = max_slots
         self.kv = BatchCache(model)
         self.rows: list[BatchRow] = []
+        #: prompts prefilled a chunk at a time before they join (:meth:`begin`):
+        #: (uid, limit, prefill), oldest first
+        self.joining: list[tuple[int, int, Prefill]] = []
         #: rows that finished (EOS or their limit), by uid
         self.finished: dict[int, BatchRow] = {}
         self._uid = 0
@@ -1192,7 +1237,8 @@ class DraftBatch:
         return len(self.rows)
 
     def add(self, tokens: list[int], limit: int) -> tuple[int, StepTokens]:
-        """Prefill a prompt alone and add it to the batch.
+        """Prefill a prompt alone, now, in chunks of ``prefill_step``, and
+        add it to the batch.
 
         Args:
             tokens: the prompt's token ids.
@@ -1202,19 +1248,56 @@ class DraftBatch:
             Its uid and its first token (``finish_reason`` set if it is
             already done: EOS, or a limit of 1; it is then not in the batch).
         """
-        native = isinstance(self.drafter, BatchNative)
-        cache, logits, hidden = _prefill(self.model, tokens, self.prefill_step, native)
-        first = int(mx.argmax(logits).item())
         self._uid += 1
-        uid = self._uid
+        p = Prefill(self.model, tokens, isinstance(self.drafter, BatchNative))
+        while not p.advance(self.prefill_step):
+            pass
+        return self._uid, self._join(self._uid, limit, p)
+
+    def begin(self, tokens: list[int], limit: int) -> int:
+        """Queue a prompt to join: :meth:`advance` prefills it a chunk at a
+        time, between the batch's steps, so that the rows already decoding
+        go on while it is prefilled (as mlx-lm's ``BatchGenerator`` does
+        with a joining prompt). Prompts join in the order they began.
+
+        Args:
+            tokens: the prompt's token ids.
+            limit: most new tokens (>= 1).
+
+        Returns:
+            Its uid (its first token comes from :meth:`advance`).
+        """
+        self._uid += 1
+        native = isinstance(self.drafter, BatchNative)
+        self.joining.append((self._uid, limit, Prefill(self.model, tokens, native)))
+        return self._uid
+
+    def advance(self, step: int | None = None) -> StepTokens | None:
+        """Prefill the next chunk (``step`` tokens; default ``prefill_step``)
+        of the oldest prompt that :meth:`begin` queued; when that was its
+        last chunk, the prompt joins the batch and its first token is
+        returned (as :meth:`add` returns it), else None."""
+        if not self.joining:
+            return None
+        uid, limit, p = self.joining[0]
+        if not p.advance(step or self.prefill_step):
+            return None
+        self.joining.pop(0)
+        return self._join(uid, limit, p)
+
+    def _join(self, uid: int, limit: int, p: Prefill) -> StepTokens:
+        """A prefilled prompt joins as row ``uid``: its first token, and
+        the drafters' state for it."""
+        tokens = p.tokens
+        first = int(mx.argmax(p.logits).item())
         if first in self.eos or limit <= 1:
-            return uid, StepTokens(uid, [first], "stop" if first in self.eos else "length")
+            return StepTokens(uid, [first], "stop" if first in self.eos else "length")
         context = np.zeros(max(64, 2 * (len(tokens) + limit)), np.int32)
         row = BatchRow(uid, context, 0, len(tokens), limit - 1, first, [first])
         row.append([*tokens, first])
-        self.kv.join(cache, len(tokens))
-        if native:
-            self.drafter.add(tokens, first, hidden)
+        self.kv.join(p.cache, len(tokens))
+        if isinstance(self.drafter, BatchNative):
+            self.drafter.add(tokens, first, p.hidden)
         elif self.drafter is not None:
             self.drafter.add(tokens, first)
         if self.masks is not None:
@@ -1224,7 +1307,7 @@ class DraftBatch:
         if self.look is not None:
             self.look.add(tokens)
         self.rows.append(row)
-        return uid, StepTokens(uid, [first], None)
+        return StepTokens(uid, [first], None)
 
     def take_row(self, uid: int) -> BatchRow | None:
         """A request's row with its counts (None: unknown uid), forgotten
@@ -1234,7 +1317,9 @@ class DraftBatch:
         return next((r for r in self.rows if r.uid == uid), None)
 
     def remove(self, uid: int) -> None:
-        """Drop a request from the batch (no effect if it is not there)."""
+        """Drop a request from the batch, or from the prompts waiting to
+        join it (no effect if it is in neither)."""
+        self.joining = [j for j in self.joining if j[0] != uid]
         keep = [i for i, r in enumerate(self.rows) if r.uid != uid]
         if len(keep) == len(self.rows):
             return

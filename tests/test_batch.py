@@ -69,7 +69,11 @@ def test_batched_sampling_keeps_each_prompts_seed(smollm, solo):
         (["a", "b"], {"max_tokens": [3]}, "max_tokens has 1 values for 2 prompts"),
         (["a"], {"max_batch": 0}, "max_batch must be an integer >= 1"),
         (["a", ""], {}, r"prompts\[1\]: The prompt is empty"),
-        (["a"], {"temp": -1.0}, r"prompts\[0\]: temp \(--temp\) must be >= 0"),
+        (["a"], {"temp": -1.0}, r"^temp \(--temp\) must be >= 0"),
+        (["a"], {"temp": "hot", "method": "pld"}, r"^temp \(--temp\) must be a number"),
+        (["a"], {"temp": None, "method": "pld"}, r"^temp \(--temp\) must be a number"),
+        (["a"], {"max_tokens": "64"}, r"prompts\[0\]: max_tokens .* must be .*'64'"),
+        (["a"], {"method": "draft", "draft_model": 5}, "draft_model must name a model"),
     ],
 )
 def test_batch_generate_refuses_bad_input(smollm, prompts, kw, needle):
@@ -154,6 +158,63 @@ def test_pld_batch_row_removed_midway_leaves_the_others_exact(smollm, solo, shor
     assert got[1] is None
     for i in (0, 2, 3):
         assert got[i] == solo(prompts[i], max_tokens=20, temp=0.0).tokens
+
+
+def _run_joining_in_chunks(batch, prompts, limits, max_batch, step):
+    """Drive a DraftBatch as the server does: prompts begin as rows leave
+    and are prefilled ``step`` tokens after each step (``advance``).
+    Returns each prompt's tokens and the steps in which rows decoded while
+    a prompt was still being prefilled."""
+    out, uid_of, waiting, overlapped = {}, {}, list(range(len(prompts))), 0
+    while waiting or len(batch) or batch.joining:
+        while waiting and len(batch) + len(batch.joining) < max_batch:
+            i = waiting.pop(0)
+            uid_of[batch.begin(prompts[i], limits[i])], out[i] = i, []
+        got = batch.step()
+        overlapped += bool(got and batch.joining)
+        joined = batch.advance(step)
+        for g in [*got, *([joined] if joined is not None else [])]:
+            out[uid_of[g.uid]].extend(g.tokens)
+    return [out[i] for i in range(len(prompts))], overlapped
+
+
+@pytest.mark.parametrize("method", ["pld", "draft"])
+def test_a_prompt_prefilled_in_chunks_between_steps_joins_exactly(
+    smollm, solo, near_draft, short_spec_prompts, method
+):
+    """A long prompt joins a pld batch (and a draft model's batch) 64
+    tokens per step while the other rows go on decoding; every answer is
+    the solo greedy one; a prompt removed while it is prefilled never
+    answers and leaves the others exact."""
+    from mlx_mtp.batching import DraftBatch
+
+    ntp = MTPModel(smollm, make_method("ntp"))
+    longest = max(short_spec_prompts, key=len)
+    assert len(longest) > 300
+    prompts = [list(short_spec_prompts[1]), list(short_spec_prompts[2]), list(longest),
+               list(short_spec_prompts[3])]  # fmt: skip
+    limits = [20, 30, 16, 12]
+    kw = {"draft_model": near_draft.model} if method == "draft" else {}
+    batch = DraftBatch.for_method(smollm.model, ntp.eos_ids, method, **kw)
+    got, overlapped = _run_joining_in_chunks(batch, prompts, limits, max_batch=3, step=64)
+    for p, n, g in zip(prompts, limits, got):
+        assert g == solo(p, max_tokens=n, temp=0.0).tokens
+    assert overlapped >= len(longest) // 64  # rows decoded while it was prefilled
+
+    # removed while it is prefilled: the others go on, exact
+    batch = DraftBatch.for_method(smollm.model, ntp.eos_ids, method, **kw)
+    _, first = batch.add(prompts[0], 12)
+    gone = batch.begin(list(longest), 8)
+    assert batch.advance(64) is None and batch.joining
+    mine = list(first.tokens)
+    got_all = batch.step()
+    batch.remove(gone)
+    assert not batch.joining and batch.advance(64) is None
+    while len(batch):
+        mine += [t for g in got_all for t in g.tokens]
+        got_all = batch.step()
+    mine += [t for g in got_all for t in g.tokens]
+    assert mine == solo(prompts[0], max_tokens=12, temp=0.0).tokens
 
 
 def test_pld_batch_on_qwen_with_grouped_kv_heads(qwen):

@@ -349,3 +349,57 @@ def test_batch_generate_mtp_and_its_refusals(deepseek, smollm, tmp_path, monkeyp
         ntp.generate("hello there", max_tokens=2)
     with pytest.raises(UnsupportedModelError, match="native MTP layer"):
         smollm.batch_generate(["Hi"], max_tokens=2, method="mtp")
+
+
+def test_mtp_batch_rows_joining_in_chunks_draft_as_whole_prompts_do(deepseek, monkeypatch):
+    """Prompts prefilled three tokens per step between the batch's steps
+    (``DraftBatch.begin``/``advance``, as the server joins them): the MTP
+    layer gets every prompt token's hidden state across the chunks, so each
+    row drafts the chains it drafts when its prompt is prefilled whole
+    (``add``) at the same positions, and every answer equals plain greedy
+    decoding."""
+    from mlx_mtp.batching import BatchNative, DraftBatch
+
+    model, loaded = deepseek
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, int(rng.integers(7, 14))).tolist() for _ in range(4)]
+    limits = [12, 9, 14, 10]
+    refs = [
+        _generate(_engine(deepseek).engine, _method(_engine(deepseek), "ntp"), p, n)[0]
+        for p, n in zip(prompts, limits)
+    ]
+    layer = load_native_mtp(loaded.path, model, loaded.config)
+    draft = BatchNative.draft
+    seen: dict[tuple[int, int], list[int]] = {}
+
+    def run(chunked):
+        batch = DraftBatch.for_method(model, set(), "mtp", native=layer, max_draft=3)
+        batch._depth = lambda: 3
+        out, uid_of, waiting = {}, {}, list(range(len(prompts)))
+
+        def batched(self, depth):
+            chains = draft(self, depth)
+            for row, pos, chain in zip(batch.rows, batch.kv.layout.positions, chains.tolist()):
+                key = (uid_of[row.uid], int(pos))
+                assert seen.setdefault(key, chain) == chain, key
+            return chains
+
+        monkeypatch.setattr(BatchNative, "draft", batched)
+        while waiting or len(batch) or batch.joining:
+            while waiting and len(batch) + len(batch.joining) < 2:
+                i = waiting.pop(0)
+                if chunked:
+                    uid_of[batch.begin(prompts[i], limits[i])], out[i] = i, []
+                else:
+                    uid, got = batch.add(prompts[i], limits[i])
+                    uid_of[uid], out[i] = i, list(got.tokens)
+            got = batch.step()
+            joined = batch.advance(3)
+            for g in [*got, *([joined] if joined is not None else [])]:
+                out[uid_of[g.uid]].extend(g.tokens)
+        return [out[i] for i in range(len(prompts))]
+
+    assert run(chunked=False) == refs
+    whole = len(seen)
+    assert run(chunked=True) == refs
+    assert whole >= 10 and len(seen) < 2 * whole  # the same positions drafted the same chains

@@ -8,9 +8,12 @@ kind in one batched forward pass per step. ``ntp`` requests run with mlx-lm's
 lookup; with recycle the table's tree; with probe the tree its mask slots
 grew; with hybrid both lookup and masks; with clp the chain its CLP heads
 wrote; with draft the draft model's chain) is verified in the batch's pass
-(a request joins after its prompt is prefilled alone). An ``ntp`` request joins after its prompt is
-prefilled (with up to 7 others, each in chunks of its share of the server's
-prefill step, so that no pass is larger than the time bound allows; a
+(a request joins after its prompt is prefilled alone, one chunk of its
+share of the server's prefill step after each of the batch's passes, so
+the other rows go on decoding meanwhile). An ``ntp`` request joins after
+its prompt is prefilled (with up to 7 others, each in chunks of its share
+of the server's prefill step, so that no pass is larger than the time
+bound allows; a
 prefix it shares with the newest finished ``ntp`` request starts from that
 request's KV cache) and leaves at EOS, ``max_tokens``, a
 stop string, cancellation or disconnect, between steps. Each request keeps
@@ -128,6 +131,9 @@ class BatchRunner:
         # of the prefill step: a prefill pass holds at most prefill_step tokens
         # (the time bound), and short prompts join in one pass
         together = min(max_batch, 8)
+        #: prompt tokens a joining prompt of a drafting batch is prefilled
+        #: by per step (its share of the prefill step, as in the ntp batch)
+        self.join_step = max(16, prefill_step // together)
         self.drafts: DraftBatch | None = None
         self.gen: Any = None
         if kind in DraftBatch.METHODS:
@@ -190,14 +196,12 @@ class BatchRunner:
             self.emit(job, Failed(openai_error(e, req)))
             self.finish(job)
             return
-        if self.drafts is not None:  # prefilled now, alone; its first token comes with it
-            uid, got = self.drafts.add(tokens, limit)
+        if self.drafts is not None:  # prefilled a chunk per step; its first token comes then
+            uid = self.drafts.begin(tokens, limit)
             job.status = "running"
             detok = self.model.tokenizer.detokenizer
             detok.reset()
-            row = Row(job, uid, tokens, detok, StopCutter(req.stop))
-            self.rows[uid] = row
-            self._take(row, got.tokens, got.finish_reason)
+            self.rows[uid] = Row(job, uid, tokens, detok, StopCutter(req.stop))
             return
         samplers = None
         if given["temp"] > 0:
@@ -271,7 +275,9 @@ class BatchRunner:
         if not self.rows:
             return
         if self.drafts is not None:
-            for got in self.drafts.step():
+            got_all = self.drafts.step()
+            joined = self.drafts.advance(self.join_step)
+            for got in [*got_all, *([joined] if joined is not None else [])]:
                 row = self.rows.get(got.uid)
                 if row is not None:
                     self._take(row, got.tokens, got.finish_reason)
