@@ -354,6 +354,32 @@ def test_stop_strings(client, ref):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_counts_the_tokens_up_to_it_whatever_the_method_drafted(client, ref, smollm):
+    """A request that ends at a stop string reports as completion_tokens the
+    tokens up to the one that completes it, whether its method drafted and
+    accepted tokens past it in the same step (``pld`` on a copy, alone) or
+    not (``ntp``): the same count for the same text, as a batched row
+    reports."""
+    copy = [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta epsilon zeta "
+             "eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau."}]  # fmt: skip
+    want = ref(copy, n=40)
+    stop = "omicron"
+    assert stop in want.text
+    toks = want.tokens
+    count = next(k for k in range(1, len(toks) + 1) if stop in smollm.tokenizer.decode(toks[:k]))
+    drafted = ref(copy, "pld", n=40).stats
+    assert drafted.accepted > 0
+    for method in (None, "pld"):
+        extra = {"mtp": {"method": method}} if method else None
+        r = client.chat.completions.create(
+            model=MODEL, messages=copy, max_tokens=40, temperature=0, stop=[stop],
+            extra_body=extra,
+        )  # fmt: skip
+        assert r.choices[0].message.content == want.text[: want.text.find(stop)]
+        assert r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens == count, (method, r.usage.completion_tokens, count)
+
+
 def test_multi_turn_reuses_the_cache(client, ref):
     first = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=N, temperature=0)
     msgs = [

@@ -18,6 +18,7 @@ measured bound, so a cancelled request or a shutdown frees the worker within
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -682,6 +683,8 @@ class Worker:
         )
         cutter = StopCutter(req.stop)
         finish, last = None, None
+        new: list[int] = []  # the tokens generated so far
+        counted = None  # tokens up to the one that completed a stop string
         try:
             for chunk in gen:
                 last = chunk
@@ -692,6 +695,7 @@ class Worker:
                 if job.status != "running":
                     job.status = "running"
                     self._emit(job, Started())
+                before = copy.copy(cutter)
                 text = cutter.feed(chunk.text)
                 if chunk.finish_reason is not None and not cutter.stopped:
                     text += cutter.flush()
@@ -699,8 +703,11 @@ class Worker:
                     self._emit(job, Delta(text))
                 if cutter.stopped:
                     finish = "stop"
+                    counted = len(new) + tokens_to_stop(m, new, chunk.tokens, before)
+                    job.generated_tokens = counted
                 elif chunk.finish_reason is not None:
                     finish = chunk.finish_reason
+                new += chunk.tokens
                 if finish is not None:
                     break
         finally:
@@ -709,11 +716,12 @@ class Worker:
         job.status = "cancelled" if finish == "cancelled" else "done"
         st = last.stats
         cached = max(0, st.prompt_tokens - 1 - st.prefill_tokens)
+        n = st.generated_tokens if counted is None else counted
         self._emit(
             job,
             Done(
                 finish,
-                usage(st.prompt_tokens, st.generated_tokens, cached),
+                usage(st.prompt_tokens, n, cached),
                 mtp_stats(st, cached, job),
             ),
         )
@@ -732,6 +740,29 @@ REQUEST_FIELDS = {
 #: method -> the option it cannot run without (the package's message for a
 #: missing one names a CLI flag)
 REQUIRED_OPTIONS = {"draft": "draft_model"}
+
+
+def tokens_to_stop(m: Any, before: list[int], chunk: list[int], cutter: StopCutter) -> int:
+    """How many of a chunk's tokens it takes to complete the stop string
+    that ``cutter`` (as it was before the chunk) finds in the chunk's text:
+    the chunk's tokens detokenized one at a time after the ``before`` ones
+    (end-of-sequence tokens give no text), as a batched row counts its
+    tokens; a method that drafts may have accepted tokens past it, which a
+    request's ``completion_tokens`` leaves out. All of the chunk when none
+    completes it alone."""
+    detok = m.tokenizer.detokenizer  # a copy of its own
+    detok.reset()
+    for t in before:
+        if t not in m.eos_ids:
+            detok.add_token(t)
+    _ = detok.last_segment  # the text before the chunk, which the cutter has seen
+    for k, t in enumerate(chunk, 1):
+        if t not in m.eos_ids:
+            detok.add_token(t)
+        cutter.feed(detok.last_segment)
+        if cutter.stopped:
+            return k
+    return len(chunk)
 
 
 def sampling_of(req: GenRequest) -> dict[str, Any]:
