@@ -603,12 +603,20 @@ def batch_generate(
         )
     if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 0 <= max_draft <= 64:
         raise InvalidArgumentError(f"max_draft must be an integer in [0, 64], got {max_draft!r}.")
-    if method != "ntp" and temp > 0:
+    # the sampling settings hold for every prompt: checked once, named without a prompt
+    sampling = check_generation_args(
+        max_tokens=1, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+    )
+    del sampling["max_tokens"]
+    if method != "ntp" and sampling["temp"] > 0:
         raise InvalidArgumentError(
             f"batched drafting (method {method!r}) is greedy only; use temp=0, or method "
             "'ntp' for a sampled batch."
         )
-    limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
+    if isinstance(max_tokens, Sequence) and not isinstance(max_tokens, (str, bytes)):
+        limits = list(max_tokens)
+    else:
+        limits = [max_tokens] * len(prompts)
     if len(limits) != len(prompts):
         raise InvalidArgumentError(
             f"max_tokens has {len(limits)} values for {len(prompts)} prompts; give one for "
@@ -618,9 +626,7 @@ def batch_generate(
     tokens, limit_of, samplers = [], [], []
     for i, (prompt, n) in enumerate(zip(prompts, limits)):
         try:
-            args = check_generation_args(
-                max_tokens=n, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
-            )
+            args = check_generation_args(max_tokens=n, **sampling)
             toks = ntp.encode(prompt, chat_template)
             limit_of.append(ntp.check_context(len(toks), args["max_tokens"], fit_context))
         except InvalidArgumentError as e:

@@ -501,9 +501,17 @@ def draft_for(target: Any, spec: Any) -> Any:
     dtype (:func:`load_draft`), its tokenizer checked against the target's.
 
     Raises:
+        InvalidArgumentError: ``spec`` neither names a model nor is a loaded one.
         UnsupportedModelError: a tokenizer that differs (:func:`check_tokenizers`).
         MTPError: the draft model does not load.
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) and not (hasattr(spec, "model") and hasattr(spec, "tokenizer")):
+        raise InvalidArgumentError(
+            "draft_model must name a model (an alias, folder, GGUF file or hub id) or be a "
+            f"LoadedModel (mlx_mtp.loading.load_model), got {type(spec).__name__} {spec!r:.40}."
+        )
     shared = share_target(target, {"draft_model": spec})["draft_model"]
     draft = load_draft(shared, getattr(target, "dtype", None))
     name = getattr(draft, "name", str(spec))
