@@ -80,7 +80,8 @@ class MTPModel:
     two at once; each has its own cache).
 
     Attributes:
-        prefill_step: prompt tokens per prefill forward pass (mlx-lm's 2048);
+        prefill_step: prompt tokens per prefill forward pass
+            (:data:`~mlx_mtp.engine.PREFILL_STEP`: mlx-lm's 2048 on a GPU);
             a smaller one bounds the time of each pass (the server sets it).
 
     Raises:

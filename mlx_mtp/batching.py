@@ -41,6 +41,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import does_model_support_input_embeddings
 
 from .cache_view import install_positional_rope
+from .engine import PREFILL_STEP
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
 from .memory import weight_bytes
@@ -494,7 +495,7 @@ class BatchDrafter:
         UnsupportedModelError: see :func:`check_batchable`.
     """
 
-    def __init__(self, model: Any, prefill_step: int = 2048):
+    def __init__(self, model: Any, prefill_step: int = PREFILL_STEP):
         check_batchable(model)
         self.model = model
         self.backbone, self.head, _ = model_parts(model)
@@ -615,7 +616,7 @@ class BatchNative:
         UnsupportedModelError: see :func:`check_batchable` (the target).
     """
 
-    def __init__(self, layer: Any, model: Any, prefill_step: int = 2048):
+    def __init__(self, layer: Any, model: Any, prefill_step: int = PREFILL_STEP):
         check_batchable(model)
         install_positional_rope(layer)
         self.layer = layer
@@ -1089,7 +1090,7 @@ class DraftBatch:
         *,
         window: int = 3,
         max_draft: int = 4,
-        prefill_step: int = 2048,
+        prefill_step: int = PREFILL_STEP,
         max_slots: int = 1024,
         table: RecycleTable | None = None,
         drafter: BatchDrafter | BatchNative | None = None,
@@ -1216,9 +1217,9 @@ class DraftBatch:
             raise InvalidArgumentError(f"a {method} batch needs its {needs[method][0]}")
         drafter = None
         if method == "draft":
-            drafter = BatchDrafter(draft_model, kw.get("prefill_step", 2048))
+            drafter = BatchDrafter(draft_model, kw.get("prefill_step", PREFILL_STEP))
         if method == "mtp" and kw.get("max_draft", 4):
-            drafter = BatchNative(native, model, kw.get("prefill_step", 2048))
+            drafter = BatchNative(native, model, kw.get("prefill_step", PREFILL_STEP))
         if method == "recycle" and table is None:
             table = RecycleTable()
         return cls(

@@ -7,8 +7,8 @@ invariant: when it returns, the cache holds the prompt and every generated
 token but the last, so the next chat turn reuses it. Like mlx-lm's loop it
 runs inside ``mlx_lm.generate.wired_limit`` from before the prefill (Metal:
 the wired memory limit raised to the GPU's recommended working set), clears
-MLX's buffer cache every 256 tokens, and prefills in steps of 2048
-(:meth:`Engine.sync`).
+MLX's buffer cache every 256 tokens, and prefills in steps of 2048 on a GPU
+(512 on a CPU: :data:`~mlx_mtp.engine.PREFILL_STEP`, :meth:`Engine.sync`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,10 @@ from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
 from .timing import make_clock
 
 #: prompt tokens per prefill forward pass: mlx-lm's ``prefill_step_size``
-PREFILL_STEP = 2048
+#: (2048) on a GPU; 512 on MLX's CPU backend, where chunks of 2048 tokens
+#: prefilled a 1500-token prompt 18-30% slower than chunks of 512 (SmolLM2-135M
+#: and Qwen2.5-Coder-0.5B float32, docs/benchmarks.md, "Prefill chunks on a CPU")
+PREFILL_STEP = 2048 if mx.default_device().type == mx.DeviceType.gpu else 512
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -271,7 +274,7 @@ class Engine:
         """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
 
         The rest is processed ``chunk`` tokens per forward pass (mlx-lm's
-        prefill step, 2048), each chunk evaluated and MLX's buffer cache
+        prefill step on a GPU, :data:`PREFILL_STEP`), each chunk evaluated and MLX's buffer cache
         cleared after it, as mlx-lm's ``generate_step`` does.
 
         Args:
