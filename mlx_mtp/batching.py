@@ -411,7 +411,7 @@ class Prefill:
     """
 
     def __init__(self, model: Any, tokens: list[int], hidden: bool = False):
-        self.model = model
+        self.backbone, self.head, _ = model_parts(model)
         self.tokens = tokens
         self.cache = make_prompt_cache(model)
         self.keep_hidden = hidden
@@ -429,33 +429,25 @@ class Prefill:
     def advance(self, step: int) -> bool:
         """Run the next ``step`` prompt tokens (their cache evaluated; the
         last chunk's logits left lazy); whether the prompt is now in."""
-        backbone, head, _ = model_parts(self.model)
         chunk = mx.array(self.tokens[self.done : self.done + step])[None]
-        self._states.append(backbone(chunk, cache=self.cache)[0])
+        self._states.append(self.backbone(chunk, cache=self.cache)[0])
         self.done += chunk.shape[1]
         if not self.finished:
             mx.eval([c.state for c in self.cache], self._states if self.keep_hidden else [])
             if not self.keep_hidden:
                 self._states.clear()
             return False
-        self.logits = head(self._states[-1][None, -1:])[0, -1]
+        self.logits = self.head(self._states[-1][None, -1:])[0, -1]
         if self.keep_hidden:
             self.hidden = mx.concatenate(self._states)
         self._states = []
         return True
 
-
-def _prefill(
-    model: Any, tokens: list[int], step: int, hidden: bool = False
-) -> tuple[list[KVCache], mx.array, mx.array | None]:
-    """A prompt through ``model`` alone, in chunks of ``step`` tokens
-    (:class:`Prefill`): its mlx-lm caches, the logits (V,) after its last
-    token (lazy) and, with ``hidden``, the final-norm hidden states (n, D)
-    after every token."""
-    p = Prefill(model, tokens, hidden)
-    while not p.advance(step):
-        pass
-    return p.cache, p.logits, p.hidden
+    def run(self, step: int) -> Prefill:
+        """Every remaining chunk of ``step`` tokens, at once; itself."""
+        while not self.advance(step):
+            pass
+        return self
 
 
 def _left_aligned(tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -519,8 +511,7 @@ class BatchDrafter:
 
     def add(self, tokens: list[int], first: int) -> None:
         """A row joins: its prompt prefilled alone; ``first`` is pending."""
-        cache, _, _ = _prefill(self.model, tokens, self.prefill_step)
-        self.kv.join(cache, len(tokens))
+        self.kv.join(Prefill(self.model, tokens).run(self.prefill_step).cache, len(tokens))
         self.pending.append([first])
 
     def keep(self, keep: list[int]) -> None:
@@ -1251,9 +1242,7 @@ class DraftBatch:
         """
         self._uid += 1
         p = Prefill(self.model, tokens, isinstance(self.drafter, BatchNative))
-        while not p.advance(self.prefill_step):
-            pass
-        return self._uid, self._join(self._uid, limit, p)
+        return self._uid, self._join(self._uid, limit, p.run(self.prefill_step))
 
     def begin(self, tokens: list[int], limit: int) -> int:
         """Queue a prompt to join: :meth:`advance` prefills it a chunk at a
