@@ -363,6 +363,7 @@ class TreeCacheView:
         return self._masks[key]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        keys, values = finite(keys), finite(values)
         self.new = (keys, values)
         return self._cache.update_and_fetch(keys, values)
 
@@ -522,6 +523,7 @@ class LazyView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         c = self._cache
+        keys, values = finite(keys), finite(values)
         reserve(c, self._rows, keys, values)
         c.keys = mx.slice_update(c.keys, keys, self._at, axes=(2,))
         c.values = mx.slice_update(c.values, values, self._at, axes=(2,))
@@ -537,6 +539,16 @@ class LazyView:
             object.__setattr__(self, name, value)
         else:
             setattr(self._cache, name, value)
+
+
+def finite(x: mx.array) -> mx.array:
+    """``x`` with every NaN or infinity replaced by 0 (lazy, same shape and
+    dtype). A tree pass writes the keys and values of all its slots, mask
+    slots and rejected drafts included, and attention multiplies a masked
+    row's value by a weight of 0: a non-finite value there would make every
+    query's output NaN (0 x NaN), in this pass and in any later pass that
+    reads the stale row past the cache's length. Written rows are finite."""
+    return mx.where(mx.isfinite(x), x, mx.zeros((), x.dtype))
 
 
 def reserve(cache: Any, rows: int, keys: mx.array, values: mx.array) -> None:

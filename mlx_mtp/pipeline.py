@@ -514,7 +514,6 @@ class Pipeline:
         self.bound = 0  # the most tokens the cache can hold after the steps in flight
         self.history: list[int] = []
         self.signal: Any = None
-        drafter.begin(ctx, list(self.engine.cached))
 
     @property
     def curve(self) -> CostCurve | None:
@@ -525,6 +524,8 @@ class Pipeline:
     def _start(self, root: int) -> None:
         engine = self.engine
         self.history = [*engine.cached, int(root)]
+        # the whole prompt, root included: a one-token prompt caches nothing
+        self.drafter.begin(self.ctx, list(self.history))
         at = len(engine.cached)
         buf = np.zeros(_round_up(at + 1 + HISTORY_STEP, HISTORY_STEP), dtype=np.int32)
         buf[: at + 1] = self.history

@@ -337,6 +337,25 @@ def test_completions_equal_generate(client, ref):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_one_token_prompts_on_the_pipelined_step_equal_ntp(client, monkeypatch):
+    """A one-token prompt (ids and text), then a two-token one, through
+    pipelined probe and hybrid steps give ntp's text: nothing cached before
+    the first step, and nothing left behind for the next request."""
+    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")
+
+    def text(prompt, **method):
+        extra = {"mtp": method} if method else {}
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra
+        )
+        return r.choices[0].text
+
+    for prompt in ([42], "K", [1, 2]):
+        want = text(prompt)
+        assert text(prompt, method="probe", bc=30) == want, prompt
+        assert text(prompt, method="hybrid", bc=10) == want, prompt
+
+
 def test_stop_strings(client, ref):
     want = ref(Q, n=N).text
     stop = want[8:12]  # four characters from the middle, spanning tokens in general

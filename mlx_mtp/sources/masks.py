@@ -121,10 +121,19 @@ class MaskVectors:
         self.learned = learned[: self.slots]
 
     def begin(self, engine: Engine, prompt: list[int]) -> None:
-        """Start a generation: learned vectors, or the prompt's mean embedding."""
+        """Start a generation: learned vectors, or the prompt's mean embedding.
+
+        Raises:
+            InvalidArgumentError: an empty prompt with ``init="mean"`` (no
+                embedding to take the mean of).
+        """
         if self.learned is not None:
             self.embedding = self.learned
         else:
+            if not prompt:
+                raise InvalidArgumentError(
+                    "mask vectors start from the prompt's mean embedding; the prompt is empty"
+                )
             mean = mx.mean(engine.embed_tokens(prompt), axis=0)
             self.embedding = mx.broadcast_to(mean, (self.slots, mean.shape[0]))
 
