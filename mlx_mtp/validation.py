@@ -133,11 +133,11 @@ def typer_range(name: str) -> dict[str, Any]:
     """Keyword arguments of a typer option for ``name`` that check its range
     as the option is parsed (a usage error naming the flag): ``min``/``max``
     for integers; for floats a parser that also names what is not a number
-    (``nan``) or not finite, which a range check would report as out of
-    bounds."""
+    (``nan``) or not finite (:func:`float_range`), which a range check would
+    report as out of bounds."""
     lim = LIMITS[name]
     if lim.kind is float:
-        return {"parser": _float_parser(name), "metavar": "FLOAT"}
+        return float_range(lim.lo, lim.hi, lim.describe())
     out: dict[str, Any] = {}
     if lim.lo is not None:
         out["min"] = lim.kind(lim.lo)
@@ -146,15 +146,36 @@ def typer_range(name: str) -> dict[str, Any]:
     return out
 
 
-def _float_parser(name: str) -> Any:
-    """``parse(text) -> float`` for the float argument ``name`` (see :func:`typer_range`).
+def float_range(
+    lo: float | None = None,
+    hi: float | None = None,
+    describe: str | None = None,
+    *,
+    above: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of a typer float option whose value must be a finite
+    number in ``[lo, hi]`` (None: unbounded; ``above``: greater than ``lo``):
+    a parser that refuses text that is not a number, ``nan`` ("is not a
+    number"), ``inf`` ("is not a finite number") and values out of range
+    (``describe``, default ``>= lo``, ``> lo`` or ``in [lo, hi]``), each a
+    usage error naming the flag."""
+    if describe is None:
+        if lo is not None and above:
+            describe = f"> {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        elif lo is not None:
+            describe = Limit(float, lo, hi, "", "").describe()
+        else:
+            describe = "a number" if hi is None else f"<= {hi:g}"
+    return {"parser": _float_parser(lo, hi, describe, above), "metavar": "FLOAT"}
+
+
+def _float_parser(lo: float | None, hi: float | None, describe: str, above: bool = False) -> Any:
+    """``parse(text) -> float`` for a float option (see :func:`float_range`).
 
     Raises:
-        typer.BadParameter: not a number, not finite, or out of :data:`LIMITS`.
+        typer.BadParameter: not a number, not finite, or out of range.
     """
     import typer
-
-    lim = LIMITS[name]
 
     def parse(value: Any) -> float:
         if isinstance(value, float):  # the default
@@ -167,8 +188,9 @@ def _float_parser(name: str) -> Any:
             raise typer.BadParameter(f"{value} is not a number")
         if not math.isfinite(x):
             raise typer.BadParameter(f"{value} is not a finite number")
-        if (lim.lo is not None and x < lim.lo) or (lim.hi is not None and x > lim.hi):
-            raise typer.BadParameter(f"{value} is not {lim.describe()}")
+        low = lo is not None and (x <= lo if above else x < lo)
+        if low or (hi is not None and x > hi):
+            raise typer.BadParameter(f"{value} is not {describe}")
         return x
 
     return parse
