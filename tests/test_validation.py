@@ -164,6 +164,17 @@ OTHER_CASES: list[tuple[list[str], str]] = [
     (["train", "clp", "--data", "p.jsonl", "--seed", str(2**70)], "--seed"),
     (["convert", "mtp-checkpoint", "no-such-dir", "out", "--quantize", "3"], "--quantize"),
     (["convert", "clp-heads"], "'src'"),
+    (["train", "masks", "--data", "p.jsonl", "--lr", "nan"], "nan is not a number"),
+    (["train", "masks", "--data", "p.jsonl", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "masks", "--data", "p.jsonl", "--val-fraction", "nan"], "nan is not a number"),
+    (["train", "masks", "--data", "p.jsonl", "--val-fraction", "0"], "--val-fraction"),
+    (["train", "clp", "--data", "p.jsonl", "--lr", "nan"], "nan is not a number"),
+    (["train", "clp", "--data", "p.jsonl", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "mtp", "--data", "gsm8k-train", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "mtp", "--data", "gsm8k-train", "--lr", "-1"], "--lr"),
+    (["serve", "--queue-timeout", "nan"], "nan is not a number"),
+    (["serve", "--client-timeout", "0"], "--client-timeout"),
+    (["train", "clp", "--data", "p.jsonl", "--bogus"], "No such option: --bogus"),
 ]
 
 
@@ -172,11 +183,33 @@ def snapshot(*roots: Path) -> set[str]:
 
 
 def check_error(code: int, err: str, needle: str) -> None:
+    """Exit status 2 and one ``error:`` line naming ``needle``: a usage error
+    too, without click's usage and "Try ... --help" lines."""
     assert code == 2, err
     assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "Error:"))]
-    assert len(lines) == 1, err  # one error line (click adds a usage line above it)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
     assert needle in lines[0], (needle, err)
+    assert not any(ln.startswith(("Usage:", "Try ", "Error:")) for ln in err.splitlines()), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--bogus"],
+        ["generate"],
+        ["generate", "-p", "hi", "-n", "x"],
+        ["train", "masks", "--data", "p.jsonl", "--lr", "nan"],
+        ["bench", "--methods"],
+    ],
+    ids=" ".join,
+)
+def test_a_usage_error_is_one_line(argv, capsys, tmp_path, monkeypatch):
+    """An unknown or missing option, or a value that does not parse: the whole
+    of stderr is one ``error:`` line, exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
 
 
 @pytest.mark.parametrize(
