@@ -10,10 +10,13 @@ a forward pass's size by :meth:`mlx_mtp.engine.Engine.check_slots`.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import InvalidArgumentError
 
@@ -56,6 +59,41 @@ LIMITS: dict[str, Limit] = {
     # the window keeps the first 4 tokens (the attention sink) and the last max_kv_size - 4
     "max_kv_size": Limit(int, 16, None, "--max-kv-size", "sliding-window KV cache size"),
 }
+
+
+#: the roles of chat messages, the same for the Python API and the server
+#: ("developer" is OpenAI's newer name for "system")
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def chat_role(role: Any, label: str = "role") -> str:
+    """The role a chat template is given for a message's ``role``: one of
+    :data:`ROLES`, ``"developer"`` as ``"system"``.
+
+    Raises:
+        InvalidArgumentError: any other role; the message names it as ``label``.
+    """
+    if not isinstance(role, str) or role not in ROLES:
+        try:
+            shown = json.dumps(role)
+        except (TypeError, ValueError):
+            shown = repr(role)
+        raise InvalidArgumentError(
+            f"{label} must be one of {', '.join(sorted(ROLES))}, got {shown}."
+        )
+    return "system" if role == "developer" else role
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A yes/no argument as a bool: ``True`` or ``False`` (numpy's bools too).
+
+    Raises:
+        InvalidArgumentError: anything else (``"no"``, ``1``, None), which
+            Python would count as true or false by its own rules.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
 
 
 #: the keyword arguments of :func:`check_generation_args`

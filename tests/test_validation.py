@@ -393,6 +393,17 @@ GENERATE_CASES: list[tuple[dict, str]] = [
     ({"prompt": "hi \udcff there"}, "UTF-8"),
     ({"prompt": [{"role": "user", "content": "a \ud800"}]}, "UTF-8"),
     ({"foo": 1}, "foo"),
+    ({"should_stop": 1}, "should_stop must be a function"),
+    ({"should_stop": True}, "should_stop must be a function"),
+    ({"prompt": [{"role": "robot", "content": "hi"}]}, r"prompt\[0\]\['role'\] must be one of"),
+    ({"prompt": [{"role": "User", "content": "hi"}]}, "role"),
+    ({"chat_template": "no"}, "chat_template must be True or False"),
+    ({"chat_template": 0}, "chat_template"),
+    ({"fit_context": "yes"}, "fit_context must be True or False"),
+    ({"prompt": np.array([[1, 2]])}, "1-D array of integers"),
+    ({"prompt": np.array([1.0, 2.0])}, "1-D array of integers"),
+    ({"prompt": np.array([], dtype=np.int64)}, "empty"),
+    ({"prompt": np.array([10**9])}, "vocabulary"),
 ]
 
 
@@ -408,8 +419,42 @@ def ntp_model(smollm):
 def test_generate_bad_arguments(ntp_model, kwargs, needle):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", "hi")
-    with pytest.raises(InvalidArgumentError, match=needle):
+    with pytest.raises(InvalidArgumentError, match=needle) as e:
         ntp_model.generate(prompt, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_the_api_takes_the_roles_the_server_takes(ntp_model):
+    """The roles come from one table (validation.ROLES) for the API and the
+    server: "developer" is rendered as "system", an unknown role is refused
+    by both with the same words."""
+    from mlx_mtp.server.protocol import OpenAIError, parse_request
+    from mlx_mtp.validation import ROLES
+
+    assert ROLES == {"system", "developer", "user", "assistant"}
+    sys_msg = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    dev_msg = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ntp_model.encode(dev_msg) == ntp_model.encode(sys_msg)
+    for role in ROLES:
+        ntp_model.encode([{"role": role, "content": "hi"}])
+    with pytest.raises(InvalidArgumentError) as api:
+        ntp_model.encode([{"role": "robot", "content": "hi"}])
+    with pytest.raises(OpenAIError) as server:
+        parse_request({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "chat")
+    tail = 'must be one of assistant, developer, system, user, got "robot".'
+    assert str(api.value).endswith(tail) and server.value.message.endswith(tail)
+
+
+def test_a_numpy_array_of_token_ids_is_a_prompt(ntp_model):
+    ids = ntp_model.encode("List three colours.")
+    want = ntp_model.generate(ids, max_tokens=3).tokens
+    for dtype in (np.int64, np.int32, np.uint32):
+        assert ntp_model.generate(np.array(ids, dtype=dtype), max_tokens=3).tokens == want
+
+
+def test_should_stop_a_function_is_asked(ntp_model):
+    out = ntp_model.generate("hi", max_tokens=8, should_stop=lambda: True)
+    assert out.finish_reason == "cancelled"
 
 
 def test_chat_bad_arguments_leave_history_unchanged(ntp_model):
