@@ -547,3 +547,29 @@ def test_the_masks_help_states_the_ranges_the_methods_take():
         for bad in (lo - 1, hi + 1):
             with pytest.raises(InvalidArgumentError, match="masks"):
                 make_method(method, masks=bad)
+
+
+def test_the_training_functions_refuse_a_rate_that_is_not_finite(tmp_path, monkeypatch):
+    """The Python functions behind ``train masks/mtp/clp`` refuse a learning
+    rate (or held-out share) that is inf or nan, before the model loads,
+    instead of training an all-inf result."""
+    import mlx_mtp.commands.confadapt as confadapt
+    import mlx_mtp.commands.masks as masks
+    from mlx_mtp.training.clp import TrainConfig, train_clp
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    for module in (masks, confadapt):
+        monkeypatch.setattr(module, "load_model", refuse)
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    out = tmp_path / "m.safetensors"
+    for kw in ({"lr": float("inf")}, {"lr": float("nan")}, {"val_fraction": float("nan")}):
+        with pytest.raises(InvalidArgumentError, match="is not a finite number"):
+            masks.run_train_masks("smollm2-135m", [data], out=out, **kw)
+    with pytest.raises(InvalidArgumentError, match="--lr nan is not a finite number"):
+        confadapt.run_train_mtp("smollm2-135m", str(data), lr=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="lr"):
+        train_clp(None, tmp_path / "heads", TrainConfig(lr=float("inf"), data=[str(data)]))
+    assert list(tmp_path.iterdir()) == [data]
