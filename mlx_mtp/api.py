@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
+
 from . import distributed
 from .context import Context
 from .data import render_prompt
@@ -42,9 +44,15 @@ from .loading import (
 )
 from .methods import Method, make_method
 from .sampling import PositionalSampler, random_seed
-from .validation import GENERATION_ARGS, check_generation_args, check_value
+from .validation import (
+    GENERATION_ARGS,
+    chat_role,
+    check_flag,
+    check_generation_args,
+    check_value,
+)
 
-Prompt = Union[str, list[int], list[dict[str, str]]]  # noqa: UP007 (py3.10 alias)
+Prompt = Union[str, list[int], list[dict[str, str]], np.ndarray]  # noqa: UP007 (py3.10 alias)
 
 
 @dataclass
@@ -129,18 +137,26 @@ class MTPModel:
         Args:
             prompt: text (wrapped as one user message if the tokenizer has a
                 chat template and ``chat_template``), a list of chat messages
-                ``{"role", "content"}``, or token ids.
+                ``{"role", "content"}`` (roles: :data:`~mlx_mtp.validation.ROLES`),
+                or token ids (a list, or a 1-D integer numpy array).
 
         A tokenizer without a chat template renders chat messages as plain
         text turns (``"user: ...\nassistant: "``, see :func:`mlx_mtp.data.role_lines`)
         and warns once; text prompts are then encoded as they are.
 
         Raises:
-            InvalidArgumentError: an empty prompt, malformed messages, or token
-                ids outside the vocabulary.
+            InvalidArgumentError: an empty prompt, malformed messages (an
+                unknown role), or token ids outside the vocabulary.
             ModelLoadError: the tokenizer gave ids the model has no
                 embedding for (a tokenizer of another model).
         """
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    "Token ids given as an array must be a 1-D array of integers, got shape "
+                    f"{prompt.shape} of {prompt.dtype}."
+                )
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidArgumentError("The prompt is empty; type some text.")
@@ -156,6 +172,11 @@ class MTPModel:
                         f"A chat message must have string 'role' and 'content', got {m!r}."
                     )
                 _check_text(m["content"], "A chat message")
+            # the roles the server takes, "developer" given to the template as "system"
+            prompt = [
+                {**m, "role": chat_role(m["role"], f"prompt[{i}]['role']")}
+                for i, m in enumerate(prompt)
+            ]
             if not (self.has_chat_template or self.prompt_format == "plain"):
                 if not self._warned_template:
                     warnings.warn(
@@ -228,15 +249,25 @@ class MTPModel:
             ``max_tokens``, clipped where ``fit``.
 
         Raises:
-            ContextLengthError: the prompt fills the context, or (without
-                ``fit``) prompt and new tokens do not fit in it.
+            ContextLengthError: the prompt fills the context (the message
+                says to shorten it), or (without ``fit``) prompt and new tokens
+                do not fit in it.
         """
         ctx = self.context_length
         if ctx is None:
             return max_tokens
+        if prompt_tokens >= ctx:
+            raise ContextLengthError(
+                f"This model's context is {ctx} tokens; the prompt alone has {prompt_tokens} "
+                f"tokens, longer than the context allows (no room is left for new ones). "
+                f"Shorten the prompt to fewer than {ctx} tokens.",
+                context=ctx,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
         if fit:
             max_tokens = min(max_tokens, ctx - prompt_tokens)
-        if prompt_tokens >= ctx or prompt_tokens + max_tokens > ctx:
+        if prompt_tokens + max_tokens > ctx:
             raise ContextLengthError(
                 f"This model's context is {ctx} tokens; the prompt has {prompt_tokens} tokens "
                 f"and asks for {max_tokens} new ones. Shorten the prompt or lower max_tokens "
@@ -298,7 +329,7 @@ class MTPModel:
 
         Raises:
             InvalidArgumentError: empty or malformed prompt, or an argument out
-                of range (the message names it).
+                of range or of the wrong type (the message names it).
             ContextLengthError: the prompt and ``max_tokens`` do not fit in the
                 model's context.
             ModelBusyError: another stream on this model has not finished.
@@ -307,6 +338,13 @@ class MTPModel:
         args = check_generation_args(
             max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
+        chat_template = check_flag("chat_template", chat_template)
+        fit_context = check_flag("fit_context", fit_context)
+        if should_stop is not None and not callable(should_stop):
+            raise InvalidArgumentError(
+                "should_stop must be a function of no arguments that returns True to stop, "
+                f"or None; got {should_stop!r}"
+            )
         tokens = self.encode(prompt, chat_template)
         max_tokens = self.check_context(len(tokens), args["max_tokens"], fit_context)
         if self._active is not None:
@@ -609,6 +647,8 @@ def batch_generate(
         max_tokens=1, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
     )
     del sampling["max_tokens"]
+    chat_template = check_flag("chat_template", chat_template)
+    fit_context = check_flag("fit_context", fit_context)
     if method != "ntp" and sampling["temp"] > 0:
         raise InvalidArgumentError(
             f"batched drafting (method {method!r}) is greedy only; use temp=0, or method "

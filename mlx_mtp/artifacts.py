@@ -8,7 +8,8 @@ CLP and MTP heads, confadapt adapters, imported models.
   into place (:func:`atomic_folder`); MLX's write failures (a full disk) are
   ``OSError`` naming the file (:func:`mlx_write_errors`). A reader never sees
   half an artifact; a failed write leaves what was there. A command checks
-  its output folder before it works (:func:`check_writable`).
+  its output folder before it works (:func:`check_writable`) and refuses to
+  replace what it did not make (:func:`check_destination`).
 - Finding: :func:`find_artifact`, the first artifact in :func:`search_dirs`
   (the cache, then the shipped assets) made for the model
   (:func:`mlx_mtp.fingerprint.same_model`).
@@ -163,6 +164,33 @@ def check_writable(folder: Path, what: str = "--out") -> None:
         raise InvalidArgumentError(
             f"{what}: cannot write in {folder} ({reason}); choose another {what}."
         ) from e
+
+
+def check_destination(
+    dest: Path, overwrite: bool = False, what: str = "--out", ours: bool = False
+) -> None:
+    """Refuse an existing ``dest`` (chosen by ``what``) that a command would
+    replace or write into, before any work is done: a file, or a folder that
+    is not empty. Free: a path that does not exist, an empty folder,
+    ``overwrite`` (the user asked to replace it) and ``ours`` (the command's
+    own earlier output, e.g. the run a ``--resume`` continues).
+
+    Raises:
+        InvalidArgumentError: ``dest`` exists; the message names it and says
+            to pass --overwrite or to choose another path.
+    """
+    if overwrite or ours:
+        return
+    path = Path(dest).expanduser()
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        return
+    kind = "a folder" if path.is_dir() else "a file"
+    raise InvalidArgumentError(
+        f"{what} {dest} already exists ({kind} this command did not make); pass --overwrite "
+        f"to replace it, or choose another {what}."
+    )
 
 
 # ------------------------------------------------------------------ finding

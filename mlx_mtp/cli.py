@@ -452,12 +452,23 @@ def _click_exceptions() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def usage_error_line(e: BaseException) -> str:
+    """Click's message of a usage error on one line, with the command whose
+    ``--help`` lists the options (click's own report takes three lines:
+    usage, "Try ... --help", "Error: ...")."""
+    text = " ".join(e.format_message().split())  # type: ignore[attr-defined]
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        text += f" (see '{ctx.command_path} --help')"
+    return text
+
+
 def main() -> None:
     """Console entry point (OpenBLAS is preloaded by ``import mlx_mtp``).
 
-    Exit status 2 with one line on stderr for bad input: usage errors (unknown
-    flag, missing or unparsable value, out-of-range value: click prints the
-    usage line and ``Error: ...``) and every :class:`MTPError` (``error: ...``).
+    Exit status 2 with one line on stderr for bad input, ``error: ...``: usage
+    errors (unknown flag, missing or unparsable value, out-of-range value:
+    :func:`usage_error_line`) and every :class:`MTPError`.
     Never a traceback for either. Exit status 130 on Ctrl-C (SIGINT), whatever
     the command was doing (loading, generating, converting, serving)."""
     if not distributed.is_main():
@@ -476,7 +487,10 @@ def main() -> None:
     except _click_exceptions() as e:
         if type(e).__name__ == "Abort":
             sys.exit(130)
-        e.show()  # type: ignore[attr-defined]
+        if type(e).__name__ == "NoArgsIsHelpError":  # a group called bare: its help
+            e.show()  # type: ignore[attr-defined]
+        else:
+            typer.echo(f"error: {usage_error_line(e)}", err=True)
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
     # typer turns Ctrl-C (KeyboardInterrupt) into the return value 130, and a
     # typer.Exit(code) into its code

@@ -10,10 +10,13 @@ a forward pass's size by :meth:`mlx_mtp.engine.Engine.check_slots`.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import InvalidArgumentError
 
@@ -56,6 +59,41 @@ LIMITS: dict[str, Limit] = {
     # the window keeps the first 4 tokens (the attention sink) and the last max_kv_size - 4
     "max_kv_size": Limit(int, 16, None, "--max-kv-size", "sliding-window KV cache size"),
 }
+
+
+#: the roles of chat messages, the same for the Python API and the server
+#: ("developer" is OpenAI's newer name for "system")
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def chat_role(role: Any, label: str = "role") -> str:
+    """The role a chat template is given for a message's ``role``: one of
+    :data:`ROLES`, ``"developer"`` as ``"system"``.
+
+    Raises:
+        InvalidArgumentError: any other role; the message names it as ``label``.
+    """
+    if not isinstance(role, str) or role not in ROLES:
+        try:
+            shown = json.dumps(role)
+        except (TypeError, ValueError):
+            shown = repr(role)
+        raise InvalidArgumentError(
+            f"{label} must be one of {', '.join(sorted(ROLES))}, got {shown}."
+        )
+    return "system" if role == "developer" else role
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A yes/no argument as a bool: ``True`` or ``False`` (numpy's bools too).
+
+    Raises:
+        InvalidArgumentError: anything else (``"no"``, ``1``, None), which
+            Python would count as true or false by its own rules.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
 
 
 #: the keyword arguments of :func:`check_generation_args`
@@ -133,11 +171,11 @@ def typer_range(name: str) -> dict[str, Any]:
     """Keyword arguments of a typer option for ``name`` that check its range
     as the option is parsed (a usage error naming the flag): ``min``/``max``
     for integers; for floats a parser that also names what is not a number
-    (``nan``) or not finite, which a range check would report as out of
-    bounds."""
+    (``nan``) or not finite (:func:`float_range`), which a range check would
+    report as out of bounds."""
     lim = LIMITS[name]
     if lim.kind is float:
-        return {"parser": _float_parser(name), "metavar": "FLOAT"}
+        return float_range(lim.lo, lim.hi, lim.describe())
     out: dict[str, Any] = {}
     if lim.lo is not None:
         out["min"] = lim.kind(lim.lo)
@@ -146,15 +184,36 @@ def typer_range(name: str) -> dict[str, Any]:
     return out
 
 
-def _float_parser(name: str) -> Any:
-    """``parse(text) -> float`` for the float argument ``name`` (see :func:`typer_range`).
+def float_range(
+    lo: float | None = None,
+    hi: float | None = None,
+    describe: str | None = None,
+    *,
+    above: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of a typer float option whose value must be a finite
+    number in ``[lo, hi]`` (None: unbounded; ``above``: greater than ``lo``):
+    a parser that refuses text that is not a number, ``nan`` ("is not a
+    number"), ``inf`` ("is not a finite number") and values out of range
+    (``describe``, default ``>= lo``, ``> lo`` or ``in [lo, hi]``), each a
+    usage error naming the flag."""
+    if describe is None:
+        if lo is not None and above:
+            describe = f"> {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        elif lo is not None:
+            describe = Limit(float, lo, hi, "", "").describe()
+        else:
+            describe = "a number" if hi is None else f"<= {hi:g}"
+    return {"parser": _float_parser(lo, hi, describe, above), "metavar": "FLOAT"}
+
+
+def _float_parser(lo: float | None, hi: float | None, describe: str, above: bool = False) -> Any:
+    """``parse(text) -> float`` for a float option (see :func:`float_range`).
 
     Raises:
-        typer.BadParameter: not a number, not finite, or out of :data:`LIMITS`.
+        typer.BadParameter: not a number, not finite, or out of range.
     """
     import typer
-
-    lim = LIMITS[name]
 
     def parse(value: Any) -> float:
         if isinstance(value, float):  # the default
@@ -167,8 +226,9 @@ def _float_parser(name: str) -> Any:
             raise typer.BadParameter(f"{value} is not a number")
         if not math.isfinite(x):
             raise typer.BadParameter(f"{value} is not a finite number")
-        if (lim.lo is not None and x < lim.lo) or (lim.hi is not None and x > lim.hi):
-            raise typer.BadParameter(f"{value} is not {lim.describe()}")
+        low = lo is not None and (x <= lo if above else x < lo)
+        if low or (hi is not None and x > hi):
+            raise typer.BadParameter(f"{value} is not {describe}")
         return x
 
     return parse

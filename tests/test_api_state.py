@@ -95,6 +95,26 @@ def test_context_length_is_checked_before_the_prefill(smollm):
         m.check_context(ctx, 10, fit=True)  # a prompt that fills it: nothing left
 
 
+@pytest.mark.parametrize("fit", [True, False])
+def test_a_prompt_over_the_context_says_to_shorten_it(smollm, fit):
+    """A prompt longer than the context (a server request without
+    max_tokens: ``fit``) is refused as too long, never as asking for a
+    negative number of new tokens; the server's 400 says the same in its words."""
+    from types import SimpleNamespace
+
+    from mlx_mtp.server.replies import openai_error
+
+    m = MTPModel(smollm, make_method("ntp"))
+    with pytest.raises(ContextLengthError) as e:
+        m.check_context(100_000, 256, fit=fit)
+    api = str(e.value)
+    reply = openai_error(e.value, SimpleNamespace(kind="chat")).message
+    for text in (api, reply):
+        assert "-" not in text and "100000 tokens" in text, text
+        assert "context is 8192 tokens" in text and "Shorten the prompt" in text, text
+    assert "--max-tokens" not in reply and e.value.max_tokens == 256
+
+
 def test_cli_refuses_a_prompt_longer_than_the_context(tmp_path, capsys, monkeypatch):
     import sys
 

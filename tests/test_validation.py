@@ -164,6 +164,17 @@ OTHER_CASES: list[tuple[list[str], str]] = [
     (["train", "clp", "--data", "p.jsonl", "--seed", str(2**70)], "--seed"),
     (["convert", "mtp-checkpoint", "no-such-dir", "out", "--quantize", "3"], "--quantize"),
     (["convert", "clp-heads"], "'src'"),
+    (["train", "masks", "--data", "p.jsonl", "--lr", "nan"], "nan is not a number"),
+    (["train", "masks", "--data", "p.jsonl", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "masks", "--data", "p.jsonl", "--val-fraction", "nan"], "nan is not a number"),
+    (["train", "masks", "--data", "p.jsonl", "--val-fraction", "0"], "--val-fraction"),
+    (["train", "clp", "--data", "p.jsonl", "--lr", "nan"], "nan is not a number"),
+    (["train", "clp", "--data", "p.jsonl", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "mtp", "--data", "gsm8k-train", "--lr", "inf"], "inf is not a finite number"),
+    (["train", "mtp", "--data", "gsm8k-train", "--lr", "-1"], "--lr"),
+    (["serve", "--queue-timeout", "nan"], "nan is not a number"),
+    (["serve", "--client-timeout", "0"], "--client-timeout"),
+    (["train", "clp", "--data", "p.jsonl", "--bogus"], "No such option: --bogus"),
 ]
 
 
@@ -172,11 +183,33 @@ def snapshot(*roots: Path) -> set[str]:
 
 
 def check_error(code: int, err: str, needle: str) -> None:
+    """Exit status 2 and one ``error:`` line naming ``needle``: a usage error
+    too, without click's usage and "Try ... --help" lines."""
     assert code == 2, err
     assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "Error:"))]
-    assert len(lines) == 1, err  # one error line (click adds a usage line above it)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
     assert needle in lines[0], (needle, err)
+    assert not any(ln.startswith(("Usage:", "Try ", "Error:")) for ln in err.splitlines()), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--bogus"],
+        ["generate"],
+        ["generate", "-p", "hi", "-n", "x"],
+        ["train", "masks", "--data", "p.jsonl", "--lr", "nan"],
+        ["bench", "--methods"],
+    ],
+    ids=" ".join,
+)
+def test_a_usage_error_is_one_line(argv, capsys, tmp_path, monkeypatch):
+    """An unknown or missing option, or a value that does not parse: the whole
+    of stderr is one ``error:`` line, exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
 
 
 @pytest.mark.parametrize(
@@ -360,6 +393,17 @@ GENERATE_CASES: list[tuple[dict, str]] = [
     ({"prompt": "hi \udcff there"}, "UTF-8"),
     ({"prompt": [{"role": "user", "content": "a \ud800"}]}, "UTF-8"),
     ({"foo": 1}, "foo"),
+    ({"should_stop": 1}, "should_stop must be a function"),
+    ({"should_stop": True}, "should_stop must be a function"),
+    ({"prompt": [{"role": "robot", "content": "hi"}]}, r"prompt\[0\]\['role'\] must be one of"),
+    ({"prompt": [{"role": "User", "content": "hi"}]}, "role"),
+    ({"chat_template": "no"}, "chat_template must be True or False"),
+    ({"chat_template": 0}, "chat_template"),
+    ({"fit_context": "yes"}, "fit_context must be True or False"),
+    ({"prompt": np.array([[1, 2]])}, "1-D array of integers"),
+    ({"prompt": np.array([1.0, 2.0])}, "1-D array of integers"),
+    ({"prompt": np.array([], dtype=np.int64)}, "empty"),
+    ({"prompt": np.array([10**9])}, "vocabulary"),
 ]
 
 
@@ -375,8 +419,42 @@ def ntp_model(smollm):
 def test_generate_bad_arguments(ntp_model, kwargs, needle):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", "hi")
-    with pytest.raises(InvalidArgumentError, match=needle):
+    with pytest.raises(InvalidArgumentError, match=needle) as e:
         ntp_model.generate(prompt, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_the_api_takes_the_roles_the_server_takes(ntp_model):
+    """The roles come from one table (validation.ROLES) for the API and the
+    server: "developer" is rendered as "system", an unknown role is refused
+    by both with the same words."""
+    from mlx_mtp.server.protocol import OpenAIError, parse_request
+    from mlx_mtp.validation import ROLES
+
+    assert ROLES == {"system", "developer", "user", "assistant"}
+    sys_msg = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    dev_msg = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ntp_model.encode(dev_msg) == ntp_model.encode(sys_msg)
+    for role in ROLES:
+        ntp_model.encode([{"role": role, "content": "hi"}])
+    with pytest.raises(InvalidArgumentError) as api:
+        ntp_model.encode([{"role": "robot", "content": "hi"}])
+    with pytest.raises(OpenAIError) as server:
+        parse_request({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "chat")
+    tail = 'must be one of assistant, developer, system, user, got "robot".'
+    assert str(api.value).endswith(tail) and server.value.message.endswith(tail)
+
+
+def test_a_numpy_array_of_token_ids_is_a_prompt(ntp_model):
+    ids = ntp_model.encode("List three colours.")
+    want = ntp_model.generate(ids, max_tokens=3).tokens
+    for dtype in (np.int64, np.int32, np.uint32):
+        assert ntp_model.generate(np.array(ids, dtype=dtype), max_tokens=3).tokens == want
+
+
+def test_should_stop_a_function_is_asked(ntp_model):
+    out = ntp_model.generate("hi", max_tokens=8, should_stop=lambda: True)
+    assert out.finish_reason == "cancelled"
 
 
 def test_chat_bad_arguments_leave_history_unchanged(ntp_model):
@@ -469,3 +547,29 @@ def test_the_masks_help_states_the_ranges_the_methods_take():
         for bad in (lo - 1, hi + 1):
             with pytest.raises(InvalidArgumentError, match="masks"):
                 make_method(method, masks=bad)
+
+
+def test_the_training_functions_refuse_a_rate_that_is_not_finite(tmp_path, monkeypatch):
+    """The Python functions behind ``train masks/mtp/clp`` refuse a learning
+    rate (or held-out share) that is inf or nan, before the model loads,
+    instead of training an all-inf result."""
+    import mlx_mtp.commands.confadapt as confadapt
+    import mlx_mtp.commands.masks as masks
+    from mlx_mtp.training.clp import TrainConfig, train_clp
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    for module in (masks, confadapt):
+        monkeypatch.setattr(module, "load_model", refuse)
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    out = tmp_path / "m.safetensors"
+    for kw in ({"lr": float("inf")}, {"lr": float("nan")}, {"val_fraction": float("nan")}):
+        with pytest.raises(InvalidArgumentError, match="is not a finite number"):
+            masks.run_train_masks("smollm2-135m", [data], out=out, **kw)
+    with pytest.raises(InvalidArgumentError, match="--lr nan is not a finite number"):
+        confadapt.run_train_mtp("smollm2-135m", str(data), lr=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="lr"):
+        train_clp(None, tmp_path / "heads", TrainConfig(lr=float("inf"), data=[str(data)]))
+    assert list(tmp_path.iterdir()) == [data]

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .. import _blas, distributed
 from ..api import Result
-from ..artifacts import check_writable
+from ..artifacts import check_destination, check_writable
 from ..data import DATA_SETS, TASKS, data_set_path, load_questions, render_prompt
 from ..decoding import _synchronize_streams
 from ..errors import InvalidArgumentError
@@ -281,7 +281,9 @@ def run_bench(
         config: the settings.
         loaded: an already loaded :class:`~mlx_mtp.loading.LoadedModel` (tests,
             notebooks); None loads ``config.model`` with ``config.dtype``.
-        overwrite: discard a run with other settings in the same folder.
+        overwrite: discard a run with other settings in the same folder, or
+            write into a folder that holds no benchmark run but other files
+            (refused otherwise).
         progress: show a tqdm progress bar.
         plots: write the PNG plots.
         generate: False only rebuilds the outputs from the records found in
@@ -294,7 +296,8 @@ def run_bench(
         The results dict written to ``results.json``.
 
     Raises:
-        InvalidArgumentError: bad settings, or a folder with another run.
+        InvalidArgumentError: bad settings, or a folder with another run or
+            with files of its own (without ``overwrite``).
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
@@ -328,6 +331,9 @@ def _run_bench(
     out = Path(config.out)
     if generate:  # a file or a read-only folder, before the model is imported or loaded
         check_writable(out, "--out")
+        # a folder of other files: its results.json or report.md would be replaced
+        ours = (out / SETTINGS).is_file() or (out / RECORDS).is_file()
+        check_destination(out, overwrite, "--out", ours=ours)
     if not generate and not (out / RECORDS).exists():
         raise InvalidArgumentError(f"{out} holds no finished generations to report on.")
     if generate and loaded is None:

@@ -61,7 +61,10 @@ def register(app: typer.Typer) -> None:
         ),
         out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
         overwrite: bool = typer.Option(
-            False, "--overwrite", help="Discard an earlier run with other settings in --out."
+            False,
+            "--overwrite",
+            help="Discard an earlier run with other settings in --out, or write into an "
+            "--out folder that holds other files.",
         ),
         no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
         report_only: bool = typer.Option(

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from ..artifacts import artifact_dir, check_writable
+from ..artifacts import artifact_dir, check_destination, check_writable
 from ..loading import load_model
+from ..validation import float_range
 from . import BASE_DTYPE, group
 
 
@@ -46,21 +47,27 @@ def register(app: typer.Typer) -> None:
         ),
         epochs: int = typer.Option(3, "--epochs", min=1, help="Head training epochs."),
         batch_size: int = typer.Option(128, "--batch-size", min=1, help="Positions per head step."),
-        lr: float = typer.Option(1e-3, "--lr", min=0.0, help="Head learning rate (AdamW, cosine)."),
+        lr: float = typer.Option(
+            1e-3, "--lr", **float_range(0.0), help="Head learning rate (AdamW, cosine)."
+        ),
         gate: bool = typer.Option(True, "--gate/--no-gate", help="Also train the ~1M gate."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed."),
         resume: bool = typer.Option(False, "--resume", help="Continue from checkpoints."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Replace an existing --out this run did not make."
+        ),
         dtype: str | None = BASE_DTYPE,
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..data import read_prompts
         from ..fingerprint import model_fingerprint
-        from ..training.clp import TrainConfig, train_clp
+        from ..training.clp import TrainConfig, checkpoint_dir, train_clp
 
         # the data and the output folder are checked before the model loads
         read_prompts(list(data))
         if out is not None:
             check_writable(out.parent)
+            check_destination(out, overwrite, ours=resume and checkpoint_dir(out).is_dir())
         loaded = load_model(model, dtype=dtype)
         if out is None:
             name = Path(model).name if "/" in model else model
@@ -114,6 +121,7 @@ def register(app: typer.Typer) -> None:
 
         # the source and the destination are checked before the base model loads
         check_writable(dst.parent, "DST")
+        check_destination(dst, overwrite, "DST")
         folder, kind = check_source(src, dst, source, overwrite)
         loaded = load_model(model, dtype=dtype)
         summary = convert(folder, dst, loaded, source=kind, overwrite=overwrite)

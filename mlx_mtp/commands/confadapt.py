@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
 
-from ..artifacts import artifact_dir, check_writable
+from ..artifacts import artifact_dir, check_destination, check_writable
 from ..data import (
     eval_prompts,
     read_prompts,
@@ -14,6 +15,7 @@ from ..data import (
 )
 from ..errors import InvalidArgumentError
 from ..loading import load_model
+from ..validation import float_range
 from . import BASE_DTYPE_HELP, group
 
 
@@ -29,9 +31,14 @@ def run_train_mtp(
     dtype: str | None = None,
     prompt_format: str = "chat",
     stop_after: int | None = None,
+    overwrite: bool = False,
     **config: int | float | str,
 ) -> Path:
     """Adapt ``model`` for confadapt by self-distillation and write the result.
+
+    An existing ``out`` is replaced only with ``overwrite``, or where
+    ``resume`` continues the run that wrote it (its checkpoint lies beside
+    it); both are checked before anything is loaded.
 
     Returns:
         The output folder: an adapter (``--lora``, found automatically by the
@@ -39,14 +46,18 @@ def run_train_mtp(
         or a full model folder with ``mtp_config.json``.
     """
     from ..fingerprint import model_fingerprint
-    from ..training.mtp import TrainConfig, Trainer
+    from ..training.mtp import TrainConfig, Trainer, checkpoint_dir
 
+    if lr is not None and not math.isfinite(lr):
+        raise InvalidArgumentError(f"--lr {lr} is not a finite number")
     prompts = read_prompts(resolve_data(data), exclude=eval_prompts())
     cfg = TrainConfig(lora=lora, lr=lr, seed=seed, **config)
     if steps is not None:
         cfg.steps = steps
     if out is not None:  # checked before anything is loaded or trained
         check_writable(out.parent)
+        ours = resume and (checkpoint_dir(out) / "state.json").is_file()
+        check_destination(out, overwrite, ours=ours)
     lm = load_model(model, dtype=dtype)
     if out is None:
         fp = model_fingerprint(lm.model)
@@ -73,6 +84,7 @@ def register(app: typer.Typer) -> None:
         from ..converters.confadapt_import import convert_mtp_checkpoint as convert
 
         check_writable(dst.parent, "DST")  # before the checkpoint is downloaded or read
+        check_destination(dst, overwrite, "DST")
         out = convert(
             src,
             dst,
@@ -101,7 +113,7 @@ def register(app: typer.Typer) -> None:
             None, "--stop-after", min=1, help="Stop (and export) at this step of the schedule."
         ),
         lr: float | None = typer.Option(
-            None, "--lr", min=0.0, help="Peak lr (5e-4 LoRA, 1e-5 full)."
+            None, "--lr", **float_range(0.0), help="Peak lr (5e-4 LoRA, 1e-5 full)."
         ),
         rank: int = typer.Option(8, "--rank", min=1, help="LoRA rank."),
         regions: int = typer.Option(6, "--regions", min=1, help="Mask regions per sequence."),
@@ -117,6 +129,9 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path | None = typer.Option(None, "--out", help="Output folder."),
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a checkpoint."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Replace an existing --out this run did not make."
+        ),
         dtype: str | None = typer.Option(
             None,
             "--dtype",
@@ -146,6 +161,7 @@ def register(app: typer.Typer) -> None:
             dtype,
             prompt_format,
             stop_after,
+            overwrite,
             rank=rank,
             gated=gated,
             forcing=forcing,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ..artifacts import check_writable
+from ..artifacts import check_destination, check_writable
 from . import group
 
 
@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         from ..converters.gguf import convert_gguf
 
         check_writable(dst.parent, "DST")  # before the weights are read
+        check_destination(dst, overwrite, "DST")
         # GGUFImportError, FileExistsError, OSError (a full disk): one line from cli.main
         out = convert_gguf(src, dst, overwrite=overwrite, dtype=dtype, quantize=quantize or None)
         typer.echo(f"model written to {out}")

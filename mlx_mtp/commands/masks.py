@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
 
 import typer
 
-from ..artifacts import check_writable
+from ..artifacts import check_destination, check_writable
 from ..data import eval_prompts, read_prompts, render_prompt
 from ..errors import InvalidArgumentError
 from ..loading import load_model
+from ..validation import float_range
 from . import BASE_DTYPE, group
 
 
@@ -32,6 +34,7 @@ def run_train_masks(
     progress: bool = True,
     batch_size: int = 16,
     continuations: Path | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Generate greedy continuations, train, evaluate before/after, save.
 
@@ -41,17 +44,23 @@ def run_train_masks(
     settings is replaced). It is extended after every batch, so an interrupted
     run resumes where it stopped.
 
+    ``out``: a ``.safetensors`` file (its ``.json`` sidecar goes beside it) or
+    a folder (the file is named by the model's fingerprint); an existing file
+    there is replaced only with ``overwrite``. The default, the cache's
+    ``masks`` folder, holds this command's own files and is written over.
+
     Returns:
         A summary dict: path of the saved file, hit rates and losses on the
         held-out prompts before (mean-prompt-embedding mask) and after training.
 
     Raises:
         InvalidArgumentError: bad data file or options, or an ``out`` that
-            cannot be written (checked before the model loads).
+            cannot be written or exists without ``overwrite`` (checked before
+            the model loads; a folder's file, named by the model, as it loads).
     """
     from ..confadapt_format import tokenizer_eos_ids
     from ..fingerprint import model_fingerprint
-    from ..learned_masks import masks_folder, save_learned_masks
+    from ..learned_masks import SUFFIXES, masks_folder, save_learned_masks
     from ..training.continuations import Continuations
     from ..training.masks import eval_masks, mean_prompt_vectors, train_masks
 
@@ -61,8 +70,13 @@ def run_train_masks(
         raise InvalidArgumentError(f"--steps must be >= 1, got {steps}")
     if batch_size < 1:
         raise InvalidArgumentError(f"--batch-size must be >= 1, got {batch_size}")
+    for flag, value in (("--val-fraction", val_fraction), ("--lr", lr)):
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{flag} {value} is not a finite number")
     if not 0.0 < val_fraction < 1.0:
         raise InvalidArgumentError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    if lr < 0:
+        raise InvalidArgumentError(f"--lr must be >= 0, got {lr}")
     prompts = read_prompts(data, exclude=eval_prompts())  # the 48 bench prompts stay unseen
     random.Random(seed).shuffle(prompts)
     if limit is not None:
@@ -72,7 +86,11 @@ def run_train_masks(
         raise InvalidArgumentError("need at least 2 prompts (one to train on, one held out)")
     where = "--out" if out else "MLX_MTP_HOME (or --out)"
     check_writable(masks_folder(out), where)  # before anything is loaded or trained
+    if out is not None and Path(out).suffix in SUFFIXES:
+        _check_masks_file(Path(out), overwrite)
     lm = load_model(model, dtype=dtype)
+    if out is not None and Path(out).suffix not in SUFFIXES:  # a folder
+        _check_masks_file(Path(out) / f"{model_fingerprint(lm.model)}.safetensors", overwrite)
     t0 = time.perf_counter()
     meta = {
         "model_fingerprint": model_fingerprint(lm.model),
@@ -121,7 +139,16 @@ def run_train_masks(
     return {"path": str(path), **info}
 
 
+def _check_masks_file(path: Path, overwrite: bool) -> None:
+    """Refuse to replace the mask file ``path`` or its ``.json`` sidecar
+    unless ``overwrite`` (:func:`~mlx_mtp.artifacts.check_destination`)."""
+    for f in (path.with_suffix(".safetensors"), path.with_suffix(".json")):
+        check_destination(f, overwrite)
+
+
 def register(app: typer.Typer) -> None:
+    """Add ``train masks``."""
+
     @group("train").command("masks")
     def train_masks_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, folder or repo."),
@@ -133,14 +160,15 @@ def register(app: typer.Typer) -> None:
         max_tokens: int = typer.Option(96, "--max-tokens", min=1, help="Greedy tokens per prompt."),
         limit: int | None = typer.Option(None, "--limit", min=1, help="Use at most N prompts."),
         val_fraction: float = typer.Option(
-            0.1, "--val-fraction", min=0.0, max=0.9, help="Held-out share."
+            0.1, "--val-fraction", **float_range(0.0, 0.9, above=True), help="Held-out share."
         ),
-        lr: float = typer.Option(3e-3, "--lr", min=0.0, help="Adam learning rate."),
+        lr: float = typer.Option(3e-3, "--lr", **float_range(0.0), help="Adam learning rate."),
         anchors: int = typer.Option(48, "--anchors", min=1, help="Anchors (mask sets) per step."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1),
         out: Path | None = typer.Option(
             None, "--out", help="Output .safetensors (default: cache folder, found automatically)."
         ),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
         dtype: str | None = BASE_DTYPE,
         batch_size: int = typer.Option(
             16,
@@ -172,6 +200,7 @@ def register(app: typer.Typer) -> None:
             dtype,
             batch_size=batch_size,
             continuations=continuations,
+            overwrite=overwrite,
         )
         b, a = s["heldout_before_mean_mask"], s["heldout_after"]
         for j in range(slots):

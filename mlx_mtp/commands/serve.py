@@ -12,7 +12,7 @@ import typer
 
 from .. import distributed
 from ..errors import InvalidArgumentError
-from ..validation import check_generation_args, typer_range
+from ..validation import check_generation_args, float_range, typer_range
 
 #: hosts that only this machine can reach
 LOOPBACK = {"localhost", "127.0.0.1", "::1"}
@@ -95,11 +95,13 @@ def register(app: typer.Typer) -> None:
         queue_timeout: float = typer.Option(
             300.0,
             "--queue-timeout",
+            **float_range(0.0, above=True),
             help="Seconds a request may wait in the queue; then it is answered 503.",
         ),
         client_timeout: float = typer.Option(
             30.0,
             "--client-timeout",
+            **float_range(0.0, above=True),
             help="Seconds a client has to send a request's headers, then as long for its "
             "body; a slower one is disconnected (the body: 408).",
         ),
@@ -131,6 +133,7 @@ def register(app: typer.Typer) -> None:
         max_forward_s: float = typer.Option(
             5.0,
             "--max-forward-s",
+            **float_range(0.0, above=True),
             help="Seconds one forward pass may take: measured at start, it bounds the slots "
             "per pass and the prefill chunk (and so how soon a cancel or shutdown acts).",
         ),

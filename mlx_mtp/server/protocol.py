@@ -24,8 +24,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-#: roles accepted in ``messages`` ("developer" is OpenAI's newer name for "system")
-ROLES = {"system", "developer", "user", "assistant"}
+from ..errors import InvalidArgumentError
+from ..validation import chat_role
+
 #: most stop strings per request (OpenAI allows 4; a few more cost nothing here)
 MAX_STOP = 16
 
@@ -301,14 +302,11 @@ def _messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object.", param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(
-                f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
-                f"{json.dumps(role)}.",
-                param=f"messages[{i}].role",
-            )
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+        try:
+            role = chat_role(m.get("role"), f"messages[{i}].role")
+        except InvalidArgumentError as e:
+            raise bad(str(e), param=f"messages[{i}].role") from None
+        out.append({"role": role, "content": _content(m, i)})
     if not any(m["content"].strip() for m in out):
         raise bad("All messages are empty; send some text.", param="messages")
     return out

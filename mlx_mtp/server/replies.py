@@ -43,7 +43,8 @@ def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
     if isinstance(e, ContextLengthError):
         param = "messages" if req.kind == "chat" else "prompt"
         message = str(e)
-        if e.context is not None:  # the API's message names the CLI's --max-tokens
+        # the API's message names the CLI's --max-tokens where max_tokens is to blame
+        if e.context is not None and e.prompt_tokens is not None and e.prompt_tokens < e.context:
             message = (
                 f"This model's context is {e.context} tokens; the prompt has "
                 f"{e.prompt_tokens} tokens and asks for {e.max_tokens} new ones. Shorten "

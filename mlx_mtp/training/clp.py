@@ -146,6 +146,13 @@ def _load_ckpt(ckdir: Path, module: nn.Module, opt: optim.Optimizer) -> dict | N
     return json.loads(s.read_text())
 
 
+def checkpoint_dir(out: str | Path) -> Path:
+    """The folder of the checkpoints of a run that writes ``out``
+    (``out/../.<name>.train``), which ``resume`` continues from."""
+    out = Path(out)
+    return out.parent / f".{out.name}.train"
+
+
 def train_clp(
     loaded: Any,
     out: str | Path,
@@ -173,6 +180,8 @@ def train_clp(
     t_start = time.time()
     if cfg.k < 1 or cfg.k > 8:
         raise InvalidArgumentError(f"k must be in [1, 8], got {cfg.k}")
+    if not math.isfinite(cfg.lr) or cfg.lr < 0:
+        raise InvalidArgumentError(f"lr (--lr) must be a finite number >= 0, got {cfg.lr}")
     out = Path(out)
     model, tok = loaded.model, loaded.tokenizer
     model.eval()
@@ -189,7 +198,7 @@ def train_clp(
         texts.extend(part[: cfg.limit] if cfg.limit else part)
     rng.shuffle(texts)
     check_writable(out.parent)
-    ckdir = out.parent / f".{out.name}.train"
+    ckdir = checkpoint_dir(out)
     ckdir.mkdir(parents=True, exist_ok=True)
     if not resume:
         for f in ckdir.glob("*"):

@@ -358,6 +358,13 @@ def resize_for_mask(model: nn.Module, mask_id: int, row: mx.array) -> None:
 
 
 # --------------------------------------------------------------- training
+def checkpoint_dir(out: str | Path) -> Path:
+    """The checkpoint folder of a run that writes ``out`` (``out/../.<name>.ckpt``);
+    a run with ``resume`` continues from the one there."""
+    out = Path(out)
+    return out.parent / f".{out.name}.ckpt"
+
+
 class Trainer:
     """Self-distillation of one loaded model (see the module docstring).
 
@@ -520,7 +527,8 @@ class Trainer:
 
     # --------------------------------------------------------- checkpoints
     def ckpt_dir(self) -> Path:
-        return self.out.parent / f".{self.out.name}.ckpt"
+        """The checkpoint folder of this run (:func:`checkpoint_dir`)."""
+        return checkpoint_dir(self.out)
 
     def save_checkpoint(self) -> None:
         """Trainable weights, optimizer state and the step, written atomically."""
