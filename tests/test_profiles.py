@@ -103,3 +103,19 @@ def test_8bit_lies_between_flat_and_4bit():
     eight = dict(profiles.forward_curve(profiles.M4PRO_4BIT, bits=8))
     assert all(1.0 <= eight[n] <= four[n] for n in four)
     assert eight[2] == 1.0 and eight[8] > 1.1 and eight[64] < four[64]
+
+
+def test_the_docs_table_is_the_computed_curves():
+    """docs/profiles.md's table of curves is forward_curve's output."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "profiles.md").read_text()
+    table = text.split("## The curves", 1)[1].split("\n\n", 2)[1].splitlines()
+    names = [c.strip() for c in table[0].strip("|").split("|")][1:]
+    assert names == list(profiles.PROFILES)
+    curves = {n: parse_curve(profiles.PROFILES[n]) for n in names}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert [int(r[0]) for r in rows] == list(profiles.SLOTS)
+    for r in rows:
+        for name, cell in zip(names, r[1:]):
+            assert float(cell) == pytest.approx(curves[name](int(r[0])), abs=0.0005), (name, r)
