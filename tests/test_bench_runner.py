@@ -463,3 +463,54 @@ def test_interleave_on_a_simulated_device_counts_its_passes_not_this_cpus(
             assert per_token >= 0.0119, per_token  # never faster than the device
             if real > 0.024:  # this CPU's pass is clearly slower than the device's
                 assert per_token < (0.012 + real) / 2, (per_token, real)
+
+
+def test_a_profile_sweep_reports_every_methods_speedup_per_profile(tiny, tmp_path, monkeypatch):
+    """``--profiles``: one run per simulated device profile in its own
+    subfolder (the model loaded once), and a method x profile table of
+    speedups in the sweep's report.md and results.json."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from mlx_mtp.bench.report import SWEEP_SCHEMA
+    from mlx_mtp.cli import app
+
+    names = ["bf16-flat", "m4pro-4bit"]
+    cfg = _cfg(tmp_path, categories=["qa"], interleave=True)  # ntp,pld; 1 prompt, 8 tokens
+    sweep = runner.run_sweep(cfg, names, 12, tiny, progress=False, plots=False)
+    out = tmp_path / "out"
+    assert sweep["schema"] == SWEEP_SCHEMA
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(sweep))
+    assert [p["name"] for p in sweep["profiles"]] == names
+    assert sweep["settings"]["profiles"] == names and "device" not in sweep["settings"]
+    by = {m["label"]: m for m in sweep["methods"]}
+    assert list(by) == ["ntp", "pld"]
+    for m in by.values():
+        assert all(m["by_profile"][n]["speedup"] > 0 for n in names), m
+    assert by["ntp"]["by_profile"]["m4pro-4bit"]["speedup"] == pytest.approx(1.0)
+    for n in names:  # each profile a whole run, on its own device
+        sub = json.loads((out / n / "results.json").read_text())
+        device = f"profile={n},ms_per_token=12"
+        assert sub["environment"]["simulated_device"] == sub["settings"]["device"] == device
+        assert sub["progress"] == {"generations": 2, "planned": 2}
+    report = (out / "report.md").read_text()
+    assert "| Method | bf16-flat | m4pro-4bit |" in report
+    assert re.search(r"\| pld \| \d+\.\d\dx \| \d+\.\d\dx \|", report), report
+    # the flag: --report-only rebuilds the same table from the subfolders
+    args = ["bench", "--methods", "ntp,pld", "--categories", "qa", "--limit", "1", "-n", "8",
+            "--dtype", "float32", "--interleave", "--out", str(out), "--no-plots",
+            "--profiles", ",".join(names)]  # fmt: skip
+    r = CliRunner().invoke(app, [*args, "--report-only"])
+    assert r.exit_code == 0, r.output
+    assert (out / "report.md").read_text() == report.replace(
+        re.search(r"\d{4}-\d\d-\d\dT[\d:]+Z", report)[0],
+        re.search(r"\d{4}-\d\d-\d\dT[\d:]+Z", (out / "report.md").read_text())[0],
+    )
+    r = CliRunner().invoke(app, [*args[:-1], "bf16-flat,m5-2bit", "--report-only"])
+    assert isinstance(r.exception, InvalidArgumentError)
+    msg = str(r.exception)
+    assert msg.startswith("--profiles: unknown device profile 'm5-2bit'") and "m3ultra-4bit" in msg
+    monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", "profile=bf16-flat,ms_per_token=12")
+    r = CliRunner().invoke(app, [*args, "--report-only"])
+    assert "unset MLX_MTP_SIMULATE_DEVICE" in str(r.exception)

@@ -111,6 +111,9 @@ class BenchConfig:
             then that of all methods together.
         draft_model: the draft model of ``draft`` and ``mlx_lm_draft`` rows
             that name none (None: such rows are refused).
+        device: the simulated device to run on, in the form of
+            ``MLX_MTP_SIMULATE_DEVICE`` (``"profile=m4pro-4bit,ms_per_token=12"``,
+            :mod:`mlx_mtp.bench.simulate`); None: that variable's, if set.
         out: output folder.
     """
 
@@ -129,6 +132,7 @@ class BenchConfig:
     dtype: str | None = None
     interleave: bool = False
     draft_model: str | None = None
+    device: str | None = None
     out: str = "bench-out"
 
     def validate(self) -> None:
@@ -164,5 +168,7 @@ class BenchConfig:
             d.pop("interleave")
         if self.draft_model is None:
             d.pop("draft_model")
+        if self.device is None:
+            d.pop("device")
         d["methods"] = [m.label for m in self.methods]
         return d

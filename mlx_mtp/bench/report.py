@@ -18,6 +18,22 @@ from .peer import PEER_DRAFT_NAME, PEER_NAME
 from .plots import NO_PLOTS, plots_available, write_plots
 
 SCHEMA = "mlx-mtp-bench/1"
+#: the schema of a ``--profiles`` sweep's top-level ``results.json``
+SWEEP_SCHEMA = "mlx-mtp-bench-sweep/1"
+
+#: the per-method figures a sweep keeps per profile (from each run's overall Summary)
+SWEEP_FIELDS = (
+    "speedup",
+    "tau",
+    "decode_tps",
+    "slots_per_forward",
+    "plain_step_share",
+    "host_ms_per_step",
+    "n",
+    "generated_tokens",
+)
+#: slot counts whose relative cost the sweep's report lists per profile
+SWEEP_SLOTS = (2, 4, 8, 16, 32, 64)
 
 #: per-generation fields copied into results.json (tokens and text stay in records.jsonl)
 PROMPT_FIELDS = (
@@ -362,3 +378,122 @@ def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> Non
         logging.getLogger("mlx_mtp").warning(NO_PLOTS)
     elif plots:
         write_plots(results, out)
+
+
+def build_sweep(
+    config: BenchConfig, ms_per_token: float, runs: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, Any]:
+    """The results dict of a ``--profiles`` sweep (schema: docs/benchmarks.md).
+
+    Args:
+        config: the run's settings (without a device).
+        ms_per_token: the simulated one-token pass, in milliseconds.
+        runs: ``(profile name, its cost curve as slots:cost text, the
+            results dict of its run)`` per profile, in table order.
+    """
+    from ..budget import parse_curve
+
+    settings = config.settings()
+    settings.pop("device", None)
+    settings.update(profiles=[name for name, _, _ in runs], ms_per_token=ms_per_token)
+    methods: dict[str, dict[str, Any]] = {}
+    for name, _, res in runs:
+        for m in res["methods"]:
+            row = methods.setdefault(
+                m["label"], {"label": m["label"], "name": m["name"], "by_profile": {}}
+            )
+            row["by_profile"][name] = {k: m["overall"].get(k) for k in SWEEP_FIELDS}
+    generations = sum(res["progress"]["generations"] for _, _, res in runs)
+    planned = sum(res["progress"]["planned"] for _, _, res in runs)
+    return {
+        "schema": SWEEP_SCHEMA,
+        "settings": settings,
+        "environment": {
+            k: v for k, v in runs[0][2]["environment"].items() if k != "simulated_device"
+        },
+        "reference": runs[0][2]["reference"],
+        "profiles": [
+            {
+                "name": name,
+                "device": res["environment"].get("simulated_device"),
+                "curve": curve,
+                "costs": {str(n): round(parse_curve(curve)(n), 3) for n in SWEEP_SLOTS},
+                "out": name,
+            }
+            for name, curve, res in runs
+        ],
+        "progress": {"generations": generations, "planned": planned},
+        "definitions": {
+            "speedup": runs[0][2]["definitions"]["speedup"] + ", on that profile's device",
+            "tau": runs[0][2]["definitions"]["tau"],
+            "costs": "the profile's relative cost of a forward pass of that many slots "
+            "(1.0 = one slot)",
+        },
+        "methods": list(methods.values()),
+    }
+
+
+def render_sweep_markdown(sweep: dict[str, Any]) -> str:
+    """The sweep's report: speedup and tau of every method per profile."""
+    s, env = sweep["settings"], sweep["environment"]
+    names = [p["name"] for p in sweep["profiles"]]
+    head = " | ".join(names)
+    rule = "|---|" + "---:|" * len(names)
+    lines = [
+        f"# mlx-mtp bench: {s['model']} ({s['mode']}) on {len(names)} simulated devices",
+        "",
+        f"- settings: max_tokens {s['max_tokens']}, limit {s['limit']} per category, "
+        f"turns {s['turns']}, temp {s['temp']}, seed {s['seed']}, repeats {s['repeats']}, "
+        f"dtype {s['dtype'] or 'default'}, methods interleaved "
+        + ("step by step" if s.get("interleave") else "prompt by prompt"),
+        f"- environment: {env.get('platform')}, mlx {env.get('mlx')}, device "
+        f"{env.get('device')}, BLAS {env.get('blas')}, {env.get('date')}",
+        f"- each profile is a whole run on its own simulated device (a one-token pass "
+        f"{s['ms_per_token']:g} ms, a pass of n slots that times the profile's c(n); host "
+        "work as measured), in the subfolder of its name (report.md, results.json, "
+        "records); profiles in docs/profiles.md.",
+        f"- reference: `{sweep['reference']}`; speedup = aggregate decode tokens/s ratio vs "
+        "the reference on the same device and prompts; tau = tokens per forward pass.",
+    ]
+    prog = sweep["progress"]
+    if prog["generations"] < prog["planned"]:
+        lines.append(
+            f"- **partial run**: {prog['generations']} of {prog['planned']} generations "
+            "finished (rerun the same command to resume)."
+        )
+    lines += ["", "## Speedup vs the reference per profile", "", f"| Method | {head} |", rule]
+    for m in sweep["methods"]:
+        cells = [_fmt(m["by_profile"].get(n, {}).get("speedup"), ".2f", "x") for n in names]
+        lines.append(f"| {m['label']} | {' | '.join(cells)} |")
+    lines += ["", "## tau (tokens per forward) per profile", "", f"| Method | {head} |", rule]
+    for m in sweep["methods"]:
+        cells = [_fmt(m["by_profile"].get(n, {}).get("tau")) for n in names]
+        lines.append(f"| {m['label']} | {' | '.join(cells)} |")
+    lines += ["", "## Slots per forward per profile", "", f"| Method | {head} |", rule]
+    for m in sweep["methods"]:
+        cells = [_fmt(m["by_profile"].get(n, {}).get("slots_per_forward"), ".1f") for n in names]
+        lines.append(f"| {m['label']} | {' | '.join(cells)} |")
+    slots = list(sweep["profiles"][0]["costs"]) if sweep["profiles"] else []
+    lines += [
+        "",
+        "## The profiles: relative cost c(n) of a pass of n slots",
+        "",
+        "| Profile | " + " | ".join(f"c({n})" for n in slots) + " | report |",
+        "|---|" + "---:|" * len(slots) + "---|",
+    ]
+    for p in sweep["profiles"]:
+        cells = [_fmt(p["costs"][n]) for n in slots]
+        lines.append(
+            f"| {p['name']} | {' | '.join(cells)} | [{p['out']}/report.md]({p['out']}/report.md) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(sweep: dict[str, Any], out: Path) -> None:
+    """Write a sweep's ``results.json`` and ``report.md`` into ``out`` (the
+    profiles' own outputs are in its subfolders)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(sweep, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out / "results.json")
+    (out / "report.md").write_text(render_sweep_markdown(sweep), encoding="utf-8")

@@ -39,8 +39,9 @@ from . import metrics
 from .config import DEFAULT_GSM8K, BenchConfig
 from .peer import PEER_DRAFT_NAME, PEER_NAME, PEER_NAMES, MLXLMPeer
 from .plots import PLOT_FILES
-from .report import build_results, write_outputs
-from .simulate import SimulatedClock, simulating
+from .profiles import profile_curve
+from .report import build_results, build_sweep, write_outputs, write_sweep
+from .simulate import SimulatedClock, device_spec, simulating
 
 RECORDS = "records.jsonl"
 SETTINGS = "settings.json"
@@ -301,10 +302,85 @@ def run_bench(
         UnknownMethodError, UnsupportedModelError, ModelNotFoundError, ...
     """
     config.validate()
-    # the engines made inside run on the simulated device of
-    # MLX_MTP_SIMULATE_DEVICE where it is set
-    with simulating() as sim:
+    # the engines made inside run on the simulated device of config.device,
+    # else of MLX_MTP_SIMULATE_DEVICE where it is set
+    with simulating(config.device) as sim:
         return _run_bench(config, loaded, sim, overwrite, progress, plots, generate, pipeline)
+
+
+def run_sweep(
+    config: BenchConfig,
+    profiles: list[str],
+    ms_per_token: float = 12.0,
+    loaded: Any = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    plots: bool = True,
+    generate: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) the benchmark of ``config`` once per device profile,
+    the model loaded once, and write the sweep's ``results.json`` and
+    ``report.md`` (every method's speedup and tau per profile) into
+    ``config.out``.
+
+    Each profile is a whole benchmark on its own simulated device
+    (``profile=NAME,ms_per_token=MS``, :mod:`mlx_mtp.bench.profiles`) in the
+    subfolder ``config.out/NAME``, with its own records, report and plots:
+    it resumes, and rebuilds with ``generate=False``, as :func:`run_bench`.
+
+    Args:
+        config: the settings (``config.device`` is set per profile).
+        profiles: profile names, in table order.
+        ms_per_token: the simulated one-token pass, in milliseconds.
+        loaded: an already loaded model (None: ``config.model`` is loaded
+            once, before the first profile).
+        overwrite, progress, plots, generate: as for :func:`run_bench`.
+
+    Returns:
+        The sweep's results dict (schema: docs/benchmarks.md).
+
+    Raises:
+        InvalidArgumentError: an unknown profile (the message lists the known
+            ones), a sweep under ``mlx.launch``, a folder with another run.
+    """
+    config.validate()
+    if not profiles:
+        raise InvalidArgumentError("--profiles is empty; give e.g. 'bf16-flat,m4pro-4bit'.")
+    for name in profiles:
+        try:
+            profile_curve(name)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"--profiles: {e}") from None
+    if len(set(profiles)) != len(profiles):
+        raise InvalidArgumentError(f"--profiles lists a profile twice: {','.join(profiles)}")
+    if not 0 < ms_per_token < 60000:
+        raise InvalidArgumentError(f"--ms-per-token must be > 0, got {ms_per_token:g}")
+    if distributed.size() > 1:
+        raise InvalidArgumentError(
+            "--profiles runs on one process; drop it for a sharded (mlx.launch) benchmark."
+        )
+    out = Path(config.out)
+    if (out / RECORDS).exists() or (out / SETTINGS).exists():
+        raise InvalidArgumentError(
+            f"{out} holds a single benchmark run, not a --profiles sweep: use another --out."
+        )
+    runs = []
+    for name in profiles:
+        sub = replace(config, device=device_spec(name, ms_per_token), out=str(out / name))
+        if generate and loaded is None:
+            if config.dtype is not None and config.dtype not in (*DTYPES, "auto"):
+                raise InvalidArgumentError(
+                    f"Unknown dtype {config.dtype!r}; use one of float32, bfloat16, float16, auto."
+                )
+            loaded = load_model(config.model, config.dtype)
+        res = run_bench(
+            sub, loaded, overwrite=overwrite, progress=progress, plots=plots, generate=generate
+        )
+        runs.append((name, profile_curve(name), res))
+    sweep = build_sweep(config, ms_per_token, runs)
+    write_sweep(sweep, out)
+    return sweep
 
 
 def _run_bench(
@@ -320,7 +396,8 @@ def _run_bench(
     if sim is not None and any(s.name in PEER_NAMES for s in config.methods):
         raise InvalidArgumentError(
             f"the {PEER_NAME} row runs mlx-lm's own loop on this machine, not on the simulated "
-            "device of MLX_MTP_SIMULATE_DEVICE: drop it from --methods, or unset the variable."
+            "device (MLX_MTP_SIMULATE_DEVICE or --profiles): drop it from --methods, or run "
+            "without a simulated device."
         )
     if config.interleave and distributed.size() > 1:
         raise InvalidArgumentError(
@@ -402,7 +479,7 @@ def _run_bench(
     records = store.load(repair=generate)
     if not records:
         raise InvalidArgumentError(f"{out} holds no finished generations to report on yet.")
-    results = build_results(config, methods, records, groups, _environment())
+    results = build_results(config, methods, records, groups, _environment(config.device))
     results["progress"] = {"generations": len(records), "planned": planned}
     write_outputs(results, out, plots=plots)
     return results
@@ -628,7 +705,7 @@ def _make(spec: Any, config: BenchConfig, target: Any = None) -> Any:
     return make_method(spec.name, **opts)
 
 
-def _environment() -> dict[str, Any]:
+def _environment(device: str | None = None) -> dict[str, Any]:
     try:
         mlx_ver, lm_ver = version("mlx"), version("mlx-lm")
     except Exception:  # pragma: no cover - metadata missing in odd installs
@@ -640,7 +717,7 @@ def _environment() -> dict[str, Any]:
         "mlx_lm": lm_ver,
         "device": str(mx.default_device()),
         "blas": _blas.blas_status(),
-        "simulated_device": os.environ.get("MLX_MTP_SIMULATE_DEVICE") or None,
+        "simulated_device": device or os.environ.get("MLX_MTP_SIMULATE_DEVICE") or None,
         "host_term": os.environ.get("MLX_MTP_HOST_TERM") != "0",
         "ranks": distributed.size(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -4,9 +4,10 @@ A virtual clock for judging drafting against a fast GPU on a machine that has
 none: every forward pass takes the simulated device's time for its slot
 count instead of this machine's, host work takes its real time, and a pass
 queued before the host goes on overlaps that host work, as on a real device
-(docs/mac.md). ``MLX_MTP_SIMULATE_DEVICE="ms_per_token=12,curve=1:1,16:1.05,64:1.3"``
-selects it for the command line (:func:`install`, called by ``mlx-mtp`` and
-by the bench); the engines then get it through
+(docs/mac.md). ``MLX_MTP_SIMULATE_DEVICE="ms_per_token=12,curve=1:1,16:1.05,64:1.3"``,
+or a named curve, ``"profile=m4pro-4bit,ms_per_token=12"``
+(:mod:`mlx_mtp.bench.profiles`), selects it for the command line
+(:func:`install`, called by ``mlx-mtp`` and by the bench); the engines then get it through
 :func:`mlx_mtp.timing.use_clock`, and the decoding path sees only the
 :class:`~mlx_mtp.timing.DeviceClock` interface.
 """
@@ -123,30 +124,57 @@ class SimulatedClock(DeviceClock):
 
 def simulated_device(spec: str | None = None) -> tuple[float, Any] | None:
     """The simulated device of ``MLX_MTP_SIMULATE_DEVICE`` (or ``spec``):
-    ``"ms_per_token=12,curve=1:1,16:1.05,64:1.3"`` -> (seconds per token,
-    :class:`~mlx_mtp.budget.CostCurve`), None when not set.
+    ``"ms_per_token=12,curve=1:1,16:1.05,64:1.3"`` or, with a named cost
+    curve (:data:`mlx_mtp.bench.profiles.PROFILES`),
+    ``"profile=m4pro-4bit,ms_per_token=12"`` -> (seconds per one-token pass,
+    :class:`~mlx_mtp.budget.CostCurve`), None when not set. ``curve=``
+    takes the rest of the text, so it comes last.
 
     Raises:
-        InvalidArgumentError: a malformed specification.
+        InvalidArgumentError: a malformed specification, or an unknown
+            profile (the message lists the known ones).
     """
     from ..budget import parse_curve
+    from .profiles import profile_curve
 
     spec = os.environ.get("MLX_MTP_SIMULATE_DEVICE") if spec is None else spec
     if not spec:
         return None
-    ms, _, curve = spec.replace(" ", "").partition(",curve=")
-    key, _, value = ms.partition("=")
+    head, _, curve = spec.replace(" ", "").partition("curve=")
+    fields: dict[str, str] = {}
     try:
-        per_token = float(value) / 1000.0
-        if key != "ms_per_token" or not curve or not 0 < per_token < 60:
+        for item in filter(None, head.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("ms_per_token", "profile") or key in fields:
+                raise ValueError
+            fields[key] = value
+        per_token = float(fields["ms_per_token"]) / 1000.0
+        if not 0 < per_token < 60 or bool(curve) == ("profile" in fields):
             raise ValueError
-        return per_token, parse_curve(curve)
-    except (ValueError, InvalidArgumentError):
+    except (ValueError, KeyError):
         raise InvalidArgumentError(
             f"MLX_MTP_SIMULATE_DEVICE={spec!r} is not a device: give "
-            "'ms_per_token=MS,curve=SLOTS:COST,...', e.g. "
-            "'ms_per_token=12,curve=1:1,16:1.05,64:1.3'."
+            "'ms_per_token=MS,curve=SLOTS:COST,...' (e.g. "
+            "'ms_per_token=12,curve=1:1,16:1.05,64:1.3') or 'profile=NAME,ms_per_token=MS'."
         ) from None
+    if "profile" in fields:
+        try:
+            curve = profile_curve(fields["profile"])
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"MLX_MTP_SIMULATE_DEVICE={spec!r}: {e}") from None
+    try:
+        return per_token, parse_curve(curve)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"MLX_MTP_SIMULATE_DEVICE={spec!r} is not a device: its curve is not "
+            "SLOTS:COST pairs with slots increasing from 1 (e.g. 1:1,16:1.05,64:1.3)."
+        ) from None
+
+
+def device_spec(profile: str, ms_per_token: float) -> str:
+    """The ``MLX_MTP_SIMULATE_DEVICE`` text of profile ``profile`` at
+    ``ms_per_token`` milliseconds per one-token pass."""
+    return f"profile={profile},ms_per_token={ms_per_token:g}"
 
 
 def install(spec: str | None = None) -> tuple[float, Any] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -59,6 +60,19 @@ def register(app: typer.Typer) -> None:
             "--draft-model",
             help="Draft model of the draft and mlx_lm_draft rows (alias, folder, GGUF, repo id).",
         ),
+        profiles: str | None = typer.Option(
+            None,
+            "--profiles",
+            help="Comma-separated simulated device profiles (bf16-flat, m4pro-4bit, "
+            "m4pro-8bit, m3ultra-4bit; docs/profiles.md): one run per profile, the model "
+            "loaded once, each in --out/NAME, and a report of every method's speedup per "
+            "profile in --out.",
+        ),
+        ms_per_token: float | None = typer.Option(
+            None,
+            "--ms-per-token",
+            help="With --profiles: the simulated one-token forward pass in ms (default 12).",
+        ),
         out: str = typer.Option("bench-out", "--out", "-o", help="Output folder."),
         overwrite: bool = typer.Option(
             False,
@@ -81,7 +95,16 @@ def register(app: typer.Typer) -> None:
         report.md and plots into --out. An interrupted run resumes where it stopped."""
         from ..bench.config import BenchConfig, parse_methods
         from ..bench.plots import NO_PLOTS, plots_available
-        from ..bench.runner import run_bench
+        from ..bench.runner import run_bench, run_sweep
+        from ..errors import InvalidArgumentError
+
+        if profiles is None and ms_per_token is not None:
+            raise InvalidArgumentError("--ms-per-token sets the device of --profiles; add it.")
+        if profiles is not None and os.environ.get("MLX_MTP_SIMULATE_DEVICE"):
+            raise InvalidArgumentError(
+                "--profiles runs on its own simulated devices: unset MLX_MTP_SIMULATE_DEVICE, "
+                "or drop --profiles."
+            )
 
         cfg = BenchConfig(
             model=model,
@@ -107,13 +130,23 @@ def register(app: typer.Typer) -> None:
         if not no_plots and not plots:
             typer.echo(NO_PLOTS, err=True)
         try:
-            run_bench(
-                cfg,
-                overwrite=overwrite,
-                plots=plots,
-                generate=not report_only,
-                pipeline=pipeline,
-            )
+            if profiles is not None:
+                run_sweep(
+                    cfg,
+                    [p.strip() for p in profiles.split(",") if p.strip()],
+                    12.0 if ms_per_token is None else ms_per_token,
+                    overwrite=overwrite,
+                    plots=plots,
+                    generate=not report_only,
+                )
+            else:
+                run_bench(
+                    cfg,
+                    overwrite=overwrite,
+                    plots=plots,
+                    generate=not report_only,
+                    pipeline=pipeline,
+                )
         except KeyboardInterrupt:
             if distributed.is_main():
                 typer.echo(interrupted_report(Path(out)), err=True)
@@ -128,16 +161,19 @@ def register(app: typer.Typer) -> None:
 
 def interrupted_report(out: Path) -> str:
     """What an interrupted ``bench`` finished: the generations saved in
-    ``out/records.jsonl`` per method, and how to go on."""
+    ``out/records.jsonl`` (a ``--profiles`` sweep: in its profiles'
+    subfolders) per method, and how to go on."""
     from ..bench.runner import RECORDS, _read_records
 
-    records = _read_records(out / RECORDS)[0]
+    paths = [out / RECORDS] if (out / RECORDS).exists() else sorted(out.glob(f"*/{RECORDS}"))
+    records = [r for path in paths for r in _read_records(path)[0]]
     by_method: dict[str, int] = {}
     for r in records:
         by_method[r["method"]] = by_method.get(r["method"], 0) + 1
     done = ", ".join(f"{k} {v}" for k, v in by_method.items()) or "none"
     return (
-        f"interrupted: {len(records)} generation(s) finished and saved in {out / RECORDS} "
+        f"interrupted: {len(records)} generation(s) finished and saved in "
+        f"{', '.join(map(str, paths)) or out / RECORDS} "
         f"(per method: {done}). Run the same command again to resume where it stopped, or "
         "add --report-only for a report of what finished."
     )
