@@ -13,7 +13,8 @@ from ..data import (
     resolve_data,  # JSONL file or a named data set
 )
 from ..errors import InvalidArgumentError
-from ..loading import load_model
+from ..loading import default_dtype, load_model, resolve_model
+from ..memory import FULL_TRAINING_COPIES, check_weights_fit
 from . import BASE_DTYPE_HELP, group
 
 
@@ -47,6 +48,15 @@ def run_train_mtp(
         cfg.steps = steps
     if out is not None:  # checked before anything is loaded or trained
         check_writable(out.parent)
+    if not lora:  # before the model loads: training holds its weights 1 + 4 times
+        check_weights_fit(
+            resolve_model(model),
+            dtype or default_dtype(),
+            model,
+            copies=1 + FULL_TRAINING_COPIES,
+            what="full fine-tuning (the model, a copy, its gradients and AdamW's two moments)",
+            todo="--lora (an adapter over the frozen weights) or a smaller model",
+        )
     lm = load_model(model, dtype=dtype)
     if out is None:
         fp = model_fingerprint(lm.model)
