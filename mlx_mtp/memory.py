@@ -120,11 +120,6 @@ def weight_bytes(model: Any) -> int:
 
 
 # ------------------------------------------------------------ model weights
-#: bytes per element of the safetensors dtypes
-SAFETENSORS_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
 #: bytes per element of the compute dtypes a load casts float weights to
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: the weights' copies that full fine-tuning holds beside the model: the
