@@ -1,6 +1,7 @@
 """Concurrent clients against ``mlx-mtp serve``, with and without batching.
 
-Starts ``mlx-mtp serve --max-batch B`` on 127.0.0.1 at a free port, sends
+Starts ``mlx-mtp serve`` (with ``--max-batch B`` where given, else the
+server's default) on 127.0.0.1 at a free port, sends
 ``--clients`` greedy chat requests at once (the first Spec-Bench questions
 whose chat prompt is under ``--below`` tokens, ``--max-tokens`` each), and
 prints the aggregate tokens per second, the latencies, and how many answers
@@ -100,7 +101,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="the server's --max-batch (default: not passed, the server's "
+                    "default; mlx_lm.server: 8)")  # fmt: skip
     ap.add_argument("--below", type=int, default=120, help="prompts under this many tokens")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--mlx-lm", action="store_true", help="serve with mlx_lm.server instead")
@@ -123,13 +126,14 @@ def main() -> None:
     port = free_port()
     exe = str(Path(sys.executable).parent / "mlx-mtp")
     cmd = [exe, "serve", "--model", args.model, "--dtype", "float32", "--port", str(port),
-           "--max-batch", str(args.max_batch), "--queue-size", str(args.clients),
-           "--log-level", "warning"]  # fmt: skip
+           "--queue-size", str(args.clients), "--log-level", "warning"]  # fmt: skip
+    if args.max_batch is not None:
+        cmd += ["--max-batch", str(args.max_batch)]
     if args.method == "draft" and not args.mlx_lm:
         cmd += ["--method", "draft", "--draft-model", args.draft_model]
     model_id = args.model
     if args.mlx_lm:
-        b = str(args.max_batch)
+        b = str(args.max_batch or 8)
         folder = args.mlx_lm_model or str(lm.path)
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", folder, "--port",
                str(port), "--decode-concurrency", b, "--prompt-concurrency", b,
@@ -192,7 +196,7 @@ def main() -> None:
         "server": "mlx_lm.server" if args.mlx_lm else f"mlx-mtp serve ({args.method})",
         "draft_model": args.draft_model,
         "tasks": args.tasks,
-        "max_batch": args.max_batch,
+        "max_batch": args.max_batch or "default",
         "new_tokens": tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 2),

@@ -1,15 +1,24 @@
 """Python API for apps: load a model with a method, generate or stream text.
 
-import mlx_mtp
-m = mlx_mtp.load("smollm2-135m", method="probe", bc=30, masks=1)
-print(m.generate("What is the capital of France?").text)
-for chunk in m.stream_generate("Tell me a story", max_tokens=200):
-    print(chunk.text, end="", flush=True)
+One model and one method (:func:`load`)::
 
-Several methods on one model (loaded once):
+    import mlx_mtp
 
-lm = mlx_mtp.load_model("smollm2-135m")
-probe, pld = lm.bind("probe"), lm.bind("pld", max_draft=10)
+    m = mlx_mtp.load("smollm2-135m", method="probe", bc=30, masks=1)
+    print(m.generate("What is the capital of France?", max_tokens=32).text)
+    for chunk in m.stream_generate("Tell me a story", max_tokens=32):
+        print(chunk.text, end="", flush=True)
+
+Several methods on one model, loaded once (each binding has its own KV
+cache; :meth:`LoadedModel.bind <mlx_mtp.loading.LoadedModel.bind>`)::
+
+    from mlx_mtp.loading import load_model
+
+    lm = load_model("smollm2-135m")
+    probe, pld = lm.bind("probe"), lm.bind("pld", max_draft=10)
+    print(pld.generate("Repeat after me: one two three.", max_tokens=16).text)
+
+(tests/test_api_state.py runs these examples.)
 """
 
 from __future__ import annotations

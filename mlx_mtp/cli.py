@@ -279,8 +279,23 @@ def generate(
         typer.echo(f"interrupted after {n} new tokens: the answer above is cut short.", err=True)
         raise
     typer.echo("")
-    if last is not None:
-        typer.echo(last.stats.summary(), err=True)
+    _end_note(last)
+
+
+def _end_note(last: Any) -> None:
+    """After an answer: a line saying it was cut at ``-n`` (its finish reason
+    ``"length"``), then the stats line, both on stderr."""
+    if last is None:
+        return
+    if last.finish_reason == "length":
+        typer.echo(cut_note(last.stats.generated_tokens), err=True)
+    typer.echo(last.stats.summary(), err=True)
+
+
+def cut_note(n: int) -> str:
+    """The line that says an answer stopped at its new-token limit ``n``, not
+    at its end."""
+    return f"[cut at {n} tokens: raise -n for a longer answer]"
 
 
 #: chat's own commands and what they do (``/help`` lists them)
@@ -358,8 +373,7 @@ def _chat_turn(session: Any, line: str, sampling: dict) -> None:
         typer.echo("(this turn was dropped; the conversation goes on)", err=True)
         return
     typer.echo("")
-    if last is not None:
-        typer.echo(last.stats.summary(), err=True)
+    _end_note(last)
 
 
 def _line_editing() -> None:

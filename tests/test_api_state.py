@@ -220,3 +220,36 @@ def test_stats_line_says_when_auto_kept_to_plain_steps(smollm):
 def test_stats_line_cases(fields, says, not_says):
     line = GenerationStats(method="m", **fields).summary()
     assert says in line and not_says not in line
+
+
+# ------------------------------------------------------ docstring examples
+def docstring_examples(doc: str) -> list[str]:
+    """The code blocks of a docstring: the indented lines after a line that
+    ends in ``::`` (reStructuredText's literal blocks)."""
+    import textwrap
+
+    blocks: list[str] = []
+    lines: list[str] | None = None
+    for line in [*doc.splitlines(), "end"]:
+        if lines is not None:
+            if not line.strip() or line.startswith("    "):
+                lines.append(line)
+                continue
+            blocks.append(textwrap.dedent("\n".join(lines)).strip())
+            lines = None
+        if line.rstrip().endswith("::"):
+            lines = []
+    return blocks
+
+
+@pytest.mark.parametrize("module", ["mlx_mtp", "mlx_mtp.api"])
+def test_the_docstring_examples_run(module, capsys):
+    """Every example in the package's and the API module's docstrings runs
+    as written (the embedded model, a few tokens each) and prints an answer."""
+    import importlib
+
+    blocks = docstring_examples(importlib.import_module(module).__doc__)
+    assert blocks and all("import" in b for b in blocks), blocks
+    for code in blocks:
+        exec(compile(code, f"<{module} docstring>", "exec"), {})
+        assert capsys.readouterr().out.strip(), code

@@ -514,3 +514,40 @@ def test_a_profile_sweep_reports_every_methods_speedup_per_profile(tiny, tmp_pat
     monkeypatch.setenv("MLX_MTP_SIMULATE_DEVICE", "profile=bf16-flat,ms_per_token=12")
     r = CliRunner().invoke(app, [*args, "--report-only"])
     assert "unset MLX_MTP_SIMULATE_DEVICE" in str(r.exception)
+
+
+@pytest.mark.parametrize(
+    ("argv", "limit", "says"),
+    [
+        ([], 3, "the first 3 prompts per category"),
+        (["--mode", "gsm8k"], 18, "the first 18 GSM8K questions"),
+        (["--limit", "all"], None, None),
+        (["--limit", "5"], 5, None),
+    ],
+    ids=["default", "gsm8k", "all", "five"],
+)
+def test_bench_runs_a_sample_unless_told_all(tmp_path, capsys, monkeypatch, argv, limit, says):
+    """Without --limit the bench runs a laptop-sized sample and says so on
+    stderr; --limit all runs every prompt."""
+    from conftest import run_cli
+
+    seen = []
+
+    def fake_run_bench(cfg, **kw):
+        seen.append(cfg.limit)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_bench", fake_run_bench)
+    code, err = run_cli(["bench", "--no-plots", "--out", str(tmp_path / "o"), *argv], capsys)
+    assert code == 130 and seen == [limit], err
+    assert (says is None) == ("--limit all" not in err), err
+    if says:
+        assert says in err and "x 256 tokens per method" in err, err
+
+
+def test_bench_refuses_a_bad_limit(tmp_path, capsys):
+    from conftest import run_cli
+
+    for bad in ("0", "some"):
+        code, err = run_cli(["bench", "--limit", bad, "--out", str(tmp_path / "o")], capsys)
+        assert code != 0 and "--limit must be an integer > 0 or 'all'" in err, err

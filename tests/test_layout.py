@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import mlx_mtp
 
 PACKAGE = Path(mlx_mtp.__file__).parent
@@ -98,3 +100,23 @@ def test_no_import_circle_in_the_package():
     edges = {m: _imports(m, p, modules) for m, p in modules.items()}
     circles = [sorted(c) for c in _circles(edges) if c not in ALLOWED]
     assert circles == [], f"modules that import each other: {circles}"
+
+
+def test_every_asset_folder_is_a_declared_package_with_its_data():
+    """Each asset folder Python could import is in pyproject.toml's
+    ``packages`` with package data (setuptools warns for one left out, and a
+    wheel would miss the files of one without package data)."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"][
+        "setuptools"
+    ]
+    root = PACKAGE.parent
+    folders = {
+        ".".join(d.relative_to(root).parts)
+        for d in [PACKAGE / "assets", *(PACKAGE / "assets").rglob("*")]
+        if d.is_dir() and d.name != "__pycache__"
+        if all(p.isidentifier() for p in d.relative_to(root).parts)
+    }
+    assert "mlx_mtp.assets.spec_bench" in folders
+    assert folders <= set(setuptools["packages"]), folders - set(setuptools["packages"])
+    assert folders <= set(setuptools["package-data"]), folders - set(setuptools["package-data"])

@@ -159,6 +159,24 @@ def test_cli_chat_without_template(smollm, tmp_path, capsys):
     assert "[ntp] 4 tokens" in err
 
 
+def test_cli_says_when_an_answer_is_cut_at_its_token_limit(capsys):
+    """``generate`` and ``chat`` print a line on stderr when an answer stopped
+    at -n (finish reason "length"), and none when it ended by itself."""
+    from types import SimpleNamespace
+
+    from conftest import run_cli
+
+    from mlx_mtp import cli
+
+    for argv, stdin in ((["generate", "-p", "Tell me a story."], None), (["chat"], "Hi\n")):
+        code, err = run_cli([*argv, "-n", "3"], capsys, stdin=stdin)
+        assert code == 0, err
+        assert "[cut at 3 tokens: raise -n for a longer answer]" in err, err
+    stats = SimpleNamespace(generated_tokens=2, summary=lambda: "[ntp] 2 tokens")
+    cli._end_note(SimpleNamespace(finish_reason="stop", stats=stats))
+    assert capsys.readouterr().err == "[ntp] 2 tokens\n"
+
+
 # --------------------------------------------------------- missing tensor
 def test_missing_tensor_is_named(smollm, tmp_path):
     folder = _copy_model(smollm.path, tmp_path / "broken")

@@ -63,10 +63,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     """(base_url, worker): a server with the embedded model, default method ntp,
-    an API key and a queue of QUEUE, on 127.0.0.1 at a free port."""
+    an API key and a queue of QUEUE, on 127.0.0.1 at a free port; one request
+    at a time (the batching tests raise ``worker.max_batch``)."""
     from mlx_mtp.server import Worker
 
-    worker = Worker(MODEL, "ntp", dtype="float32", max_tokens=N, queue_size=QUEUE)
+    worker = Worker(MODEL, "ntp", dtype="float32", max_tokens=N, queue_size=QUEUE, max_batch=1)
     worker.start()
     with serving(worker, api_key=KEY) as (base, srv):
         worker.http = srv  # for the tests that look at open connections
@@ -1061,6 +1062,23 @@ def test_required_options_are_the_ones_methods_need():
 
 
 # ------------------------------------------------------- continuous batching
+def test_serve_batches_by_default():
+    """`mlx-mtp serve` without --max-batch, and a Worker without max_batch,
+    decode DEFAULT_MAX_BATCH (> 1) concurrent requests together."""
+    import inspect
+
+    import typer.main
+
+    from mlx_mtp.cli import app
+    from mlx_mtp.server import Worker
+    from mlx_mtp.server.worker import DEFAULT_MAX_BATCH
+
+    serve = typer.main.get_command(app).commands["serve"]
+    (flag,) = [p for p in serve.params if p.name == "max_batch"]
+    assert flag.default == DEFAULT_MAX_BATCH == 8
+    assert inspect.signature(Worker).parameters["max_batch"].default == DEFAULT_MAX_BATCH
+
+
 @contextlib.contextmanager
 def batch_sizes(worker):
     """The worker's batch size sampled every 10 ms while the block runs."""

@@ -212,7 +212,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# mlx-mtp bench: {s['model']} ({s['mode']})",
         "",
-        f"- settings: max_tokens {s['max_tokens']}, limit {s['limit']} per category, "
+        f"- settings: max_tokens {s['max_tokens']}, limit {s['limit'] or 'all'} per category, "
         f"turns {s['turns']}, temp {s['temp']}, seed {s['seed']}, repeats {s['repeats']}, "
         f"dtype {s['dtype'] or 'default'}",
         f"- environment: {env.get('platform')}, mlx {env.get('mlx')}, mlx-lm "

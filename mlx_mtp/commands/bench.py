@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from .. import distributed
+from ..errors import InvalidArgumentError
 from ..validation import typer_range
 
 
@@ -35,7 +36,13 @@ def register(app: typer.Typer) -> None:
         categories: str | None = typer.Option(
             None, "--categories", help="Comma-separated tasks or categories (default: all six)."
         ),
-        limit: int | None = typer.Option(None, "--limit", min=1, help="Prompts per category."),
+        limit: str | None = typer.Option(
+            None,
+            "--limit",
+            help=f"Prompts per category, or 'all'. Default: a sample sized for a laptop, the "
+            f"first {SAMPLE_PER_CATEGORY} per category ({SAMPLE_GSM8K} questions with "
+            "--mode gsm8k); 'all' runs all of them (Spec-Bench: 480 prompts per method).",
+        ),
         max_tokens: int = typer.Option(
             256, "--max-tokens", "-n", **typer_range("max_tokens"), help="New tokens per answer."
         ),
@@ -106,6 +113,7 @@ def register(app: typer.Typer) -> None:
                 "or drop --profiles."
             )
 
+        per_category, sampled = resolve_limit(limit, mode)
         cfg = BenchConfig(
             model=model,
             methods=parse_methods(methods),
@@ -115,7 +123,7 @@ def register(app: typer.Typer) -> None:
             categories=[c.strip() for c in categories.split(",") if c.strip()]
             if categories
             else None,
-            limit=limit,
+            limit=per_category,
             max_tokens=max_tokens,
             turns=turns,
             temp=temp,
@@ -126,6 +134,13 @@ def register(app: typer.Typer) -> None:
             draft_model=draft_model,
             out=out,
         )
+        if sampled and not report_only and distributed.is_main():
+            typer.echo(
+                f"bench: a sample, the first {per_category} "
+                + ("GSM8K questions" if mode == "gsm8k" else "prompts per category")
+                + f" x {max_tokens} tokens per method (--limit all runs every prompt)",
+                err=True,
+            )
         plots = not no_plots and plots_available()
         if not no_plots and not plots:
             typer.echo(NO_PLOTS, err=True)
@@ -157,6 +172,33 @@ def register(app: typer.Typer) -> None:
         typer.echo(report.read_text())
         wrote = f"wrote {Path(out) / 'results.json'}, {report}" + (" and plots" if plots else "")
         typer.echo(wrote, err=True)
+
+
+#: prompts per category that ``bench`` runs without ``--limit`` (6 Spec-Bench
+#: tasks: 18 prompts per method, minutes on a laptop with a small model)
+SAMPLE_PER_CATEGORY = 3
+#: GSM8K questions that ``bench --mode gsm8k`` runs without ``--limit``
+SAMPLE_GSM8K = 18
+
+
+def resolve_limit(limit: str | None, mode: str) -> tuple[int | None, bool]:
+    """``--limit`` as the bench's prompts per category (None: all) and
+    whether it is the default sample.
+
+    Raises:
+        InvalidArgumentError: not a positive integer or ``all``.
+    """
+    if limit is None:
+        return (SAMPLE_GSM8K if mode == "gsm8k" else SAMPLE_PER_CATEGORY), True
+    if limit.strip().lower() == "all":
+        return None, False
+    try:
+        n = int(limit)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InvalidArgumentError(f"--limit must be an integer > 0 or 'all', got {limit!r}")
+    return n, False
 
 
 def interrupted_report(out: Path) -> str:

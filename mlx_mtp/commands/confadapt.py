@@ -14,7 +14,8 @@ from ..data import (
     resolve_data,  # JSONL file or a named data set
 )
 from ..errors import InvalidArgumentError
-from ..loading import load_model
+from ..loading import default_dtype, load_model, resolve_model
+from ..memory import FULL_TRAINING_COPIES, check_weights_fit
 from ..validation import float_range
 from . import BASE_DTYPE_HELP, group
 
@@ -58,6 +59,15 @@ def run_train_mtp(
         check_writable(out.parent)
         ours = resume and (checkpoint_dir(out) / "state.json").is_file()
         check_destination(out, overwrite, ours=ours)
+    if not lora:  # before the model loads: training holds its weights 1 + 4 times
+        check_weights_fit(
+            resolve_model(model),
+            dtype or default_dtype(),
+            model,
+            copies=1 + FULL_TRAINING_COPIES,
+            what="full fine-tuning (the model, a copy, its gradients and AdamW's two moments)",
+            todo="--lora (an adapter over the frozen weights) or a smaller model",
+        )
     lm = load_model(model, dtype=dtype)
     if out is None:
         fp = model_fingerprint(lm.model)

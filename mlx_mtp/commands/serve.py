@@ -12,6 +12,7 @@ import typer
 
 from .. import distributed
 from ..errors import InvalidArgumentError
+from ..server.worker import DEFAULT_MAX_BATCH
 from ..validation import check_generation_args, float_range, typer_range
 
 #: hosts that only this machine can reach
@@ -106,7 +107,7 @@ def register(app: typer.Typer) -> None:
             "body; a slower one is disconnected (the body: 408).",
         ),
         max_batch: int = typer.Option(
-            1,
+            DEFAULT_MAX_BATCH,
             "--max-batch",
             help="Plain (ntp) requests, or greedy pld, recycle, probe, hybrid, clp or draft "
             "(--method's draft model) requests with their drafts, decoded together in one "

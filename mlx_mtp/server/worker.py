@@ -49,6 +49,13 @@ log = logging.getLogger("mlx_mtp.server")
 #: seconds rank 0 of a sharded model waits for a request before telling the
 #: other ranks it is idle (each tells costs two small ``all_sum``)
 IDLE_POLL = 1.0
+#: requests decoded together when ``--max-batch`` is not given. Eight: on a
+#: CPU the batched matrix products are compute-bound from about 8 rows (an
+#: 8-row step costs about twice a one-row step, docs/server.md), the default
+#: queue holds 8 more, up to 8 joining prompts are prefilled together, and 8
+#: rows' KV caches stay small beside the weights; more rows mostly raise
+#: every request's latency on such a machine.
+DEFAULT_MAX_BATCH = 8
 
 
 @dataclass(eq=False)  # a job is itself: compared and hashed by identity
@@ -107,7 +114,7 @@ class Worker:
             context left).
         temp / top_p / top_k / min_p / seed: sampling defaults when a request
             does not say (seed None: a random one per request).
-        queue_size: requests waiting beyond the running one; more get 429.
+        queue_size: requests waiting beyond the running ones; more get 429.
         max_methods: (method, options) models kept at once (each holds a KV
             cache); the least recently used is dropped, never the default.
         limits: the bounds on requests (:class:`~.limits.Limits`; default
@@ -115,8 +122,8 @@ class Worker:
         max_batch: ``ntp`` requests, or greedy ``pld``, ``recycle``,
             ``probe``, ``hybrid``, ``clp`` or ``draft`` requests with their drafts,
             decoded together in one forward pass (:mod:`~.batch`; at most
-            the slots bound); 1: one request at a time, whatever its
-            method.
+            the slots bound; default :data:`DEFAULT_MAX_BATCH`); 1: one
+            request at a time, whatever its method.
 
     Raises:
         InvalidArgumentError: queue_size, max_methods or max_batch below 1,
@@ -141,7 +148,7 @@ class Worker:
         max_methods: int = 4,
         pipeline: bool = False,
         limits: Limits | None = None,
-        max_batch: int = 1,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
         from ..validation import check_generation_args
 
