@@ -836,7 +836,9 @@ def native_layer(loaded: LoadedModel) -> Any:
 BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp", "lookahead", "mtp")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
-STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")
+STREAM_KEYWORDS = (
+    *GENERATION_ARGS, "chat_template", "fit_context", "should_stop", "logprobs", "tools"
+)
 
 
 def check_keywords(kwargs: dict[str, Any]) -> None:
