@@ -837,7 +837,12 @@ BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp", "lo
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
 STREAM_KEYWORDS = (
-    *GENERATION_ARGS, "chat_template", "fit_context", "should_stop", "logprobs", "tools"
+    *GENERATION_ARGS,
+    "chat_template",
+    "fit_context",
+    "should_stop",
+    "logprobs",
+    "tools",
 )
 
 
