@@ -130,6 +130,35 @@ def test_tools_are_rendered_into_the_prompt_and_the_answer_is_the_apis(tool_serv
     assert r.usage.prompt_tokens == len(ref.encode(ASK))
 
 
+def test_batched_tool_requests_render_the_tools_too(tool_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.methods import make_method
+
+    base, worker, client = tool_server
+    asks = [ASK, [{"role": "user", "content": "And in Rome?"}]]
+    ref = MTPModel(worker.loaded, make_method("ntp"))
+    expected = [ref.generate(a, max_tokens=N, tools=[WEATHER]).text for a in asks]
+    worker.max_batch = 2
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(
+                pool.map(
+                    lambda a: client.chat.completions.create(
+                        model=str(worker.model_id), messages=a, tools=[WEATHER], max_tokens=N
+                    ),
+                    asks,
+                )
+            )
+    finally:
+        worker.max_batch = 1
+    assert [r.choices[0].message.content for r in answers] == expected
+    assert all(r.usage.prompt_tokens == len(ref.encode(a, tools=[WEATHER]))
+               for r, a in zip(answers, asks))  # fmt: skip
+    assert any(r.model_extra["mtp"]["method"] == "ntp(batch)" for r in answers)
+
+
 def test_a_conversation_with_a_tool_call_and_its_result_renders(tool_server):
     base, worker, client = tool_server
     history = [
