@@ -34,7 +34,7 @@ import numpy as np
 from . import distributed
 from .context import Context
 from .data import render_prompt
-from .decoding import GenerationStats, generate_steps
+from .decoding import GenerationStats, check_logprobs, generate_steps
 from .engine import PREFILL_STEP, Engine
 from .errors import (
     ContextLengthError,
@@ -51,6 +51,7 @@ from .loading import (
     load_model,
     share_target,
 )
+from .logprobs import TokenLogprob
 from .methods import Method, make_method
 from .sampling import PositionalSampler, random_seed
 from .validation import (
@@ -68,12 +69,15 @@ Prompt = Union[str, list[int], list[dict[str, str]], np.ndarray]  # noqa: UP007 
 class Chunk:
     """One streamed piece: ``text`` (new text), ``tokens`` (new token ids),
     ``stats`` (running :class:`GenerationStats`), ``finish_reason`` (None,
-    ``"stop"``, ``"length"``, or ``"cancelled"`` when ``should_stop`` asked)."""
+    ``"stop"``, ``"length"``, or ``"cancelled"`` when ``should_stop`` asked),
+    ``logprobs`` (one :class:`~mlx_mtp.logprobs.TokenLogprob` per token when
+    :meth:`MTPModel.stream_generate` was asked for them, else None)."""
 
     text: str
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -140,14 +144,23 @@ class MTPModel:
     def eos_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids or [])
 
-    def encode(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        chat_template: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of a prompt.
 
         Args:
             prompt: text (wrapped as one user message if the tokenizer has a
                 chat template and ``chat_template``), a list of chat messages
-                ``{"role", "content"}`` (roles: :data:`~mlx_mtp.validation.ROLES`),
-                or token ids (a list, or a 1-D integer numpy array).
+                ``{"role", "content"}`` (roles: :data:`~mlx_mtp.validation.ROLES`;
+                and the template's other keys, such as an assistant message's
+                ``tool_calls``), or token ids (a list, or a 1-D integer numpy array).
+            tools: function definitions (OpenAI's ``tools``) for the chat
+                template's ``tools`` argument; needs a chat template and chat
+                messages (or text wrapped as one).
 
         A tokenizer without a chat template renders chat messages as plain
         text turns (``"user: ...\nassistant: "``, see :func:`mlx_mtp.data.role_lines`)
@@ -159,6 +172,10 @@ class MTPModel:
             ModelLoadError: the tokenizer gave ids the model has no
                 embedding for (a tokenizer of another model).
         """
+        if tools and not (self.has_chat_template and self.prompt_format == "chat"):
+            raise InvalidArgumentError(
+                f"{self.loaded.name} has no chat template to render tools with."
+            )
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
                 raise InvalidArgumentError(
@@ -196,7 +213,11 @@ class MTPModel:
                     self._warned_template = True
             return self._in_vocabulary(
                 render_prompt(
-                    self.tokenizer, prompt, prompt_format=self.prompt_format, thinking=self.thinking
+                    self.tokenizer,
+                    prompt,
+                    prompt_format=self.prompt_format,
+                    thinking=self.thinking,
+                    tools=tools,
                 )
             )
         if (
@@ -210,6 +231,8 @@ class MTPModel:
                 raise InvalidArgumentError(
                     f"Token id(s) {bad[:5]} are outside this model's vocabulary [0, {vocab})."
                 )
+            if tools:
+                raise InvalidArgumentError("Tools need chat messages, not token ids.")
             return [int(t) for t in prompt]
         raise InvalidArgumentError(
             "The prompt is empty or of the wrong type; give text, chat messages or token ids."
@@ -312,6 +335,8 @@ class MTPModel:
         chat_template: bool = True,
         fit_context: bool = False,
         should_stop: Callable[[], bool] | None = None,
+        logprobs: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Iterator[Chunk]:
         """Generate and yield text as it is committed (one chunk per decoding step).
 
@@ -332,6 +357,13 @@ class MTPModel:
             should_stop: asked between forward passes (prefill chunks and
                 decoding steps); True ends the stream with a chunk whose
                 ``finish_reason`` is ``"cancelled"``.
+            logprobs: None, or how many most likely alternatives to report
+                with each token's log-probability (0: the token's alone):
+                each chunk's ``logprobs``, from the target model's logits at
+                the token's position (lossless methods only; see
+                :func:`~mlx_mtp.decoding.generate_steps`).
+            tools: function definitions (OpenAI's ``tools`` list) rendered
+                into a chat prompt by the chat template (see :meth:`encode`).
 
         The ranges are :data:`mlx_mtp.validation.LIMITS`, the same as the CLI's.
         Everything is checked before the prompt is prefilled.
@@ -354,7 +386,8 @@ class MTPModel:
                 "should_stop must be a function of no arguments that returns True to stop, "
                 f"or None; got {should_stop!r}"
             )
-        tokens = self.encode(prompt, chat_template)
+        check_logprobs(self.method, logprobs)
+        tokens = self.encode(prompt, chat_template, tools=tools)
         max_tokens = self.check_context(len(tokens), args["max_tokens"], fit_context)
         if self._active is not None:
             raise ModelBusyError(
@@ -381,13 +414,16 @@ class MTPModel:
                 eos_ids=eos,
                 should_stop=should_stop,
                 prefill_step=self.prefill_step,
+                logprobs=logprobs,
             ):
                 for t in step.tokens:
                     if t not in eos:
                         detok.add_token(t)
                 if step.finish_reason is not None:
                     detok.finalize()
-                yield Chunk(detok.last_segment, step.tokens, step.stats, step.finish_reason)
+                yield Chunk(
+                    detok.last_segment, step.tokens, step.stats, step.finish_reason, step.logprobs
+                )
         finally:
             if self._active is mine:
                 self._active = None
@@ -849,7 +885,14 @@ def native_layer(loaded: LoadedModel) -> Any:
 BATCH_METHODS = ("ntp", "pld", "recycle", "draft", "probe", "hybrid", "clp", "lookahead", "mtp")
 
 #: the keyword arguments of :meth:`MTPModel.stream_generate`
-STREAM_KEYWORDS = (*GENERATION_ARGS, "chat_template", "fit_context", "should_stop")
+STREAM_KEYWORDS = (
+    *GENERATION_ARGS,
+    "chat_template",
+    "fit_context",
+    "should_stop",
+    "logprobs",
+    "tools",
+)
 
 
 def check_keywords(kwargs: dict[str, Any]) -> None:

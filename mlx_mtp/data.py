@@ -87,6 +87,7 @@ def render_prompt(
     *,
     prompt_format: str = "chat",
     thinking: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation for generation: the one prompt renderer of
     the API, the benchmark and the trainers.
@@ -100,6 +101,9 @@ def render_prompt(
         thinking: ``enable_thinking`` of hybrid-thinking chat templates
             (Qwen3): off by default (the template then opens and closes an
             empty think block); templates without the switch ignore it.
+        tools: function definitions passed to the chat template as its
+            ``tools`` (``chat`` format with a template only; None or empty:
+            the template is called without them).
 
     Raises:
         InvalidArgumentError: unknown ``prompt_format``.
@@ -114,9 +118,10 @@ def render_prompt(
         bos = getattr(tokenizer, "bos_token_id", None)
         return ([bos] if bos is not None else []) + [int(t) for t in ids]
     if getattr(tokenizer, "chat_template", None):
+        extra = {"tools": tools} if tools else {}
         return list(
             tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, enable_thinking=bool(thinking)
+                messages, add_generation_prompt=True, enable_thinking=bool(thinking), **extra
             )
         )
     return list(tokenizer.encode(role_lines(messages)))

@@ -24,6 +24,7 @@ from .context import Context
 from .costs import LiveCurves, device_curves
 from .engine import PREFILL_STEP, Engine
 from .errors import InvalidArgumentError
+from .logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
 from .methods.base import DraftMethod, Method
 from .pipeline import pipeline_for
 from .planner import Planner
@@ -173,11 +174,39 @@ class Step:
 
     ``finish_reason`` is None while generating, then ``"stop"`` (EOS),
     ``"length"`` (max_tokens) or ``"cancelled"`` (``should_stop``; that last
-    step has no tokens)."""
+    step has no tokens).
+
+    ``logprobs``: with :func:`generate_steps`'s ``logprobs``, one
+    :class:`~mlx_mtp.logprobs.TokenLogprob` per token, else None."""
 
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def check_logprobs(method: Method, logprobs: int | None) -> None:
+    """Refuse a ``logprobs`` setting :func:`generate_steps` cannot honour.
+
+    Raises:
+        InvalidArgumentError: not None nor an integer in
+            [0, :data:`~mlx_mtp.logprobs.MAX_TOP_LOGPROBS`], or asked of a
+            lossy method (its tokens do not come from the target's logits).
+    """
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+        raise InvalidArgumentError(f"logprobs must be an integer, got {logprobs!r}.")
+    if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError(
+            f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}."
+        )
+    if not method.lossless:
+        raise InvalidArgumentError(
+            f"{method.describe()} is lossy: its tokens are not drawn from the target model's "
+            "logits, so it has no logprobs to report. Use a lossless method (ntp, pld, probe, "
+            "...)."
+        )
 
 
 def generate_steps(
@@ -190,6 +219,7 @@ def generate_steps(
     eos_ids: set[int] | frozenset[int] = frozenset(),
     should_stop: Callable[[], bool] | None = None,
     prefill_step: int = PREFILL_STEP,
+    logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Decode with ``method`` after ``prompt`` and yield each step's tokens.
 
@@ -208,15 +238,25 @@ def generate_steps(
             step of no tokens and ``finish_reason`` ``"cancelled"`` (a
             prefill stopped early leaves its prefix in the cache).
         prefill_step: prompt tokens per prefill forward pass.
+        logprobs: None: no log-probabilities (nothing is computed for
+            them). An integer in [0, :data:`~mlx_mtp.logprobs.MAX_TOP_LOGPROBS`]:
+            each step's tokens come with their log-probabilities under the
+            target model's logits at their positions and that many most
+            likely alternatives (:mod:`mlx_mtp.logprobs`). Lossless methods
+            only; their steps then run through the planner, never the
+            pipelined drafter (:func:`~mlx_mtp.pipeline.pipeline_for`),
+            whose verification reads back target tokens, not rows.
 
     Raises:
-        InvalidArgumentError: empty prompt or max_tokens <= 0.
+        InvalidArgumentError: empty prompt, max_tokens <= 0, or ``logprobs``
+            out of range or asked of a lossy method.
         CacheNotTrimmableError: the cache cannot drop rejected drafts.
     """
     if not prompt:
         raise InvalidArgumentError("The prompt is empty; give at least one token of input.")
     if max_tokens <= 0:
         raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}.")
+    check_logprobs(method, logprobs)
     ctx = ctx if isinstance(ctx, Context) else Context(ctx)
     engine = ctx.engine
     _synchronize_streams()
@@ -234,6 +274,8 @@ def generate_steps(
     # the limit), buffer cache cleared every CLEAR_CACHE_EVERY tokens
     wired = wired_limit(engine.model, streams=[mx.default_stream(mx.default_device())])
     wired.__enter__()
+    recorder = None if logprobs is None else LogprobRecorder(logprobs)
+    engine.logprobs = recorder
     try:
         t0 = clock.now()
         stats.prefill_tokens = engine.sync(prompt[:-1], prefill_step, should_stop)
@@ -248,12 +290,15 @@ def generate_steps(
             if curves is not None and not isinstance(curves, LiveCurves):
                 curves = LiveCurves(as_curves(curves), learn=False)
             # pipelined steps where the method drafts on the device, else the planner
-            planner = pipeline_for(ctx, method, sampler, curves)
+            if recorder is None:
+                planner = pipeline_for(ctx, method, sampler, curves)
             if planner is None:
                 planner = Planner(ctx, method, sampler, curves)
         t0 = clock.now()
         method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
         stats.prefill_time += clock.now() - t0
+        if recorder is not None:  # only the decoding steps' tokens are reported
+            recorder.entries.clear()
         root, finish = prompt[-1], None
         f0, s0 = engine.forward_seconds, engine.forward_slots
         cleared = 0
@@ -298,8 +343,17 @@ def generate_steps(
                 if planner.curve is not None:
                     stats.cost_8 = planner.curve(8)
             root = tokens[-1]
-            yield Step(tokens, stats, finish)
+            lps = None
+            if recorder is not None:
+                if len(recorder.entries) < len(out.tokens):
+                    raise InvalidArgumentError(
+                        f"{method.describe()} committed tokens without the target's logits "
+                        "at their positions: it cannot report logprobs."
+                    )
+                lps = recorder.take(len(tokens))
+            yield Step(tokens, stats, finish, lps)
     finally:
+        engine.logprobs = None
         ctx.left = None
         # cache = prompt + generated tokens but the last one
         expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)

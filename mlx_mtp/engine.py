@@ -37,6 +37,7 @@ from .cache_view import (
 )
 from .errors import CacheNotTrimmableError, UnsupportedModelError
 from .families import TREE, family_support, model_parts
+from .logprobs import LogprobRecorder
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
 from .timing import make_clock
 
@@ -88,6 +89,10 @@ class Engine:
         #: (N,) sequence position of each slot of the last forward pass; the
         #: token drawn from slot i's logits sits at ``slot_positions[i] + 1``
         self.slot_positions = np.zeros(0, dtype=np.int64)
+        #: where set (:func:`mlx_mtp.decoding.generate_steps` with
+        #: ``logprobs``), one-token and verified steps record each committed
+        #: token's log-probability in it (:mod:`mlx_mtp.logprobs`)
+        self.logprobs: LogprobRecorder | None = None
         # the last tree pass over plain KV caches: (start, slots, views holding the
         # slots' keys/values), for keep() to move accepted rows without a sync
         self._tree_rows: tuple[int, int, list[TreeCacheView]] | None = None

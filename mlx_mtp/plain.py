@@ -33,8 +33,9 @@ class PlainSteps:
     def __init__(self, sampler: Sampler | None, topk: int = 0):
         self.sampler, self.topk = sampler, topk
         #: (lazy argmax after the queued token, its lazy top-k or None, cache
-        #: offset after it, when the clock has it done)
-        self.next: tuple[mx.array, mx.array | None, int, float] | None = None
+        #: offset after it, when the clock has it done, its logits where the
+        #: engine records log-probabilities, else None)
+        self.next: tuple[mx.array, mx.array | None, int, float, mx.array | None] | None = None
         self.last_top: np.ndarray | None = None
 
     def _top(self, logits: mx.array) -> mx.array | None:
@@ -52,13 +53,16 @@ class PlainSteps:
             top = self._top(logits)
             engine.timed_eval(tok, *([] if top is None else [top]))
             self.last_top = None if top is None else np.array(top)
+            if engine.logprobs is not None:
+                engine.logprobs.record(last, [int(tok.item())])
             return [int(tok.item())]
         t0 = clock.now()
         held, nxt, self.next = self.holds(engine, root), self.next, None
         # the queued pass must be droppable again (root's pass too, when not held)
         pipelined = queue_next and engine.trimmable(2 if held else 3)
         if held:
-            y, top, done = nxt[0], nxt[1], nxt[3]  # root's forward was queued by the last step
+            # root's forward was queued by the last step
+            y, top, done, row = nxt[0], nxt[1], nxt[3], nxt[4]
             engine.count_forward()  # that pass is used now
         elif pipelined:
             # the pipeline starts here (after a draft step, a prefill): root's
@@ -67,11 +71,12 @@ class PlainSteps:
             logits = engine.queue_token(mx.array([root]))
             engine.resolve_last(root)
             engine.count_forward()
-            y, top = mx.argmax(logits, axis=-1), self._top(logits)
+            y, top, row = mx.argmax(logits, axis=-1), self._top(logits), logits
             done = clock.launch([y, *([] if top is None else [top])], 1)
         else:
             logits, _ = engine.forward_chain([root], wait=False)
             y, top, done = mx.argmax(logits[-1:], axis=-1), self._top(logits), 0.0
+            row = logits[-1:]
             engine.timed_eval(y, *([] if top is None else [top]))
             t0 = clock.now()
 
@@ -87,10 +92,13 @@ class PlainSteps:
             queued = clock.launch([following, *([] if after is None else [after])], 1)
             tok = clock.block(read, done)
             engine.resolve_last(tok)
-            self.next = (following, after, engine.offset, queued)
+            kept = logits if engine.logprobs is not None else None
+            self.next = (following, after, engine.offset, queued, kept)
         else:
             tok = clock.block(read, done)
         clock.add(clock.now() - t0)
+        if engine.logprobs is not None:
+            engine.logprobs.record(row, [tok])
         return [tok]
 
     @property

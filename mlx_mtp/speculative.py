@@ -181,4 +181,6 @@ def speculative_step(engine: Engine, draft: Draft, sampler: Sampler | None) -> V
     path, bonus = walk_tree(parents[:n], tokens[:n], dict(enumerate(tgt.tolist())))
     engine.keep(start, [0, *path])
     committed = [int(tokens[s]) for s in path] + [int(bonus)]
+    if engine.logprobs is not None:  # each committed token from its parent slot's row
+        engine.logprobs.record(logits[mx.array([0, *path])], committed)
     return Verified(start, path, int(bonus), committed, tgt, logits, hidden, extras)

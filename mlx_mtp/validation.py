@@ -63,7 +63,9 @@ LIMITS: dict[str, Limit] = {
 
 #: the roles of chat messages, the same for the Python API and the server
 #: ("developer" is OpenAI's newer name for "system")
-ROLES = frozenset({"system", "developer", "user", "assistant"})
+#: chat roles ("developer" is OpenAI's newer name for "system"; "tool" carries a
+#: tool call's result back)
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def chat_role(role: Any, label: str = "role") -> str:

@@ -430,6 +430,8 @@ def mtp(**options):
     return dict(M, mtp=options)
 
 
+#: one function tool (SmolLM2's chat template has no tool format)
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 AA, HA, OA = "artifact_not_allowed", "host_not_allowed", "origin_not_allowed"
 CHAT = "/v1/chat/completions"
 EVIL = {"Origin": "http://evil.example"}
@@ -456,9 +458,13 @@ ABUSE: list[tuple] = [
     ("stream_options extra", dict(M, stream=True, stream_options={"x": 1}), 400, None),
     ("n=3", dict(M, n=3), 400, None),
     ("tools", dict(M, tools=[{"type": "function"}]), 400, None),
-    ("tool_choice", dict(M, tool_choice="auto"), 400, None),
-    ("logprobs", dict(M, logprobs=True), 400, None),
-    ("top_logprobs", dict(M, top_logprobs=3), 400, None),
+    ("tools on a model without a tool format", dict(M, tools=TOOLS), 400, "tools_not_supported"),
+    ("tool_choice without tools", dict(M, tool_choice="required"), 400, None),
+    ("logprobs not a boolean", dict(M, logprobs="yes"), 400, None),
+    ("top_logprobs without logprobs", dict(M, top_logprobs=3), 400, None),
+    ("top_logprobs 21", dict(M, logprobs=True, top_logprobs=21), 400, None),
+    ("response_format json", dict(M, response_format={"type": "json_object"}), 400,
+     "response_format_not_supported"),
     ("empty messages", dict(M, messages=[]), 400, None),
     ("message not an object", dict(M, messages=["hi"]), 400, None),
     ("empty stop", dict(M, stop=[""]), 400, None),

@@ -431,7 +431,7 @@ def test_the_api_takes_the_roles_the_server_takes(ntp_model):
     from mlx_mtp.server.protocol import OpenAIError, parse_request
     from mlx_mtp.validation import ROLES
 
-    assert ROLES == {"system", "developer", "user", "assistant"}
+    assert ROLES == {"system", "developer", "user", "assistant", "tool"}
     sys_msg = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     dev_msg = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert ntp_model.encode(dev_msg) == ntp_model.encode(sys_msg)
@@ -441,7 +441,7 @@ def test_the_api_takes_the_roles_the_server_takes(ntp_model):
         ntp_model.encode([{"role": "robot", "content": "hi"}])
     with pytest.raises(OpenAIError) as server:
         parse_request({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "chat")
-    tail = 'must be one of assistant, developer, system, user, got "robot".'
+    tail = 'must be one of assistant, developer, system, tool, user, got "robot".'
     assert str(api.value).endswith(tail) and server.value.message.endswith(tail)
 
 

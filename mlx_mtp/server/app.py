@@ -48,13 +48,16 @@ from ..errors import InvalidArgumentError
 from .events import Cancelled, Delta, Done, Event, Failed, Taken
 from .protocol import (
     OpenAIError,
+    chat_logprobs,
     chunk_object,
+    completion_logprobs,
     completion_object,
     new_id,
     parse_json,
     parse_request,
     sse,
 )
+from .tools import ToolCallStream, finish_reason
 from .worker import Job, Worker
 
 log = logging.getLogger("mlx_mtp.server")
@@ -334,24 +337,44 @@ def create_app(
                 return await events.get()
             return ev  # Failed (shutting down) or Cancelled before the worker took it
 
+    def tool_stream(req: Any, streaming: bool) -> ToolCallStream | None:
+        if req.tools is None:
+            return None
+        return ToolCallStream(worker.loaded.tokenizer, req.tools, streaming)
+
+    def logprobs_object(req: Any, entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+        if req.kind == "chat":
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, offset)
+
     async def _collect(job: Job, events: asyncio.Queue[Event], ev: Event) -> dict[str, Any]:
-        req, text = job.request, []
+        req, text, calls, entries = job.request, [], [], []
+        tools = tool_stream(req, streaming=False)
         while True:
             if isinstance(ev, Delta):
-                text.append(ev.text)
+                content, made = tools.feed(ev.text) if tools is not None else (ev.text, [])
+                text.append(content)
+                calls += made
+                entries += ev.logprobs or []
             elif isinstance(ev, Failed):
                 raise ev.error
             elif isinstance(ev, Cancelled):
                 raise _client_gone()
             elif isinstance(ev, Done):
+                if tools is not None:
+                    content, made = tools.finish()
+                    text.append(content)
+                    calls += made
                 return completion_object(
                     req.kind,
                     new_id(req.kind),
                     req.model,
                     "".join(text),
-                    ev.finish_reason,
+                    finish_reason(ev.finish_reason, tools),
                     ev.usage,
                     ev.mtp,
+                    tool_calls=calls,
+                    logprobs=None if req.logprobs is None else logprobs_object(req, entries, 0),
                 )
             ev = await events.get()
 
@@ -364,12 +387,23 @@ def create_app(
         def chunk(**kw: Any) -> bytes:
             return sse(chunk_object(req.kind, rid, req.model, stamp, **kw))
 
+        tools = tool_stream(req, streaming=True)
+        sent = 0  # characters of the answer sent (a completion's text_offset)
+
+        def piece(text: str, calls: list[dict[str, Any]], entries: Any, **kw: Any) -> bytes:
+            nonlocal sent
+            lp = None if entries is None else logprobs_object(req, entries, sent)
+            sent += len(text)
+            return chunk(text=text, tool_calls=calls or None, logprobs=lp, **kw)
+
         try:
             if req.kind == "chat":
                 yield chunk(text="", role=True)
             while True:
                 if isinstance(ev, Delta):
-                    yield chunk(text=ev.text)
+                    text, calls = tools.feed(ev.text) if tools is not None else (ev.text, [])
+                    if text or calls or ev.logprobs:
+                        yield piece(text, calls, ev.logprobs)
                 elif isinstance(ev, Failed):
                     yield sse(ev.error.body())
                     return
@@ -378,9 +412,13 @@ def create_app(
                 elif isinstance(ev, Done):
                     if ev.finish_reason == "cancelled" and not job.shutdown:
                         return  # the client has gone: nobody reads an end
+                    if tools is not None:
+                        text, calls = tools.finish()
+                        if text or calls:
+                            yield piece(text, calls, None)
                     yield chunk(
                         text=None if req.kind == "chat" else "",
-                        finish_reason=ev.finish_reason,
+                        finish_reason=finish_reason(ev.finish_reason, tools),
                         mtp=ev.mtp,
                     )
                     if req.include_usage:

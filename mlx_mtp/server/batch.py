@@ -188,7 +188,7 @@ class BatchRunner:
             return
         given = {**self.sampling, **sampling}
         try:
-            tokens = self.model.encode(req.prompt, req.kind == "chat")
+            tokens = self.model.encode(req.prompt, req.kind == "chat", tools=req.tools)
             asked = self.max_tokens if req.max_tokens is None else req.max_tokens
             limit = self.model.check_context(len(tokens), asked, req.max_tokens is None)
         except MTPError as e:  # the API's refusal: a 400 naming the problem

@@ -27,9 +27,12 @@ class Started:
 
 @dataclass(frozen=True)
 class Delta:
-    """New answer text, already cut at stop strings."""
+    """New answer text, already cut at stop strings; ``logprobs``: where the
+    request asked for them, one entry (OpenAI's chat shape, see
+    :func:`~.replies.logprob_entries`) per token the text came from."""
 
     text: str
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..validation import chat_role
 
+#: most alternatives a request may ask per token (``top_logprobs``; completions'
+#: ``logprobs``)
+MAX_TOP_LOGPROBS = 20
 #: most stop strings per request (OpenAI allows 4; a few more cost nothing here)
 MAX_STOP = 16
 
@@ -120,6 +123,11 @@ class GenRequest:
         include_usage: with ``stream``, send a usage chunk before ``[DONE]``.
         method: the mlx-mtp method, None for the server's.
         options: that method's options (used only with ``method``).
+        logprobs: None (not asked), or how many most likely alternatives to
+            report beside each token's log-probability (chat: ``logprobs:
+            true`` with ``top_logprobs``; completions: ``logprobs: N``).
+        tools: the function definitions to render into the chat prompt and
+            parse calls of (None: no tools, also with ``tool_choice: "none"``).
     """
 
     kind: str
@@ -136,6 +144,8 @@ class GenRequest:
     include_usage: bool = False
     method: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -209,27 +219,102 @@ def _refuse_unsupported(body: dict) -> None:
         v = _number(body, name)
         if v not in (None, 0.0):
             raise bad(f"'{name}' is not supported by mlx-mtp; leave it out or 0.", param=name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs are not supported by mlx-mtp; leave them out.", param="logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad("top_logprobs are not supported by mlx-mtp.", param="top_logprobs")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported by mlx-mtp.", param="logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise bad("Tool / function calling is not supported by mlx-mtp.", param="tools")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise bad(f"'{name}' is not supported by mlx-mtp (no tools).", param=name)
+    if body.get("functions"):
+        raise bad(
+            "'functions' (OpenAI's deprecated form) is not supported; send the functions "
+            'as \'tools\': [{"type": "function", "function": {...}}].',
+            param="functions",
+        )
+    if body.get("function_call") not in (None, "none"):
+        raise bad(
+            "'function_call' (OpenAI's deprecated form) is not supported; use 'tools' and "
+            "'tool_choice'.",
+            param="function_call",
+        )
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
         raise bad(
-            "response_format other than {'type': 'text'} is not supported.",
+            f"response_format {json.dumps(kind if kind is not None else fmt)} is not "
+            "supported: mlx-mtp does not constrain its output to JSON. Supported: "
+            '{"type": "text"} (or leave it out); ask for JSON in the prompt instead.',
             param="response_format",
+            code="response_format_not_supported",
         )
     if _boolean(body, "echo"):
         raise bad("echo is not supported by mlx-mtp.", param="echo")
     if body.get("suffix"):
         raise bad("suffix (insertion) is not supported by mlx-mtp.", param="suffix")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token a request asks with its log-probabilities
+    (None: no log-probabilities)."""
+    if kind == "completion":
+        n = body.get("logprobs")
+        if n is None:
+            return None
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise bad(
+                f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
+                f"token), got {json.dumps(n)}.",
+                param="logprobs",
+            )
+        return n
+    asked = _boolean(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if asked else None
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(
+            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {json.dumps(top)}.",
+            param="top_logprobs",
+        )
+    if not asked:
+        raise bad("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return top
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """The request's function tools, checked (None: none, or ``tool_choice:
+    "none"``: the prompt is rendered without them and no call is parsed)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if body.get("parallel_tool_calls") is not None:
+        _boolean(body, "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("'tool_choice' needs 'tools'.", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list of function tools.", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and fn["name"]
+            and isinstance(fn.get("parameters", {}), dict)
+        ):
+            raise bad(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                '"description": ..., "parameters": {...}}}} (function tools only).',
+                param=f"tools[{i}]",
+            )
+    if choice in (None, "auto"):
+        return tools
+    if choice == "none":
+        return None
+    raise bad(
+        f"tool_choice {json.dumps(choice)} is not supported: mlx-mtp cannot force a call "
+        '(no constrained decoding). Supported: "auto" (the model decides) and "none".',
+        param="tool_choice",
+        code="tool_choice_not_supported",
+    )
 
 
 def _stop(body: dict) -> list[str]:
@@ -294,7 +379,43 @@ def _content(msg: dict, i: int) -> str:
     )
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` for the chat template: each
+    ``{"id", "type": "function", "function": {"name", "arguments"}}`` with
+    the arguments decoded from their JSON string (templates render them as
+    an object, as ``mlx_lm.server`` gives them)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list.", param=where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise bad(
+                f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", '
+                '"arguments"}}}}.',
+                param=f"{where}[{j}]",
+            )
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise bad(
+                    f"{where}[{j}].function.arguments is not valid JSON.",
+                    param=f"{where}[{j}].function.arguments",
+                ) from None
+        call: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": args},
+        }
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list of messages.", param="messages")
@@ -306,8 +427,19 @@ def _messages(body: dict) -> list[dict[str, str]]:
             role = chat_role(m.get("role"), f"messages[{i}].role")
         except InvalidArgumentError as e:
             raise bad(str(e), param=f"messages[{i}].role") from None
-        out.append({"role": role, "content": _content(m, i)})
-    if not any(m["content"].strip() for m in out):
+        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad(
+                            f"messages[{i}].{key} must be a string.", param=f"messages[{i}].{key}"
+                        )
+                    msg[key] = m[key]
+        out.append(msg)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad("All messages are empty; send some text.", param="messages")
     return out
 
@@ -388,6 +520,8 @@ def parse_request(body: dict[str, Any], kind: str) -> GenRequest:
         include_usage=include_usage,
         method=method,
         options=options,
+        logprobs=_logprobs(body, kind),
+        tools=_tools(body) if kind == "chat" else None,
     )
 
 
@@ -458,19 +592,32 @@ def completion_object(
     usage_: dict[str, Any],
     mtp: dict[str, Any],
     created: int | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed ``chat.completion`` or ``text_completion`` object."""
+    """A non-streamed ``chat.completion`` or ``text_completion`` object.
+
+    ``tool_calls``: the calls the answer made (chat: ``message.tool_calls``;
+    the content is then null where no other text came). ``logprobs``: the
+    choice's ``logprobs`` object (:func:`chat_logprobs` or
+    :func:`completion_logprobs`), null where not asked."""
     created = created or int(time.time())
     if kind == "chat":
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if tool_calls and not text else text,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "message": message,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {
         "id": rid,
@@ -493,11 +640,15 @@ def chunk_object(
     role: bool = False,
     usage_: dict[str, Any] | None = None,
     mtp: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``chat.completion.chunk`` / ``text_completion`` event.
 
     ``usage_`` set: the usage chunk (empty ``choices``), sent last when
-    ``stream_options.include_usage`` asks for it.
+    ``stream_options.include_usage`` asks for it. ``tool_calls``: complete
+    calls for ``delta.tool_calls`` (each with its ``index``); ``logprobs``:
+    the log-probabilities of the tokens this chunk's text came from.
     """
     if usage_ is not None:
         choices: list[dict[str, Any]] = []
@@ -507,10 +658,14 @@ def chunk_object(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choices = [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ]
     else:
         choices = [
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         ]
     out: dict[str, Any] = {
         "id": rid,
@@ -524,6 +679,29 @@ def chunk_object(
     if mtp is not None:
         out["mtp"] = mtp
     return out
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object: ``{"content": [{"token", "logprob",
+    "bytes", "top_logprobs": [...]}, ...], "refusal": null}``."""
+    return {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """A text completion choice's ``logprobs`` object (OpenAI's legacy shape:
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``,
+    ``text_offset``), of the same entries; ``offset``: the answer's
+    characters before the first of them."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

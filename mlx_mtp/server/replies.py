@@ -57,6 +57,26 @@ def openai_error(e: MTPError, req: GenRequest) -> OpenAIError:
     return OpenAIError(400, api_wording(str(e)), param=param, code=code)
 
 
+def logprob_entries(tokenizer: Any, lps: list[Any], eos: set[int]) -> list[dict[str, Any]]:
+    """OpenAI's chat ``logprobs.content`` entries of :class:`~mlx_mtp.logprobs.TokenLogprob`
+    records: ``{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}``, each token as the tokenizer decodes it alone;
+    end-of-sequence tokens (no text) are left out."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    out = []
+    for e in lps:
+        if e.token in eos:
+            continue
+        entry = one(e.token, e.logprob)
+        entry["top_logprobs"] = [one(t, v) for t, v in e.top]
+        out.append(entry)
+    return out
+
+
 def mtp_stats(st: Any, cached: int, job: Any) -> dict[str, Any]:
     """The ``mtp`` object of a response: method settings, acceptance and timing
     (:class:`~mlx_mtp.decoding.GenerationStats`; seconds, tokens per second)."""

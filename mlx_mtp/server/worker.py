@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from .. import distributed
 from ..api import BATCH_METHODS
+from ..decoding import check_logprobs
 from ..engine import Engine
 from ..errors import InvalidArgumentError, MTPError
 from ..loading import draft_for, load_model, share_target
@@ -42,7 +43,7 @@ from ..methods import make_method, method_class, method_options
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .limits import Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
-from .replies import mtp_stats, openai_error
+from .replies import logprob_entries, mtp_stats, openai_error
 
 log = logging.getLogger("mlx_mtp.server")
 
@@ -270,10 +271,11 @@ class Worker:
         """Check what a request asks before it is queued (pure Python, no
         model: safe on the HTTP side), so that a request over a bound or with
         a bad setting is refused at once, never told to wait (429) first:
-        ``max_tokens`` against its limit, the sampling settings, and the
+        ``max_tokens`` against its limit, the sampling settings, the
         method, its options (files among them) and its slots per forward
-        pass. The prompt (its encoding, vocabulary and length) is the
-        worker's, through the API.
+        pass, ``tools`` against the model's tool-call format and
+        ``logprobs`` against the method (lossless only). The prompt (its
+        encoding, vocabulary and length) is the worker's, through the API.
 
         Returns:
             ``(cache key, method)`` for a request naming a method, else None
@@ -289,12 +291,17 @@ class Worker:
             given = {**self.sampling, **sampling_of(req)}
             asked = self.max_tokens if req.max_tokens is None else req.max_tokens
             check_generation_args(max_tokens=asked, labels=REQUEST_FIELDS, **given)
+            if req.tools is not None:
+                check_tools(self.loaded, self.model_id)
             if req.method is None:
+                if req.logprobs is not None:
+                    check_logprobs(self._models[self.default_key].method, req.logprobs)
                 return None
             self.check_option_names(req.method, req.options)
             options = self.limits.request_options(req.method, req.options)
             method = make_method(req.method, **options)
             self.limits.check_method(method)
+            check_logprobs(method, req.logprobs)
         except MTPError as e:
             raise openai_error(e, req) from None
         return method_key(req.method, options), method
@@ -436,8 +443,12 @@ class Worker:
         ``"draft"`` for the server's greedy draft model, on a model whose
         layers all keep a full KV cache (the server's method without options
         but its draft model, or a method asked for without options); with
-        ``--max-batch`` above 1, an unbounded cache and a model on one rank."""
+        ``--max-batch`` above 1, an unbounded cache and a model on one rank.
+        A request for ``logprobs`` runs alone: a batched row's step reads
+        back its tokens, not the target's rows."""
         req = job.request
+        if req.logprobs is not None:
+            return None
         if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
             return None
         method, options = (
@@ -686,6 +697,8 @@ class Worker:
             chat_template=req.kind == "chat",
             # rank 0's client decides for every rank of a sharded model
             should_stop=lambda: distributed.agree_flag(job.cancel.is_set()),
+            logprobs=req.logprobs,
+            tools=req.tools,
             **sampling,
         )
         cutter = StopCutter(req.stop)
@@ -706,14 +719,17 @@ class Worker:
                 text = cutter.feed(chunk.text)
                 if chunk.finish_reason is not None and not cutter.stopped:
                     text += cutter.flush()
-                if text:
-                    self._emit(job, Delta(text))
+                lps = chunk.logprobs
                 if cutter.stopped:
                     finish = "stop"
                     counted = len(new) + tokens_to_stop(m, new, chunk.tokens, before)
                     job.generated_tokens = counted
+                    lps = lps[: counted - len(new)] if lps is not None else None
                 elif chunk.finish_reason is not None:
                     finish = chunk.finish_reason
+                entries = logprob_entries(m.tokenizer, lps, m.eos_ids) if lps else None
+                if text or entries:
+                    self._emit(job, Delta(text, entries))
                 new += chunk.tokens
                 if finish is not None:
                     break
@@ -747,6 +763,33 @@ REQUEST_FIELDS = {
 #: method -> the option it cannot run without (the package's message for a
 #: missing one names a CLI flag)
 REQUIRED_OPTIONS = {"draft": "draft_model"}
+
+
+def check_tools(loaded: Any, name: str) -> None:
+    """Refuse ``tools`` for a model whose tool calls this server cannot parse:
+    without a chat template, or a template for which mlx-lm has no tool
+    parser (``TokenizerWrapper.has_tool_calling``).
+
+    Raises:
+        OpenAIError: 400 ``tools_not_supported``.
+    """
+    tok = getattr(loaded, "tokenizer", None)
+    if tok is None or not getattr(tok, "chat_template", None):
+        why = "has no chat template to render tools with"
+    elif not getattr(tok, "has_tool_calling", False):
+        why = (
+            "has no tool-call format mlx-lm can parse (none is known for its chat template "
+            "or set as tool_parser_type in its tokenizer_config.json)"
+        )
+    else:
+        return
+    raise OpenAIError(
+        400,
+        f"The model {name!r} {why}; send the request without 'tools' (or with "
+        'tool_choice: "none").',
+        param="tools",
+        code="tools_not_supported",
+    )
 
 
 def tokens_to_stop(m: Any, before: list[int], chunk: list[int], cutter: StopCutter) -> int:
