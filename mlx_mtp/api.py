@@ -53,6 +53,7 @@ from .loading import (
 )
 from .logprobs import TokenLogprob
 from .methods import Method, make_method
+from .runners import check_runner
 from .sampling import PositionalSampler, random_seed
 from .validation import (
     GENERATION_ARGS,
@@ -120,9 +121,14 @@ class MTPModel:
         method: Method,
         max_kv_size: int | None = None,
         thinking: bool = False,
+        runner: str = "auto",
     ):
         if max_kv_size is not None:
             max_kv_size = check_value("max_kv_size", max_kv_size)
+        #: the runner asked for (:mod:`mlx_mtp.runners`): ``auto``,
+        #: ``pipelined`` or ``synchronous``; each result's ``stats.runner``
+        #: says which ran
+        self.runner = check_runner(runner)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -415,6 +421,7 @@ class MTPModel:
                 should_stop=should_stop,
                 prefill_step=self.prefill_step,
                 logprobs=logprobs,
+                runner=self.runner,
             ):
                 for t in step.tokens:
                     if t not in eos:
@@ -503,6 +510,8 @@ def load(
     dtype: str | None = None,
     max_kv_size: int | None = None,
     thinking: bool = False,
+    pipeline_parallel: bool = False,
+    runner: str = "auto",
     pipeline: bool = False,
     **method_options: Any,
 ) -> MTPModel:
@@ -515,8 +524,11 @@ def load(
             (Qwen3); off by default.
         dtype: compute dtype (float32 default on Linux CPU; as stored on Mac).
         max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
-        pipeline: under ``mlx.launch`` (a group of several ranks), shard the
-            model by layers instead of by heads (see :mod:`mlx_mtp.distributed`).
+        pipeline_parallel: under ``mlx.launch`` (a group of several ranks),
+            shard the model by layers instead of by heads (see
+            :mod:`mlx_mtp.distributed`); ``pipeline`` is the same.
+        runner: ``auto``, ``pipelined`` or ``synchronous``: the runner of
+            the decoding steps (:mod:`mlx_mtp.runners`).
         **method_options: e.g. ``bc=30, masks=2, tree="dynamic"`` for probe.
 
     Raises:
@@ -536,11 +548,12 @@ def load(
         check_value("max_kv_size", max_kv_size)
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
-    lm = load_model(model, dtype, pipeline=pipeline)
+    check_runner(runner)
+    lm = load_model(model, dtype, pipeline=pipeline_parallel or pipeline)
     shared = share_target(lm, method_options)
     if shared is not method_options:  # the draft model is the target: its weights, once
         m = make_method(method, **shared)
-    return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking)
+    return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking, runner=runner)
 
 
 class RowSampler:

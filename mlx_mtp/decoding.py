@@ -26,8 +26,7 @@ from .engine import PREFILL_STEP, Engine
 from .errors import InvalidArgumentError
 from .logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
 from .methods.base import DraftMethod, Method
-from .pipeline import pipeline_for
-from .planner import Planner
+from .runners import check_runner, choose_runner
 from .verify import Sampler
 
 #: tokens between ``mx.clear_cache()`` calls in the decoding loop (mlx-lm: 256)
@@ -43,6 +42,11 @@ class GenerationStats:
     """
 
     method: str = ""
+    #: the runner that decoded it (:mod:`mlx_mtp.runners`): ``plain``,
+    #: ``pipelined``, ``synchronous`` or ``batched``
+    runner: str = ""
+    #: why that runner (:func:`~mlx_mtp.runners.choose_runner`)
+    runner_reason: str = ""
     block_complexity: int = 1
     prompt_tokens: int = 0
     prefill_tokens: int = 0
@@ -68,6 +72,9 @@ class GenerationStats:
     #: times ``auto`` began a run of plain steps because no draft paid for its
     #: slots
     plain_spells: int = 0
+    #: pipelined runner: plain steps where the method offered drafts and the
+    #: width policy judged none worth its cost (the others had nothing to draft)
+    declined_steps: int = 0
     #: the cost curve's ``c(8)`` (an 8-slot pass in one-slot passes: a small
     #: draft tree) the planner last planned with; 0 without ``auto``
     cost_8: float = 0.0
@@ -116,11 +123,13 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
-        """A human-readable stats line; where the planner ran one-token steps
-        instead of drafts, a second line says how many and why."""
+        """A human-readable stats line, the runner first; where the runner ran
+        one-token steps instead of drafts, a second line says how many and why."""
         idle = self.idle_ms_per_step
         line = (
-            f"[{self.method}] {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
+            f"[{self.method}] "
+            + (f"{self.runner}: " if self.runner else "")
+            + f"{self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s, "
             f"tau {self.tau:.2f} ({self.slots_per_forward:.1f} slots/forward, largest pass "
             f"{self.max_slots} of BC {self.block_complexity}), "
             f"drafted {self.drafted} / accepted {self.accepted}, "
@@ -132,7 +141,18 @@ class GenerationStats:
         if not self.plain_steps:
             return line
         plain = f"{self.plain_steps} of {self.steps} steps were plain one-token steps"
-        if self.plain_spells:
+        if self.runner == "pipelined":
+            nothing = self.plain_steps - self.declined_steps
+            whys = []
+            if self.declined_steps:
+                whys.append(
+                    f"{self.declined_steps} because the policy judged no draft worth its cost "
+                    f"on this device (an 8-slot pass costs {self.cost_8:.2f} 1-slot passes here)"
+                )
+            if nothing:
+                whys.append(f"{nothing} because the method had nothing to draft")
+            why = "; ".join(whys)
+        elif self.plain_spells:
             why = (
                 f"auto kept to them {self.plain_spells} time(s) because no draft's expected "
                 "tokens paid for its slots on this device (an 8-slot pass costs "
@@ -220,6 +240,7 @@ def generate_steps(
     should_stop: Callable[[], bool] | None = None,
     prefill_step: int = PREFILL_STEP,
     logprobs: int | None = None,
+    runner: str = "auto",
 ) -> Iterator[Step]:
     """Decode with ``method`` after ``prompt`` and yield each step's tokens.
 
@@ -244,12 +265,16 @@ def generate_steps(
             target model's logits at their positions and that many most
             likely alternatives (:mod:`mlx_mtp.logprobs`). Lossless methods
             only; their steps then run through the planner, never the
-            pipelined drafter (:func:`~mlx_mtp.pipeline.pipeline_for`),
-            whose verification reads back target tokens, not rows.
+            pipelined runner, whose verification reads back target tokens,
+            not rows.
+        runner: ``auto``, ``pipelined`` or ``synchronous``: the runner of the
+            steps (:func:`~mlx_mtp.runners.choose_runner`; the one that ran
+            is ``stats.runner``).
 
     Raises:
-        InvalidArgumentError: empty prompt, max_tokens <= 0, or ``logprobs``
-            out of range or asked of a lossy method.
+        InvalidArgumentError: empty prompt, max_tokens <= 0, ``logprobs``
+            out of range or asked of a lossy method, or a ``runner`` that is
+            unknown or cannot run this generation.
         CacheNotTrimmableError: the cache cannot drop rejected drafts.
     """
     if not prompt:
@@ -257,6 +282,7 @@ def generate_steps(
     if max_tokens <= 0:
         raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}.")
     check_logprobs(method, logprobs)
+    check_runner(runner)
     ctx = ctx if isinstance(ctx, Context) else Context(ctx)
     engine = ctx.engine
     _synchronize_streams()
@@ -283,17 +309,18 @@ def generate_steps(
         if engine.offset != len(prompt) - 1:  # should_stop during the prefill
             yield Step([], stats, "cancelled")
             return
+        curves = None
         if isinstance(method, DraftMethod):
             curves = ctx.curves
             if method.auto and curves is None:
                 curves = device_curves(engine)
             if curves is not None and not isinstance(curves, LiveCurves):
                 curves = LiveCurves(as_curves(curves), learn=False)
-            # pipelined steps where the method drafts on the device, else the planner
-            if recorder is None:
-                planner = pipeline_for(ctx, method, sampler, curves)
-            if planner is None:
-                planner = Planner(ctx, method, sampler, curves)
+        choice = choose_runner(
+            ctx, method, sampler, curves, logprobs=recorder is not None, runner=runner
+        )
+        planner = choice.runner
+        stats.runner, stats.runner_reason = choice.name, choice.reason
         t0 = clock.now()
         method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
         stats.prefill_time += clock.now() - t0
@@ -340,6 +367,7 @@ def generate_steps(
             if planner is not None:
                 stats.plain_steps, stats.reprobes = planner.plain_steps, planner.reprobes
                 stats.plain_spells = planner.plain_spells
+                stats.declined_steps = getattr(planner, "declined", 0)
                 if planner.curve is not None:
                     stats.cost_8 = planner.curve(8)
             root = tokens[-1]

@@ -331,6 +331,7 @@ class LoadedModel:
         *,
         max_kv_size: int | None = None,
         thinking: bool = False,
+        runner: str = "auto",
         **options: Any,
     ) -> Any:
         """A decoding method bound to this model: an
@@ -342,6 +343,8 @@ class LoadedModel:
                 ``options``, or a :class:`~mlx_mtp.methods.Method` instance.
             max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
             thinking: ``enable_thinking`` for hybrid-thinking chat templates.
+            runner: ``auto``, ``pipelined`` or ``synchronous``: the runner of
+                the decoding steps (:mod:`mlx_mtp.runners`).
 
         Raises:
             UnknownMethodError, InvalidArgumentError: a bad method or option.
@@ -355,7 +358,7 @@ class LoadedModel:
         m = make_method(method, **options) if isinstance(method, str) else method
         if options and not isinstance(method, str):
             raise InvalidArgumentError("options go with a method name, not a method instance")
-        return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking)
+        return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking, runner=runner)
 
     def batch_generate(self, prompts: Any, **kwargs: Any) -> list[Any]:
         """Answer several prompts at once, batched (plain next-token decoding,

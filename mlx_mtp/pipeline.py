@@ -38,7 +38,6 @@ next step before the current one is read).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from . import distributed
 from .acceptance import CARRY_WEIGHT, Acceptance, Calibration, CalibrationModel, chain_values
 from .budget import CostCurve, best_prefix
 from .engine import Engine, ancestors
@@ -493,6 +491,9 @@ class Pipeline:
 
     Attributes:
         plain_steps: steps of width 0 read so far.
+        declined: those of them where the drafter offered nodes and the
+            width policy judged none worth its cost (the rest had nothing
+            to draft).
         reprobes, plain_spells: 0 (the decoding loop's statistics ask).
         curve: the cost curve the policy plans with (None at a fixed width).
     """
@@ -508,7 +509,8 @@ class Pipeline:
         for d in [drafter, *getattr(drafter, "parts", [])]:
             d.fresh = not overlap
         self.engine: Engine = ctx.engine
-        self.plain_steps = self.reprobes = self.plain_spells = 0
+        self.plain_steps = self.reprobes = self.plain_spells = self.declined = 0
+        self._declined: list[bool] = []  # per step in flight: a width 0 the policy chose
         self.state: DeviceState | None = None
         self.inflight: list[_Launched] = []
         self.bound = 0  # the most tokens the cache can hold after the steps in flight
@@ -616,7 +618,16 @@ class Pipeline:
         return t1 * self.curve(slots) if t1 and self.curve is not None else 0.0
 
     def _width(self) -> int:
-        return self.policy.width(self.drafter, self.signal, self.ctx)
+        width = self.policy.width(self.drafter, self.signal, self.ctx)
+        # a width 0 at auto: declined where the drafter had nodes to offer
+        # (asked again: its values depend only on the estimates and signal)
+        declined = width == 0 and self.policy.auto
+        if declined:
+            declined = bool(
+                self.drafter.values(self.policy.acceptance, self.policy.most, self.signal)
+            )
+        self._declined.append(declined)
+        return width
 
     def _read(self, root: int) -> tuple[StepOutput, float, int]:
         engine = self.engine
@@ -640,6 +651,7 @@ class Pipeline:
         self.history.extend(tokens)
         self.bound -= step.slots - (a + 1)
         self.plain_steps += step.width == 0
+        self.declined += self._declined.pop(0)
         record = StepRecord(start, step.width, a, tokens, step.base, path, extra)
         self.signal = self.drafter.learn(self.policy.acceptance, self.history, [record])
         return StepOutput(tokens, step.width, a, 1), waited, step.slots
@@ -648,6 +660,7 @@ class Pipeline:
         """The generation ended: the steps still in flight are dropped and
         the cache holds exactly the committed tokens (``engine.cached``)."""
         self.inflight.clear()
+        self._declined.clear()
         self.engine.settle_at(self.engine.cached)
         self.drafter.end(self.engine.cached)
 
@@ -710,37 +723,13 @@ def _cache_arrays(engine: Engine) -> list[mx.array]:
     return out
 
 
-def overlaps(engine: Engine) -> bool:
-    """Whether pipelined steps are the default on this device
-    (:attr:`~mlx_mtp.timing.DeviceClock.overlaps`: a GPU, or the simulated
-    one). On a CPU a pass runs on MLX's own thread too, but its cost grows
-    steeply with its slots (compute-bound), so the planner's steps, which
-    size each pass from drafts the host has read and draft only where that
-    pays, stay the default there (docs/design.md §4.1 has the measurement).
-    ``MLX_MTP_PIPELINE=1`` / ``0`` forces either way."""
-    forced = os.environ.get("MLX_MTP_PIPELINE")
-    if forced in ("0", "1", "sync"):
-        return forced == "1"
-    return engine.clock.overlaps
-
-
 def pipeline_for(
-    ctx: Context, method: Any, sampler: Any, curves: LiveCurves | None
-) -> Pipeline | None:
-    """The :class:`Pipeline` of a generation of ``method`` on ``ctx``, or None
-    where its steps run through the planner instead: a method without a
-    device drafter, a device whose passes do not overlap the host
-    (:func:`overlaps`), sampling (temperature > 0), a cache that is not
-    plain (sliding windows, quantized or recurrent layers), or a model
-    sharded over several ranks."""
-    overlap = overlaps(ctx.engine)
-    if sampler is not None or not (overlap or os.environ.get("MLX_MTP_PIPELINE") == "sync"):
-        return None
-    if distributed.size() > 1 or not ctx.engine.lazy_ready():
-        return None
-    drafter = method.device_drafter(ctx)
-    if drafter is None:
-        return None
+    ctx: Context, method: Any, drafter: DeviceDrafter, curves: LiveCurves | None, overlap: bool
+) -> Pipeline:
+    """The :class:`Pipeline` of a generation of ``method`` on ``ctx`` with its
+    device drafter, carrying the estimates of the method's earlier
+    generations on ``ctx``. Whether a generation runs one is decided by
+    :func:`mlx_mtp.runners.choose_runner`."""
     key = f"pipeline:{method.settings_key()}"
     acceptance = ctx.learned.get(key)
     if not isinstance(acceptance, Acceptance):
