@@ -770,6 +770,7 @@ def batch_generate(
         new = out[uid]
         stats = GenerationStats(
             method="ntp(batch)",
+            runner="batched",
             prompt_tokens=len(toks),
             prefill_tokens=len(toks),
             prefill_time=first[uid] - t0,
@@ -853,6 +854,7 @@ def _draft_batch(
         new, row = out[i], done[i]
         stats = GenerationStats(
             method=f"{method}(batch, max_draft={max_draft})",
+            runner="batched",
             prompt_tokens=len(toks),
             prefill_tokens=len(toks),
             prefill_time=prefill[i],

@@ -5,7 +5,8 @@ A generation's steps run in one of these runners (the name is
 in the stats line, the bench's results and the server's ``mtp`` usage):
 
 - ``plain``: a method that never drafts (``ntp``) decodes one token per step,
-  mlx-lm's loop (:class:`~mlx_mtp.plain.PlainSteps`).
+  mlx-lm's loop (:class:`~mlx_mtp.plain.PlainSteps`), whatever runner was
+  asked for (the choice is about draft steps).
 - ``pipelined``: a :class:`~mlx_mtp.pipeline.Pipeline`, which drafts on the
   device and launches each pass before the host reads the one before.
 - ``synchronous``: the :class:`~mlx_mtp.planner.Planner`, which reads each
@@ -97,8 +98,6 @@ def _why_not_pipelined(
 ) -> tuple[str | None, Any]:
     """Why pipelined steps cannot run this generation (None where they can),
     and the method's device drafter where they can."""
-    if not isinstance(method, DraftMethod):
-        return f"{method.describe()} drafts nothing (no device drafter)", None
     if sampler is not None:
         return "pipelined steps decode greedily only, and temperature > 0 samples", None
     if logprobs:
@@ -143,9 +142,7 @@ def choose_runner(
     """
     asked, overlap, source = _requested(check_runner(runner))
     why_not, drafter = _why_not_pipelined(ctx, method, sampler, logprobs)
-    if not isinstance(method, DraftMethod):
-        if asked == "pipelined" and source == "asked for":
-            raise InvalidArgumentError(f"runner 'pipelined' cannot run: {why_not}.")
+    if not isinstance(method, DraftMethod):  # no draft steps to run either way
         return RunnerChoice("plain", f"{method.describe()} decodes one token per step")
     if asked == "pipelined":
         if why_not is not None:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..runners import check_runner
 
 #: the named data set ``--mode gsm8k`` reads without ``--gsm8k`` (found under
 #: ``$MLX_MTP_DATA``, see :mod:`mlx_mtp.data`; GSM8K is not shipped)
@@ -114,6 +115,8 @@ class BenchConfig:
         device: the simulated device to run on, in the form of
             ``MLX_MTP_SIMULATE_DEVICE`` (``"profile=m4pro-4bit,ms_per_token=12"``,
             :mod:`mlx_mtp.bench.simulate`); None: that variable's, if set.
+        runner: ``auto``, ``pipelined`` or ``synchronous``: the runner of
+            each method's draft steps (:mod:`mlx_mtp.runners`).
         out: output folder.
     """
 
@@ -133,6 +136,7 @@ class BenchConfig:
     interleave: bool = False
     draft_model: str | None = None
     device: str | None = None
+    runner: str = "auto"
     out: str = "bench-out"
 
     def validate(self) -> None:
@@ -157,6 +161,7 @@ class BenchConfig:
             raise InvalidArgumentError(f"--temp must be a finite number >= 0, got {self.temp}")
         if not str(self.out).strip():
             raise InvalidArgumentError("--out is empty; give an output folder.")
+        check_runner(self.runner)
         if not self.methods or self.methods[0].name != "ntp":
             raise InvalidArgumentError("the first method must be the ntp reference")
 
@@ -170,5 +175,7 @@ class BenchConfig:
             d.pop("draft_model")
         if self.device is None:
             d.pop("device")
+        if self.runner == "auto":
+            d.pop("runner")
         d["methods"] = [m.label for m in self.methods]
         return d

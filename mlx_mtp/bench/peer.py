@@ -126,7 +126,7 @@ class MLXLMPeer:
         if seed is not None:
             mx.random.seed(seed)
         sampler = make_sampler(temp) if temp > 0 else None
-        stats = GenerationStats(method=self.describe(), prompt_tokens=len(ids))
+        stats = GenerationStats(method=self.describe(), runner="mlx-lm", prompt_tokens=len(ids))
         stats.prefill_tokens = len(ids) - 1
         marks: list[float] = []
 

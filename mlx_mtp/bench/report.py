@@ -43,6 +43,7 @@ PROMPT_FIELDS = (
     "turn",
     "repeat",
     "method",
+    "runner",
     "prompt_tokens",
     "generated_tokens",
     "forward_passes",
@@ -165,6 +166,7 @@ def build_results(
                 "describe": m.describe(),
                 "lossless": bool(m.lossless),
                 "block_complexity": int(m.block_complexity),
+                "runner": _runner(recs),
                 "overall": overall,
                 "tasks": tasks,
                 "exactness": exactness,
@@ -197,6 +199,14 @@ def build_results(
         "methods": method_out,
         "prompts": prompts_out,
     }
+
+
+def _runner(records: list[dict[str, Any]]) -> str | None:
+    """The runner of a method's generations (:mod:`mlx_mtp.runners`): one
+    name, or the names joined by ``+`` where they differed (None: no records,
+    or records written without one)."""
+    names = sorted({r["runner"] for r in records if r.get("runner")})
+    return "+".join(names) if names else None
 
 
 def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:

@@ -449,7 +449,9 @@ def _run_bench(
         # a draft model that is the target itself drafts with its weights, loaded once
         methods = {s.label: _make(s, config, loaded) for s in config.methods}
         models = {
-            label: m.bind(loaded) if isinstance(m, MLXLMPeer) else loaded.bind(m)
+            label: m.bind(loaded)
+            if isinstance(m, MLXLMPeer)
+            else loaded.bind(m, runner=config.runner)
             for label, m in methods.items()
         }
         _warm_up(models, loaded.tokenizer)
@@ -666,6 +668,7 @@ def _record(p: BenchPrompt, turn: int, rep: int, label: str, res: Any) -> dict[s
         "forward_passes": s.forward_passes,
         "steps": s.steps,
         "plain_steps": s.plain_steps,
+        "runner": s.runner,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "decode_time": s.decode_time,

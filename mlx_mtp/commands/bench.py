@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from .. import distributed
+from ..cli_options import RUNNER
 from ..errors import InvalidArgumentError
 from ..validation import typer_range
 
@@ -94,9 +95,13 @@ def register(app: typer.Typer) -> None:
             help="Generate nothing: rebuild results.json, report.md and plots from the "
             "records already in --out (same settings).",
         ),
-        pipeline: bool = typer.Option(
-            False, "--pipeline", help="Under mlx.launch: shard by layers instead of by heads."
+        pipeline_parallel: bool = typer.Option(
+            False,
+            "--pipeline-parallel",
+            help="Under mlx.launch: shard by layers instead of by heads.",
         ),
+        pipeline: bool = typer.Option(False, "--pipeline", hidden=True),
+        runner: str = RUNNER,
     ):
         """Run methods side by side (interleaved, one process) and write results.json,
         report.md and plots into --out. An interrupted run resumes where it stopped."""
@@ -132,6 +137,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             interleave=interleave,
             draft_model=draft_model,
+            runner=runner,
             out=out,
         )
         if sampled and not report_only and distributed.is_main():
@@ -160,7 +166,7 @@ def register(app: typer.Typer) -> None:
                     overwrite=overwrite,
                     plots=plots,
                     generate=not report_only,
-                    pipeline=pipeline,
+                    pipeline=pipeline_parallel or pipeline,
                 )
         except KeyboardInterrupt:
             if distributed.is_main():

@@ -11,7 +11,22 @@ from pathlib import Path
 import typer
 
 from .. import distributed
+from ..cli_options import (
+    LOAD,
+    METHOD_OPTIONS,
+    MIN_P,
+    RUNNER,
+    SEED,
+    SHARDING,
+    TEMP,
+    TOP_K,
+    TOP_P,
+    check_choices,
+    interrupted_note,
+    with_options,
+)
 from ..errors import InvalidArgumentError
+from ..runners import check_runner
 from ..server.worker import DEFAULT_MAX_BATCH
 from ..validation import check_generation_args, float_range, typer_range
 
@@ -49,23 +64,9 @@ def _exit_on_sigterm() -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` command to the CLI."""
-    # here, not at the top: mlx_mtp.cli imports this module while it loads
-    from ..cli import (
-        LOAD,
-        METHOD_OPTIONS,
-        MIN_P,
-        PIPELINE,
-        SEED,
-        TEMP,
-        TOP_K,
-        TOP_P,
-        check_choices,
-        interrupted_note,
-        with_options,
-    )
 
     @app.command()
-    @with_options(LOAD, METHOD_OPTIONS)
+    @with_options(LOAD, METHOD_OPTIONS, SHARDING)
     def serve(
         max_tokens: int = typer.Option(
             512,
@@ -156,10 +157,11 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option(
             "info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."
         ),
-        pipeline: bool = PIPELINE,
+        runner: str = RUNNER,
         *,
         load: dict,
         options: dict,
+        pipeline_parallel: bool,
     ):
         """Serve the model over the OpenAI HTTP API (/v1/chat/completions,
         /v1/completions, /v1/models, /health). A request picks its method with
@@ -181,6 +183,7 @@ def register(app: typer.Typer) -> None:
             raise InvalidArgumentError(f"--client-timeout must be > 0, got {client_timeout}.")
         dtype = load["dtype"]
         check_choices(load["method"], options, dtype)
+        check_runner(runner)
         check_generation_args(
             max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
@@ -222,7 +225,8 @@ def register(app: typer.Typer) -> None:
                 seed=seed,
                 queue_size=queue_size,
                 max_methods=max_methods,
-                pipeline=pipeline,
+                pipeline=pipeline_parallel,
+                runner=runner,
                 limits=limits,
                 max_batch=max_batch,
             )

@@ -356,6 +356,7 @@ class BatchRunner:
         n = len(row.tokens)
         st = GenerationStats(
             method="ntp(batch)",
+            runner="batched",
             prompt_tokens=row.prompt_tokens,
             prefill_tokens=row.prompt_tokens - row.cached,
             prefill_time=first - row.started,

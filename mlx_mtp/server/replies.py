@@ -78,10 +78,13 @@ def logprob_entries(tokenizer: Any, lps: list[Any], eos: set[int]) -> list[dict[
 
 
 def mtp_stats(st: Any, cached: int, job: Any) -> dict[str, Any]:
-    """The ``mtp`` object of a response: method settings, acceptance and timing
+    """The ``mtp`` object of a response: method settings, the runner that
+    decoded it (:mod:`mlx_mtp.runners`; ``batched`` for a row of a batch),
+    acceptance and timing
     (:class:`~mlx_mtp.decoding.GenerationStats`; seconds, tokens per second)."""
     return {
         "method": st.method,
+        "runner": st.runner,
         "block_complexity": st.block_complexity,
         "max_slots": st.max_slots,
         "slots_per_forward": round(st.slots_per_forward, 3),

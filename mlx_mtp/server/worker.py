@@ -40,6 +40,7 @@ from ..engine import Engine
 from ..errors import InvalidArgumentError, MTPError
 from ..loading import draft_for, load_model, share_target
 from ..methods import make_method, method_class, method_options
+from ..runners import check_runner
 from .events import Cancelled, Delta, Done, Event, Failed, Started, Taken
 from .limits import Limits
 from .protocol import GenRequest, OpenAIError, StopCutter, usage
@@ -148,6 +149,7 @@ class Worker:
         queue_size: int = 8,
         max_methods: int = 4,
         pipeline: bool = False,
+        runner: str = "auto",
         limits: Limits | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
@@ -170,6 +172,8 @@ class Worker:
         self.queue_size = queue_size
         self.max_methods = max_methods
         self.pipeline = pipeline
+        #: the runner every bound model asks for (:mod:`mlx_mtp.runners`)
+        self.runner = check_runner(runner)
         self.limits = limits if limits is not None else Limits()
         self.default_key = method_key(method, self.options)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
@@ -397,7 +401,7 @@ class Worker:
             # timed on a cache of its own (no sliding window, nothing to restore)
             self.limits.measure(Engine(self.loaded.model))
             self.limits.check_default(default)
-            m = self.loaded.bind(default, max_kv_size=self.max_kv_size)
+            m = self.loaded.bind(default, max_kv_size=self.max_kv_size, runner=self.runner)
             m.prefill_step = self.limits.prefill_step
             self._models[self.default_key] = m
             self._snapshot()
@@ -635,7 +639,7 @@ class Worker:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        m = self.loaded.bind(method, max_kv_size=self.max_kv_size)
+        m = self.loaded.bind(method, max_kv_size=self.max_kv_size, runner=self.runner)
         m.prefill_step = self.limits.prefill_step
         self._models[key] = m
         while len(self._models) > self.max_methods:
