@@ -30,6 +30,7 @@ from mlx_lm.utils import dequantize_model
 
 from . import distributed
 from .artifacts import artifact_dir, cache_home  # noqa: F401  (cache_home: re-exported)
+from .batch_api import batch_generate
 from .errors import (
     InvalidArgumentError,
     ModelLoadError,
@@ -38,6 +39,8 @@ from .errors import (
     UnsupportedModelError,
 )
 from .memory import check_gguf_fits, check_weights_fit
+from .methods import make_method
+from .model import MTPModel
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -335,7 +338,7 @@ class LoadedModel:
         **options: Any,
     ) -> Any:
         """A decoding method bound to this model: an
-        :class:`~mlx_mtp.api.MTPModel` with its own KV cache (bind several
+        :class:`~mlx_mtp.model.MTPModel` with its own KV cache (bind several
         methods to one loaded model rather than loading it once per method).
 
         Args:
@@ -351,9 +354,6 @@ class LoadedModel:
             UnsupportedModelError: a method this model's architecture or
                 cache cannot run.
         """
-        from .api import MTPModel
-        from .methods import make_method
-
         options = share_target(self, options)
         m = make_method(method, **options) if isinstance(method, str) else method
         if options and not isinstance(method, str):
@@ -362,11 +362,13 @@ class LoadedModel:
 
     def batch_generate(self, prompts: Any, **kwargs: Any) -> list[Any]:
         """Answer several prompts at once, batched (plain next-token decoding,
-        continuous batching): see :func:`mlx_mtp.api.batch_generate` for the
-        arguments. Returns one :class:`~mlx_mtp.api.Result` per prompt."""
-        from .api import batch_generate
-
+        continuous batching): see :func:`mlx_mtp.batch_api.batch_generate` for
+        the arguments. Returns one :class:`~mlx_mtp.model.Result` per prompt."""
         return batch_generate(self, prompts, **kwargs)
+
+    def draft(self, spec: Any) -> LoadedModel:
+        """The draft model ``spec`` for this model (:func:`draft_for`)."""
+        return draft_for(self, spec)
 
 
 def share_target(loaded: LoadedModel, options: dict[str, Any]) -> dict[str, Any]:

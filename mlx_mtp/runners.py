@@ -94,7 +94,7 @@ def _requested(runner: str) -> tuple[str, bool | None, str]:
 
 
 def _why_not_pipelined(
-    ctx: Context, method: Method, sampler: Sampler | None, logprobs: bool
+    ctx: Context, method: DraftMethod, sampler: Sampler | None, logprobs: bool
 ) -> tuple[str | None, Any]:
     """Why pipelined steps cannot run this generation (None where they can),
     and the method's device drafter where they can."""
@@ -141,9 +141,9 @@ def choose_runner(
             pipelined steps cannot run (the message says why).
     """
     asked, overlap, source = _requested(check_runner(runner))
-    why_not, drafter = _why_not_pipelined(ctx, method, sampler, logprobs)
     if not isinstance(method, DraftMethod):  # no draft steps to run either way
         return RunnerChoice("plain", f"{method.describe()} decodes one token per step")
+    why_not, drafter = _why_not_pipelined(ctx, method, sampler, logprobs)
     if asked == "pipelined":
         if why_not is not None:
             if source != "asked for":  # the deprecated variable falls back, as it did

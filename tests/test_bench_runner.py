@@ -349,7 +349,6 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         plots=False,
     )
     nap = 0.5  # long beside ntp's steps, even on a loaded machine
-    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")  # pld's pipelined steps, on any device
     real_learn = LookupDrafter.learn
 
     def slow_learn(self, *args):  # every pipelined pld step learns once
@@ -357,11 +356,16 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
         return real_learn(self, *args)
 
     monkeypatch.setattr(LookupDrafter, "learn", slow_learn)
-    cfg = _cfg(tmp_path, methods=parse_methods("ntp,mlx_lm,pld"), interleave=True)
+    cfg = _cfg(  # pld's pipelined steps, on any device
+        tmp_path, methods=parse_methods("ntp,mlx_lm,pld"), interleave=True, runner="pipelined"
+    )
     res = runner.run_bench(cfg, smollm, progress=False, plots=False)
     out = tmp_path / "out"
     recs = [json.loads(x) for x in (out / runner.RECORDS).read_text().splitlines()]
     assert [r["method"] for r in recs] == ["ntp", "mlx_lm", "pld"] * 2
+    assert [r["runner"] for r in recs] == ["plain", "mlx-lm", "pipelined"] * 2
+    assert [m["runner"] for m in res["methods"]] == ["plain", "mlx-lm", "pipelined"]
+    assert res["settings"]["runner"] == "pipelined"
     plain_recs = (tmp_path / "plain" / runner.RECORDS).read_text().splitlines()
     ref = {r["qid"]: r["tokens"] for r in map(json.loads, plain_recs) if r["method"] == "ntp"}
     assert all(r["tokens"] == ref[r["qid"]] for r in recs)

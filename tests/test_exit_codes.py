@@ -223,7 +223,7 @@ def test_chat_keeps_its_session_after_a_failed_turn():
     assert "unknown command /nope" in err  # not sent to the model
     assert "error: A chat message is not valid UTF-8" in err
     assert "this turn was dropped; the conversation goes on" in err
-    assert len(re.findall(r"\[ntp\] [1-4] tokens", err)) == 2  # both later turns answered
+    assert len(re.findall(r"\[ntp\] plain: [1-4] tokens", err)) == 2  # both later turns answered
     # the error is on a line of its own, never glued to an answer
     assert all(ln.startswith("error:") for ln in err.splitlines() if "error:" in ln)
 

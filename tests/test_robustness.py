@@ -156,7 +156,7 @@ def test_cli_chat_without_template(smollm, tmp_path, capsys):
         code, err = run_cli(argv, capsys, stdin="Hello there\n/quit\n")
     assert code == 0, err
     assert "Traceback" not in err
-    assert "[ntp] 4 tokens" in err
+    assert "[ntp] plain: 4 tokens" in err
 
 
 def test_cli_says_when_an_answer_is_cut_at_its_token_limit(capsys):

@@ -286,6 +286,7 @@ def test_chat_equals_generate(client, ref):
     assert r.usage.completion_tokens == len(want.tokens)
     assert r.usage.prompt_tokens == want.stats.prompt_tokens
     assert r.model_extra["mtp"]["method"] == "ntp"
+    assert r.model_extra["mtp"]["runner"] == "plain"
 
 
 def test_seeded_sampling_equals_generate(client, ref):
@@ -330,6 +331,7 @@ def test_completions_equal_generate(client, ref):
     )
     assert r.choices[0].text == want.text and r.object == "text_completion"
     assert r.model_extra["mtp"]["method"].startswith("pld")
+    assert r.model_extra["mtp"]["runner"] == want.stats.runner == "synchronous"  # a CPU
     stream = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=N, temperature=0, stream=True
     )
@@ -1172,6 +1174,7 @@ def test_batched_ntp_requests_equal_their_solo_answers(server, client, ref, monk
     r = results["chat0"]
     assert r.choices[0].message.content == ref(prompts[0], n=20).text
     assert r.model_extra["mtp"]["method"] == "ntp(batch)"
+    assert r.model_extra["mtp"]["runner"] == "batched"
     assert r.usage.completion_tokens == len(ref(prompts[0], n=20).tokens)
     assert results["stream1"] == ref(prompts[1], n=20).text
     want = ref(prompts[2], n=10, sampling={"temp": 0.9, "seed": 5}).text
