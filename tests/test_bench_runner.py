@@ -387,12 +387,14 @@ def test_interleave_runs_methods_step_by_step(smollm, tmp_path, monkeypatch):
     # the CLI flag is part of the settings: the same run resumes only with it
     args = ["bench", "--methods", "ntp,mlx_lm,pld", "--categories", "qa,translation",
             "--limit", "1", "-n", "8", "--dtype", "float32", "--out", str(out),
-            "--report-only", "--no-plots"]  # fmt: skip
+            "--report-only", "--no-plots", "--runner", "pipelined"]  # fmt: skip
     r = CliRunner().invoke(app, [*args, "--interleave"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, args)
     assert isinstance(r.exception, InvalidArgumentError)
     assert "differs in: interleave" in str(r.exception)
+    r = CliRunner().invoke(app, [*args[:-2], "--interleave"])  # --runner is a setting too
+    assert "differs in: runner" in str(r.exception)
     monkeypatch.setattr(runner.distributed, "size", lambda: 2)
     with pytest.raises(InvalidArgumentError, match="--interleave runs on one process"):
         runner.run_bench(cfg, smollm, progress=False, plots=False)
