@@ -64,7 +64,7 @@ class DeviceClock:
     @property
     def overlaps(self) -> bool:
         """Whether pipelined steps are this device's default
-        (:func:`mlx_mtp.pipeline.overlaps`): a GPU, where a pass started
+        (:func:`mlx_mtp.runners.choose_runner`): a GPU, where a pass started
         without waiting runs while the host goes on and a slot costs little.
         (On a CPU the pass runs on MLX's thread too, and overlaps the host
         where a second core is free, but its cost grows steeply with its

@@ -22,6 +22,7 @@ METHOD_KEYS = {
     "describe",
     "lossless",
     "block_complexity",
+    "runner",
     "overall",
     "tasks",
     "exactness",
