@@ -65,7 +65,7 @@ class Check:
 
     def line(self) -> str:
         """The report line of this check (``mlx-mtp doctor``)."""
-        kept = self.name not in ("tree", "chain")
+        kept = self.keep > 0
         what = f"n={self.n}" + (f" keep {self.keep}" if kept else "")
         return (
             f"  {self.name:9s}{what:13s} depth {self.depth:2d}  rel err {self.error:.1e}  "
@@ -243,3 +243,96 @@ def check_keep(
     got = logit_rows(engine.forward_chain([int(next_token)])[0])
     ref = reference.path([tokens[i] for i in kept] + [int(next_token)])[-1:]
     return compare(name, got, ref, len(parents), len(kept), tolerance, len(kept))
+
+
+#: the tree of the pipelined check's first pass (slot 0 the root): two
+#: branches, the deeper one accepted (slots 0, 1, 3, 5)
+LAZY_TREE = (-1, 0, 0, 1, 2, 3, 1)
+#: the accepted path of :data:`LAZY_TREE`
+LAZY_PATH = (0, 1, 3, 5)
+#: slots of the pipelined check's second pass (a chain)
+LAZY_CHAIN = 5
+
+
+def check_lazy_passes(
+    model: Any, context: Sequence[int], tolerance: float, seed: int = 0
+) -> list[Check]:
+    """The passes of a pipelined step (:meth:`Engine.forward_at
+    <mlx_mtp.engine.Engine.forward_at>`: keys and values written with
+    ``mx.slice_update`` at a cache row the host has not read, the attention
+    mask built on the device, one RoPE offset per token) against the
+    engine's passes at a known length, as the pipeline runs them:
+
+    1. ``at-tree``: a tree pass (:data:`LAZY_TREE`) at a lazy row ``at``
+       against :meth:`Engine.forward_tree
+       <mlx_mtp.engine.Engine.forward_tree>` after the same context; its
+       accepted path's rows are then moved to ``at + 1, ...`` on the device
+       (:meth:`Engine.move_rows_at <mlx_mtp.engine.Engine.move_rows_at>`),
+       and the pass is started (``mx.async_eval``) before the next is built.
+    2. ``at-chain``: a chain pass at ``at + len(path)``, a lazy sum read from
+       no host value, against :meth:`Engine.forward_chain
+       <mlx_mtp.engine.Engine.forward_chain>` after the context and the
+       accepted path.
+    3. ``settled``: after :meth:`Engine.settle_at
+       <mlx_mtp.engine.Engine.settle_at>` the cache decodes one token as a
+       fresh cache that was given the same tokens.
+
+    Each engine is new (its buffers hold nothing a wrong write could
+    happen to match). ``model`` must run pipelined passes
+    (:meth:`Engine.lazy_ready <mlx_mtp.engine.Engine.lazy_ready>`).
+
+    Returns:
+        The three checks.
+    """
+    from .engine import Engine, ancestors
+
+    rng = np.random.default_rng(seed)
+    vocab = 256
+    try:
+        from .families import model_parts
+
+        vocab = int(model_parts(model)[2].weight.shape[0])
+    except Exception:  # no token embedding found: ids below 256
+        pass
+    context = [int(t) for t in context]
+    parents = np.array(LAZY_TREE)
+    tree = rng.integers(1, vocab, len(parents)).tolist()
+    chain = rng.integers(1, vocab, LAZY_CHAIN).tolist()
+    path = list(LAZY_PATH)
+    committed = [tree[s] for s in path]
+    anc, depth = ancestors(parents)
+    L, n = len(context), len(parents)
+
+    eng = Engine(model)
+    if not eng.lazy_ready():  # (which also gives the model's RoPE per-token positions)
+        raise ValueError("this model's cache or family does not run pipelined passes")
+    # the references: passes at a length the host knows, each on a new engine
+    ref = Engine(model)
+    ref.sync(context)
+    ref_tree = logit_rows(ref.forward_tree(ref.embed_tokens(tree), parents, tree)[0])
+    ref = Engine(model)
+    ref.sync(context + committed)
+    ref_chain = logit_rows(ref.forward_chain(chain)[0])
+    after = int(rng.integers(1, vocab))
+    ref_next = logit_rows(ref.forward_chain([after])[0])
+
+    # the pipelined passes: lengths as device arrays, one pass in flight
+    eng.sync(context)
+    at = mx.array(L - 1, dtype=mx.int32) + 1  # a lazy length, as a step's result
+    rows = L + n
+    logits_t, views = eng.forward_at(mx.array(tree, dtype=mx.int32), at, rows, mx.array(anc), depth)
+    eng.move_rows_at(views, mx.array(path[1:], dtype=mx.int32), at + 1)
+    cache = [a for c in eng.cache for a in (c.keys, c.values)]
+    mx.async_eval(logits_t, *cache)
+    at2 = at + mx.array(len(path), dtype=mx.int32)
+    logits_c, _ = eng.forward_at(mx.array(chain, dtype=mx.int32), at2, rows + LAZY_CHAIN)
+    got_tree, got_chain = logit_rows(logits_t), logit_rows(logits_c)
+    eng.settle_at(context + committed + chain)
+    got_next = logit_rows(eng.forward_chain([after])[0])
+
+    deepest = int(depth.max())
+    return [
+        compare("at-tree", got_tree, ref_tree, n, deepest, tolerance),
+        compare("at-chain", got_chain, ref_chain, LAZY_CHAIN, LAZY_CHAIN - 1, tolerance),
+        compare("settled", got_next, ref_next, 1, 0, tolerance),
+    ]

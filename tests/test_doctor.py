@@ -14,10 +14,21 @@ from tiny_models import make_tiny_model, tiny_config, write_tiny_hybrid
 from typer.testing import CliRunner
 
 from mlx_mtp import cli
-from mlx_mtp.commands.doctor import CHECK_SIZES, run_doctor
+from mlx_mtp.commands.doctor import CHECK_SIZES, PIPELINE_METHODS, pipeline_check, run_doctor
 from mlx_mtp.loading import LoadedModel
 
-LABELS = ("platform", "mlx", "blas", "tf32", "memory", "model", "cost curve", "self-check")
+LABELS = (
+    "platform",
+    "mlx",
+    "blas",
+    "tf32",
+    "memory",
+    "model",
+    "cost curve",
+    "self-check",
+    "pipelined",
+    "decoded",
+)
 
 
 def _doctor(lm, **kwargs):
@@ -53,7 +64,8 @@ def test_doctor_reports_the_machine_the_curve_and_a_passing_self_check():
     tree = _checks(lines, "tree")
     assert sorted(tree) == sorted(CHECK_SIZES)
     assert all(status == "ok" and err < 1e-5 for err, status in tree.values()), tree
-    assert lines[-1].startswith("result") and f"all {len(CHECK_SIZES)} checks passed" in lines[-1]
+    total = len(CHECK_SIZES) + 3 + len(PIPELINE_METHODS)  # tree, pipelined passes, decoded
+    assert lines[-1].startswith("result") and f"all {total} checks passed" in lines[-1]
 
 
 def test_doctor_self_check_fails_on_a_wrong_tree_position(monkeypatch):
@@ -67,7 +79,9 @@ def test_doctor_self_check_fails_on_a_wrong_tree_position(monkeypatch):
     tree = _checks(lines, "tree")
     assert sorted(tree) == sorted(CHECK_SIZES)
     assert all(status == "FAILED" and err > 1e-3 for err, status in tree.values()), tree
-    assert f"{len(CHECK_SIZES)} of {len(CHECK_SIZES)} checks FAILED" in lines[-1]
+    # every tree pass, and the tree pass the pipelined one is compared with
+    total = len(CHECK_SIZES) + 3 + len(PIPELINE_METHODS)
+    assert f"{len(CHECK_SIZES) + 1} of {total} checks FAILED" in lines[-1]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -133,12 +147,17 @@ def test_doctor_command_exit_status(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.stdout + str(result.exception)
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("platform") and "all 7 checks passed" in lines[-1]
+    # the tree checks, the pipelined passes of the tiny model (3) and the
+    # pipelined decoding of each method
+    total = len(CHECK_SIZES) + 3 + len(PIPELINE_METHODS)
+    assert lines[0].startswith("platform") and f"all {total} checks passed" in lines[-1]
     assert any(line.startswith("model") and folder in line for line in lines)
     monkeypatch.setattr(TreeCacheView, "offset", property(lambda self: self._positions + 1))
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 1
-    assert "7 of 7 checks FAILED" in result.stdout.splitlines()[-1]
+    # every tree pass, and the tree pass the pipelined one is compared with
+    failed = len(CHECK_SIZES) + 1
+    assert f"{failed} of {total} checks FAILED" in result.stdout.splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -155,4 +174,57 @@ def test_doctor_command_on_the_embedded_model():
     tree = _checks(lines, "tree")
     assert sorted(tree) == sorted(CHECK_SIZES)
     assert all(status == "ok" for _, status in tree.values()), tree
-    assert "all 7 checks passed" in lines[-1]
+    assert "all 12 checks passed" in lines[-1]
+
+
+# ---------------------------------------------------------- pipelined path
+def _pipelined(lines):
+    """{name: status} of the pipelined-pass lines and {method: (agreement, status)}
+    of the decoded ones."""
+    passes = re.compile(r"^  (at-tree|at-chain|settled)\s+n=\d+.*rel err (\S+).*\s(ok|FAILED)$")
+    decoded = re.compile(r"^  (\w+)\s+\d+ tokens  agreement (\d+)%.*\s(ok|FAILED)$")
+    got = {m[1]: (float(m[2]), m[3]) for m in map(passes.match, lines) if m}
+    runs = {m[1]: (int(m[2]), m[3]) for m in map(decoded.match, lines) if m}
+    return got, runs
+
+
+def test_doctor_checks_the_pipelined_path():
+    """The pipelined passes of a tiny model of the family (built by the
+    package, not the tests) match the engine's passes at a known length in
+    float32, a settled cache decodes as a fresh one, and pipelined decoding
+    of every checked method gives plain decoding's tokens."""
+    lines: list[str] = []
+    checks = pipeline_check(_tiny("qwen3"), tokens=8, echo=lines.append)
+    passes, runs = _pipelined(lines)
+    assert sorted(passes) == ["at-chain", "at-tree", "settled"], lines
+    assert all(s == "ok" and e < 1e-5 for e, s in passes.values()), passes
+    assert runs == {m: (100, "ok") for m in PIPELINE_METHODS}, lines
+    assert len(checks) == 3 + len(PIPELINE_METHODS) and all(c.ok for c in checks)
+    assert any("identical" in line and line.startswith("decoded") for line in lines)
+
+
+def test_doctor_pipelined_check_fails_on_a_write_at_the_wrong_row(monkeypatch):
+    """Keys and values of a pipelined pass written one row past the lazy
+    offset (as a slice_update that read a stale start would): both passes
+    fail, and the settled cache (whose root row was never written) too; so
+    does the report."""
+    import mlx.core as mx
+
+    from mlx_mtp.cache_view import LazyView, reserve
+
+    def shifted(self, keys, values):
+        c = self._cache
+        reserve(c, self._rows + 1, keys, values)
+        c.keys = mx.slice_update(c.keys, keys, self._at + 1, axes=(2,))
+        c.values = mx.slice_update(c.values, values, self._at + 1, axes=(2,))
+        self.new = (keys, values)
+        return c.keys[..., : self._rows, :], c.values[..., : self._rows, :]
+
+    monkeypatch.setattr(LazyView, "update_and_fetch", shifted)
+    lines: list[str] = []
+    checks = pipeline_check(_tiny(), tokens=8, echo=lines.append)
+    passes, runs = _pipelined(lines)
+    assert all(s == "FAILED" and e > 1e-3 for e, s in passes.values()), lines
+    assert not all(c.ok for c in checks)
+    ok, report = _doctor(_tiny(), max_size=2, repeats=1, pipeline_tokens=0)
+    assert not ok and "3 of 10 checks FAILED" in report[-1], report[-1]

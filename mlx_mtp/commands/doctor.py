@@ -11,8 +11,12 @@ through the cache views) against mlx-lm's own one-token decoding of every
 root-to-slot path, at the tree sizes in :data:`CHECK_SIZES`
 (:mod:`mlx_mtp.selfcheck`, the check the tests run on every tree family). On
 a hybrid recurrent model the pass is a chain and a rollback check follows
-(keep a prefix of a chain pass, :mod:`mlx_mtp.recurrent`, then decode on). A
-failed check ends the command with exit status 1.
+(keep a prefix of a chain pass, :mod:`mlx_mtp.recurrent`, then decode on).
+Then the pipelined path, the draft steps a GPU runs by default
+(:func:`pipeline_check`): its passes at a cache length held on the device on a
+tiny model of the same family, and a few tokens of the model decoded with
+pipelined steps against plain decoding. A failed check ends the command with
+exit status 1.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -42,6 +47,19 @@ TOLERANCE_FLOAT32 = 1e-4
 TOLERANCE_LOW_PRECISION = 1e-2
 #: tokens in the cache before the timed and checked passes
 CONTEXT_TOKENS = 32
+#: tokens of the model decoded with pipelined steps and with plain decoding
+PIPELINE_TOKENS = 16
+#: methods whose pipelined steps are decoded: a chain (pld) and trees that
+#: move their accepted rows and carry mask slots (hybrid: pld, recycle, probe)
+PIPELINE_METHODS = ("pld", "hybrid")
+#: the least share of plain decoding's tokens the pipelined steps must
+#: reproduce outside float32, where a near-tie may break either way
+MIN_AGREEMENT = 0.5
+#: the prompt of the decoded comparison: repetitive text, so drafts are accepted
+PIPELINE_PROMPT = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n"
+)
 #: cost-curve values printed per line
 CURVE_ROW = 8
 #: a step between neighbouring sizes above this relative rise is listed
@@ -352,6 +370,163 @@ def self_check(
     return checks
 
 
+# ------------------------------------------------------------ pipelined
+@dataclass
+class Agreement:
+    """Pipelined steps of ``method`` against plain decoding of the same
+    model and prompt: ``agreement`` is the share of plain decoding's
+    ``tokens`` reproduced before the first difference (``mismatch``, None if
+    none); ``exact`` asks for all of them (float32), else at least
+    :data:`MIN_AGREEMENT`."""
+
+    method: str
+    tokens: int
+    agreement: float
+    mismatch: int | None
+    drafted: int
+    accepted: int
+    exact: bool
+
+    @property
+    def ok(self) -> bool:
+        """Whether the agreement passes."""
+        return self.mismatch is None if self.exact else self.agreement >= MIN_AGREEMENT
+
+    def line(self) -> str:
+        """The report line of this comparison."""
+        where = "identical" if self.mismatch is None else f"first difference at {self.mismatch}"
+        return (
+            f"  {self.method:9s}{self.tokens} tokens  agreement {self.agreement:.0%} ({where})  "
+            f"drafted {self.drafted}, accepted {self.accepted}  {'ok' if self.ok else 'FAILED'}"
+        )
+
+
+def _pipeline_prompt(lm: LoadedModel, vocab: int) -> list[int]:
+    import numpy as np
+
+    if lm.tokenizer is not None:
+        ids = list(lm.tokenizer.encode(PIPELINE_PROMPT))
+        if len(ids) > 1:
+            return [int(t) for t in ids]
+    part = np.random.default_rng(3).integers(1, vocab, 12).tolist()
+    return part * 3
+
+
+def pipeline_check(
+    lm: LoadedModel,
+    tokens: int = PIPELINE_TOKENS,
+    methods: Sequence[str] = PIPELINE_METHODS,
+    echo: Callable[[str], None] = print,
+) -> list[Any]:
+    """The pipelined path (:mod:`mlx_mtp.pipeline`, the default draft steps
+    on a GPU) on this device, printing a line per check:
+
+    - its passes at a lazy cache length on a tiny random float32 model of
+      the model's family (:func:`mlx_mtp.tiny.tiny_model_like`), against the
+      engine's passes at a known length and a fresh cache
+      (:func:`mlx_mtp.selfcheck.check_lazy_passes`);
+    - ``tokens`` tokens of the model itself with pipelined steps of each of
+      ``methods`` (``MLX_MTP_PIPELINE=1``, a memory-bound cost curve so that
+      they draft) against plain decoding (ntp): identical in float32 with
+      full float32 matmuls, else an agreement of at least
+      :data:`MIN_AGREEMENT`.
+
+    Nothing is checked where the model's steps never run pipelined (a cache
+    that is not plain, a family without a verified tree pass): the line
+    says so.
+
+    Returns:
+        The checks (:class:`~mlx_mtp.selfcheck.Check` and :class:`Agreement`).
+    """
+    import numpy as np
+
+    from ..budget import CostCurve
+    from ..context import Context
+    from ..decoding import generate_steps
+    from ..engine import Engine
+    from ..methods import make_method
+    from ..selfcheck import check_lazy_passes
+    from ..tiny import tiny_model_like
+
+    engine = Engine(lm.model)
+    if not engine.lazy_ready():
+        echo(
+            f"{'pipelined':{LABEL}s}not used for this model (its cache is not plain KV "
+            "caches or its family has no verified tree pass): draft steps run through the "
+            "planner, checked above"
+        )
+        return []
+    tol, why = tolerance(lm.model)
+    tiny_tol = TOLERANCE_LOW_PRECISION if tf32_state()[0] else TOLERANCE_FLOAT32
+    echo(
+        f"{'pipelined':{LABEL}s}passes at a cache length held on the device (slice_update at "
+        "an array offset, the mask built on the device, per-token RoPE offsets, rows moved on "
+        f"the device) vs passes at a known length, tiny float32 model of this family: rel err "
+        f"<= {tiny_tol:.0e}"
+    )
+    checks: list[Any] = []
+    try:
+        tiny = tiny_model_like(lm.config)
+    except ValueError as e:
+        echo(f"  tiny model not built ({e}); the decoded comparison below still runs")
+    else:
+        context = np.random.default_rng(1).integers(1, 256, CONTEXT_TOKENS).tolist()
+        try:
+            lazy = check_lazy_passes(tiny, context, tiny_tol)
+        except ValueError as e:
+            echo(f"  tiny model not checked ({e}); the decoded comparison below still runs")
+        else:
+            for c in lazy:
+                echo(c.line())
+            checks += lazy
+    if tokens <= 0:
+        return checks
+    exact = why == "float32, TF32 off"
+    echo(
+        f"{'decoded':{LABEL}s}{tokens} tokens of this model, pipelined steps vs plain decoding "
+        f"(ntp), {why}: "
+        + ("identical" if exact else f"agreement >= {MIN_AGREEMENT:.0%} (near-ties may break)")
+    )
+    vocab = int(engine.embed.weight.shape[0]) if engine.embed is not None else 256
+    prompt = _pipeline_prompt(lm, vocab)
+    reference = [
+        t
+        for s in generate_steps(Engine(lm.model), make_method("ntp"), prompt, max_tokens=tokens)
+        for t in s.tokens
+    ]
+    from ..bench.metrics import first_mismatch, prefix_agreement
+
+    forced = os.environ.get("MLX_MTP_PIPELINE")
+    os.environ["MLX_MTP_PIPELINE"] = "1"
+    try:
+        for name in methods:
+            ctx = Context(Engine(lm.model), curves=CostCurve.flat())
+            method = make_method(name)
+            method.prepare(ctx)
+            got, drafted, accepted = [], 0, 0
+            for step in generate_steps(ctx, method, prompt, max_tokens=tokens):
+                got += step.tokens
+                drafted, accepted = step.stats.drafted, step.stats.accepted
+            checks.append(
+                Agreement(
+                    name,
+                    len(reference),
+                    prefix_agreement(reference, got),
+                    first_mismatch(reference, got),
+                    drafted,
+                    accepted,
+                    exact,
+                )
+            )
+            echo(checks[-1].line())
+    finally:
+        if forced is None:
+            os.environ.pop("MLX_MTP_PIPELINE", None)
+        else:
+            os.environ["MLX_MTP_PIPELINE"] = forced
+    return checks
+
+
 # ------------------------------------------------------------------ all
 def run_doctor(
     lm: LoadedModel,
@@ -361,6 +536,7 @@ def run_doctor(
     sizes: Sequence[int] = CHECK_SIZES,
     echo: Callable[[str], None] = print,
     progress: bool = False,
+    pipeline_tokens: int = PIPELINE_TOKENS,
 ) -> bool:
     """Print the doctor's report for the loaded model ``lm`` (see the module
     doc) through ``echo``, one line per call.
@@ -371,9 +547,12 @@ def run_doctor(
         repeats: timed rounds per size of the cost curve (after one warm-up).
         sizes: tree sizes of the self-check.
         progress: a progress bar (stderr) while the cost curve is measured.
+        pipeline_tokens: tokens decoded with pipelined steps and plainly
+            (:func:`pipeline_check`); 0 checks the pipelined passes on the
+            tiny model only.
 
     Returns:
-        True when every self-check passed.
+        True when every check passed.
     """
     import numpy as np
 
@@ -390,7 +569,8 @@ def run_doctor(
             echo(line)
     else:
         echo(f"{'cost curve':{LABEL}s}not measured: the model has no llama-style layout")
-    checks = self_check(engine, context, sizes, echo=echo)
+    checks: list[Any] = list(self_check(engine, context, sizes, echo=echo))
+    checks += pipeline_check(lm, pipeline_tokens, echo=echo)
     failed = [c for c in checks if not c.ok]
     echo(
         f"{'result':{LABEL}s}"
@@ -398,7 +578,8 @@ def run_doctor(
             f"all {len(checks)} checks passed"
             if not failed
             else f"{len(failed)} of {len(checks)} checks FAILED: multi-token forward passes "
-            "disagree with one-token decoding on this device; please report this output"
+            "disagree with one-token decoding, or pipelined steps with plain decoding, on this "
+            "device; please report this output"
         )
     )
     return not failed
@@ -419,12 +600,28 @@ def register(app: typer.Typer) -> None:
             64, "--max-size", min=1, max=1024, help="Largest forward pass (slots) of the curve."
         ),
         repeats: int = typer.Option(3, "--repeats", min=1, max=50, help="Timed rounds per size."),
+        pipeline_tokens: int = typer.Option(
+            PIPELINE_TOKENS,
+            "--pipeline-tokens",
+            min=0,
+            max=4096,
+            help="Tokens decoded with pipelined steps against plain decoding (0: none).",
+        ),
     ):
-        """Print this machine's MLX set-up, the model's cost curve and a numerical
-        self-check of the draft-tree forward pass (the first thing to run on a Mac)."""
+        """Print this machine's MLX set-up, the model's cost curve and numerical
+        self-checks of the draft-tree forward pass and of the pipelined steps
+        (the first thing to run on a Mac)."""
         from ..loading import load_model
 
         typer.echo(f"loading {model} ...", err=True)
         lm = load_model(model, dtype=dtype)
-        if not run_doctor(lm, max_size=max_size, repeats=repeats, echo=typer.echo, progress=True):
+        ok = run_doctor(
+            lm,
+            max_size=max_size,
+            repeats=repeats,
+            echo=typer.echo,
+            progress=True,
+            pipeline_tokens=pipeline_tokens,
+        )
+        if not ok:
             sys.exit(1)
