@@ -536,10 +536,11 @@ def test_check_slots_bounds_every_forward(smollm):
 def test_the_masks_help_states_the_ranges_the_methods_take():
     import re
 
+    from mlx_mtp import cli_options
     from mlx_mtp.methods import make_method
 
-    m = re.search(r"probe (\d)-(\d), hybrid (\d)-(\d)", cli.MASKS.help)
-    assert m, cli.MASKS.help
+    m = re.search(r"probe (\d)-(\d), hybrid (\d)-(\d)", cli_options.MASKS.help)
+    assert m, cli_options.MASKS.help
     for method, lo, hi in (("probe", *m.groups()[:2]), ("hybrid", *m.groups()[2:])):
         lo, hi = int(lo), int(hi)
         for ok in (lo, hi):
