@@ -39,6 +39,7 @@ next step before the current one is read).
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -685,41 +686,51 @@ class Pipeline:
             self.policy.curves.save()
 
 
-#: weight of a new step in the moving averages of host time (:class:`HostTimes`)
-HOST_RATE = 0.1
+#: host times kept per step class (:class:`HostTimes`), and the fewest that
+#: make a measurement
+HOST_SAMPLES = 9
+HOST_MIN_SAMPLES = 3
 
 
 class HostTimes:
     """Host seconds on the critical path per pipelined step, by class: a
     plain step (width 0, no mask slots) and a draft step (drafts or mask
-    slots). Each is a moving average (weight :data:`HOST_RATE`) of the time
-    the device sat idle waiting for the host between one launch and the
-    next, charged to the class of the step launched then (whose graph the
-    host built); None until a step of the class was measured."""
+    slots). Each step's sample is the time the device sat idle waiting for
+    the host between one launch and the next, charged to the class of the
+    step launched then (whose graph the host built); a class's time is the
+    median of its last :data:`HOST_SAMPLES` samples (a host shared with
+    other work stalls now and then for tens of milliseconds; the first pass
+    of a new shape takes longer too), measured once it has
+    :data:`HOST_MIN_SAMPLES`."""
 
     def __init__(self) -> None:
-        self.plain: float | None = None
-        self.draft: float | None = None
+        self.samples: dict[bool, deque[float]] = {
+            False: deque(maxlen=HOST_SAMPLES),
+            True: deque(maxlen=HOST_SAMPLES),
+        }
 
     def record(self, draft: bool, seconds: float) -> None:
         """One step of the class (``draft``) left the device idle ``seconds``."""
-        seconds = max(float(seconds), 0.0)
-        old = self.draft if draft else self.plain
-        new = seconds if old is None else (1 - HOST_RATE) * old + HOST_RATE * seconds
-        if draft:
-            self.draft = new
-        else:
-            self.plain = new
+        self.samples[bool(draft)].append(max(float(seconds), 0.0))
+
+    def seconds(self, draft: bool) -> float | None:
+        """The class's host seconds past the pass (None: not measured yet)."""
+        got = self.samples[bool(draft)]
+        return float(np.median(got)) if len(got) >= HOST_MIN_SAMPLES else None
 
     def costs(self, t1: float | None) -> tuple[float, float]:
         """``(plain, draft)`` host time past the pass in one-token forwards
         (``t1``: a one-token forward's seconds; unknown: no host term). A
-        class not measured yet takes the other's; a draft step costs at least
-        a plain one (what it costs less is noise)."""
-        if not t1 or (self.plain is None and self.draft is None):
+        plain step not measured yet costs none (a draft step must pay for
+        its own host time until plain steps have shown theirs), a draft step
+        not measured yet a plain one's (it is measured once it runs); a
+        draft step costs at least a plain one (what it costs less is
+        noise)."""
+        if not t1:
             return 0.0, 0.0
-        plain = self.plain if self.plain is not None else self.draft
-        draft = self.draft if self.draft is not None else plain
+        plain = self.seconds(False) or 0.0
+        draft = self.seconds(True)
+        draft = plain if draft is None else draft
         return plain / t1, max(draft, plain) / t1
 
 
@@ -749,7 +760,8 @@ class WidthPolicy:
         auto: plan each width (False: always ``most``).
         acceptance: the estimates the drafter learns into.
         curves: the cost curves (``auto``); a pipeline's steps refine them.
-        host: the host times to start from (carried over a context).
+        host: the host times to start from (default: none measured; each
+            generation measures its own, the host's load changes).
     """
 
     def __init__(
@@ -901,8 +913,5 @@ def pipeline_for(
         acceptance = ctx.learned[key] = Acceptance(method.pipeline_acceptance())
     else:
         acceptance.soften(CARRY_WEIGHT)
-    host = ctx.learned.get(f"pipeline-host:{method.settings_key()}")
-    if not isinstance(host, HostTimes):
-        host = ctx.learned[f"pipeline-host:{method.settings_key()}"] = HostTimes()
-    policy = WidthPolicy(method.max_width, method.auto, acceptance, curves, host)
+    policy = WidthPolicy(method.max_width, method.auto, acceptance, curves)
     return Pipeline(ctx, drafter, policy, overlap)
