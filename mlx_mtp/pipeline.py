@@ -21,7 +21,9 @@ on the device:
    (:func:`device_walk`), the accepted path's cache rows and the next state
    are lazy too. The host launches step k+1 (``mx.async_eval``) and only then
    reads step k: one synchronisation per step, and everything the host does
-   (building graphs, reading, learning) overlaps the device.
+   (building graphs, reading, learning) overlaps the device, up to the
+   pass's time: host work beyond it leaves the device idle, and the width
+   policy prices it (:class:`HostTimes`).
 
 A plain step is a step of width 0 (the root alone), so plain steps and draft
 steps share one pipeline and switching between them costs nothing. Each
@@ -249,8 +251,8 @@ class DeviceDrafter:
     #: whether the drafter learns at plain steps too (else the width policy
     #: probes now and then while the cut says no: :class:`WidthPolicy`)
     learns_free = True
-    #: ESP mask slots after every token slot of every step (a
-    #: :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
+    #: ESP mask slots after every token slot of the steps that carry them
+    #: (a :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
     masks: Any = None
     #: set by the pipeline: no step is in flight when a width is chosen, so
     #: the signal :meth:`learn` returns describes the step about to launch
