@@ -346,3 +346,32 @@ def test_pipelined_policy_prices_mask_slots_and_host_time(
     for name in ("pld", "probe"):
         slow = _policy_run(smollm, simulate, "profile=bf16-flat,ms_per_token=4", name, prompt)
         assert slow.plain_steps >= 0.8 * slow.steps, (name, slow.plain_steps, slow.steps)
+
+
+def test_pipelined_steps_refine_the_live_cost_curve(
+    smollm, short_spec_prompts, simulate, monkeypatch
+):
+    """Pipelined steps whose reads waited for the device report their passes
+    to the live curves (slots, seconds, context), as the planner's steps do,
+    and the curves are saved when the generation ends: on a simulated device
+    of 40 ms a token, curves that start from 10 ms learn the device's one-token
+    time."""
+    from mlx_mtp.budget import CostCurves
+    from mlx_mtp.costs import LiveCurves
+
+    simulate("ms_per_token=40,curve=1:1,16:1.05,64:1.3")
+    base = CostCurve(FLAT.sizes, FLAT.costs, seconds=0.01)
+    live = LiveCurves(CostCurves([base]), key=None, learn=True)
+    seen, saved = [], []
+    observe = live.observe
+    monkeypatch.setattr(live, "observe", lambda *a: (seen.append(a), observe(*a)))
+    monkeypatch.setattr(live, "save", lambda: saved.append(True))
+    ctx = Context(Engine(smollm.model), curves=live)
+    m = make_method("pld")
+    m.prepare(ctx)
+    p = short_spec_prompts[0]
+    out, _ = _decode(ctx, m, p, 24)
+    assert out == memoised_greedy(Engine(smollm.model))(p, 24)
+    assert seen and saved
+    assert all(s >= 1 and sec > 0 and c >= len(p) - 1 for s, sec, c in seen)
+    assert 0.03 < live.t1 < 0.05, live.t1
