@@ -442,8 +442,6 @@ class CompositeDrafter(DeviceDrafter):
             slots = s.extra.get("tokens")
             for i, (sub, base) in enumerate(zip(subs, starts)):
                 extra = {k.split(":", 1)[1]: v for k, v in s.extra.items() if k.startswith(f"{i}:")}
-                if self.parts[i].masks is not None and "masked" in s.extra:
-                    extra["masked"] = s.extra["masked"]  # the candidates of the step's masks
                 sub_tokens = (
                     [] if slots is None else [int(slots[base + j]) for j in range(1, sub.n)]
                 )
