@@ -21,7 +21,9 @@ on the device:
    (:func:`device_walk`), the accepted path's cache rows and the next state
    are lazy too. The host launches step k+1 (``mx.async_eval``) and only then
    reads step k: one synchronisation per step, and everything the host does
-   (building graphs, reading, learning) overlaps the device.
+   (building graphs, reading, learning) overlaps the device, up to the
+   pass's time: host work beyond it leaves the device idle, and the width
+   policy prices it (:class:`HostTimes`).
 
 A plain step is a step of width 0 (the root alone), so plain steps and draft
 steps share one pipeline and switching between them costs nothing. Each
@@ -38,6 +40,7 @@ next step before the current one is read).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -246,8 +249,8 @@ class DeviceDrafter:
     #: whether the drafter learns at plain steps too (else the width policy
     #: probes now and then while the cut says no: :class:`WidthPolicy`)
     learns_free = True
-    #: ESP mask slots after every token slot of every step (a
-    #: :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
+    #: ESP mask slots after every token slot of the steps that carry them
+    #: (a :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
     masks: Any = None
     #: set by the pipeline: no step is in flight when a width is chosen, so
     #: the signal :meth:`learn` returns describes the step about to launch
@@ -474,6 +477,8 @@ class _Launched:
     extra: list[tuple[str, int]]  # the extras' names and lengths
     done: float
     slots: int
+    masked: bool = False  # mask slots ran (a step of the draft class, whatever its width)
+    aside: float = 0.0  # device work beside the pass, in one-token forwards
 
 
 class Pipeline:
@@ -516,6 +521,7 @@ class Pipeline:
         self.bound = 0  # the most tokens the cache can hold after the steps in flight
         self.history: list[int] = []
         self.signal: Any = None
+        self._waited = False  # the last read waited for the device
 
     @property
     def curve(self) -> CostCurve | None:
@@ -536,12 +542,15 @@ class Pipeline:
         )
         self.bound = at
 
-    def _launch(self, width: int) -> None:
-        """Build step k+1 on the lazy state after step k and start it."""
+    def _launch(self, choice: tuple[int, bool]) -> None:
+        """Build step k+1 on the lazy state after step k and start it
+        (``choice``: its width and whether mask slots ride along)."""
         engine, st = self.engine, self.state
+        width, masked = choice
         tpl = self.drafter.template(width)
         layer = self.drafter.masks
-        n = tpl.n * (1 + (layer.k if layer is not None else 0))
+        masked = masked and layer is not None
+        n = tpl.n * (1 + (layer.k if masked else 0))
         rows = self.bound + n
         hist = st.history
         need = rows + n + 2
@@ -549,16 +558,18 @@ class Pipeline:
             grow = _round_up(need, HISTORY_STEP) - hist.shape[0]
             hist = mx.concatenate([hist, mx.zeros((grow,), dtype=mx.int32)])
         st = DeviceState(st.at, st.root, hist)
+        aside = 0.0
         if tpl.n > 1:
             drafts = self.drafter.draft(st, tpl, rows).astype(mx.int32)
             tokens = mx.concatenate([st.root.reshape(1), drafts])
             for arrays, cost in self.drafter.aside:  # a draft model's passes first
                 engine.clock.launch(arrays, 1, cost)
+                aside += cost
             self.drafter.aside = []
         else:
             tokens = st.root.reshape(1)
         emb, base = None, tpl
-        if layer is not None:  # mask slots after every token slot: vectors, never accepted
+        if masked:  # mask slots after every token slot: vectors, never accepted
             tpl = tpl.with_masks(layer.k)
             emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
             tokens = mx.concatenate([tokens, mx.full((tpl.n - base.n,), -1, dtype=mx.int32)])
@@ -573,9 +584,10 @@ class Pipeline:
         step = Pass(st, base, tokens, logits, path, a)
         extras = self.drafter.read(step)  # before the update: the state drafted from
         kept = self.drafter.update(step)
-        if layer is not None:
-            kept += layer.after(engine, step, committed)
-            extras["masked"] = layer.cands
+        if layer is not None:  # candidates where masks ran; the vectors see every token
+            kept += layer.after(engine, step, committed, masked)
+            if masked:
+                extras["masked"] = layer.cands
         history = mx.slice_update(hist, committed, (st.at + 1).reshape(1), axes=(0,))
         bonus = mx.take(committed, a)
         self.state = DeviceState(st.at + a + 1, bonus, history)
@@ -585,40 +597,62 @@ class Pipeline:
         sizes = [(k, int(np.prod(x.shape))) for k, x in extras.items()]
         state = [self.state.at, self.state.root, self.state.history]
         done = engine.clock.launch([out, *state, *kept, *_cache_arrays(engine)], n)
-        self.inflight.append(_Launched(tpl, base, width, out, sizes, done, n))
+        self.inflight.append(_Launched(tpl, base, width, out, sizes, done, n, masked, aside))
         self.bound += n
 
     def step(self, root: int) -> StepOutput:
         """Commit the tokens of the step in flight after ``root`` (launching
         it first if none is), with the next step launched before reading."""
         clock = self.engine.clock
-        t0 = clock.now()
-        if self.state is None:
+        t0, idle0 = clock.now(), clock.idle
+        first = self.state is None
+        if first:
             self._start(root)
         if not self.inflight:
             self._launch(self._width())
+        launched = None
         left = self.ctx.left
         if self.overlap and (left is None or left > 1):  # the next step first
             self._launch(self._width())
-        out, waited, slots = self._read(root)
+            launched = self.inflight[-1]
+        start = len(self.engine.cached)
+        out, waited, step = self._read(root)
         # device time, as for pipelined plain steps: the whole step but the host
         # work the device did not overlap, which is none where the host had to
         # wait for the result, else what exceeds the pass's time as the clock
         # or the cost curve knows it (unknown: all of it)
         wall = clock.now() - t0
-        host = 0.0 if waited > WAITED else max(wall - self._device_seconds(slots), 0.0)
+        host = 0.0 if waited > WAITED else max(wall - self._device_seconds(step.slots), 0.0)
         clock.add(wall - host)
+        if launched is not None and not first:
+            # the host time on the critical path between two launches: the
+            # device's idle time where the clock knows it, else the step's
+            # time past its pass and the work beside it; a class's by the step
+            # launched (whose graph it built)
+            idle = clock.idle - idle0 if idle0 is not None and clock.idle is not None else None
+            if idle is None:
+                device = self._device_seconds(step.slots, step.aside)
+                idle = 0.0 if waited > WAITED else max(wall - device, 0.0)
+            self.policy.host.record(launched.width > 0 or launched.masked, idle)
+        if not first and waited > WAITED and self._waited:
+            # the device was busy from the step before to this read: the step
+            # timed its pass (the work beside it priced at its forwards)
+            t1 = self.policy.curves.t1 if self.policy.curves is not None else None
+            seconds = wall - (step.aside * t1 if t1 else 0.0)
+            if self.policy.auto and self.policy.curves is not None:
+                self.policy.curves.observe(step.slots, seconds, start)
+        self._waited = waited > WAITED
         return out
 
-    def _device_seconds(self, slots: int) -> float:
+    def _device_seconds(self, slots: int, aside: float = 0.0) -> float:
         known = self.engine.clock.pass_seconds(slots)
-        if known is not None:
-            return known
         t1 = self.policy.curves.t1 if self.policy.curves is not None else None
-        return t1 * self.curve(slots) if t1 and self.curve is not None else 0.0
+        if known is not None:
+            return known + (aside * self.engine.clock.pass_seconds(1) if aside else 0.0)
+        return t1 * (self.curve(slots) + aside) if t1 and self.curve is not None else 0.0
 
-    def _width(self) -> int:
-        width = self.policy.width(self.drafter, self.signal, self.ctx)
+    def _width(self) -> tuple[int, bool]:
+        width, masked = self.policy.choose(self.drafter, self.signal, self.ctx)
         # a width 0 at auto: declined where the drafter had nodes to offer
         # (asked again: its values depend only on the estimates and signal)
         declined = width == 0 and self.policy.auto
@@ -627,9 +661,9 @@ class Pipeline:
                 self.drafter.values(self.policy.acceptance, self.policy.most, self.signal)
             )
         self._declined.append(declined)
-        return width
+        return width, masked
 
-    def _read(self, root: int) -> tuple[StepOutput, float, int]:
+    def _read(self, root: int) -> tuple[StepOutput, float, _Launched]:
         engine = self.engine
         step = self.inflight.pop(0)
         t0 = engine.clock.now()
@@ -654,7 +688,7 @@ class Pipeline:
         self.declined += self._declined.pop(0)
         record = StepRecord(start, step.width, a, tokens, step.base, path, extra)
         self.signal = self.drafter.learn(self.policy.acceptance, self.history, [record])
-        return StepOutput(tokens, step.width, a, 1), waited, step.slots
+        return StepOutput(tokens, step.width, a, 1), waited, step
 
     def finish(self) -> None:
         """The generation ended: the steps still in flight are dropped and
@@ -663,48 +697,182 @@ class Pipeline:
         self._declined.clear()
         self.engine.settle_at(self.engine.cached)
         self.drafter.end(self.engine.cached)
+        if self.policy.auto and self.policy.curves is not None:
+            self.policy.curves.save()
+
+
+#: host times kept per step class (:class:`HostTimes`), and the fewest that
+#: make a measurement
+HOST_SAMPLES = 9
+HOST_MIN_SAMPLES = 3
+
+
+class HostTimes:
+    """Host seconds on the critical path per pipelined step, by class: a
+    plain step (width 0, no mask slots) and a draft step (drafts or mask
+    slots). Each step's sample is the time the device sat idle waiting for
+    the host between one launch and the next, charged to the class of the
+    step launched then (whose graph the host built); a class's time is the
+    median of its last :data:`HOST_SAMPLES` samples (a host shared with
+    other work stalls now and then for tens of milliseconds; the first pass
+    of a new shape takes longer too), measured once it has
+    :data:`HOST_MIN_SAMPLES`."""
+
+    def __init__(self) -> None:
+        self.samples: dict[bool, deque[float]] = {
+            False: deque(maxlen=HOST_SAMPLES),
+            True: deque(maxlen=HOST_SAMPLES),
+        }
+
+    def record(self, draft: bool, seconds: float) -> None:
+        """One step of the class (``draft``) left the device idle ``seconds``."""
+        self.samples[bool(draft)].append(max(float(seconds), 0.0))
+
+    def seconds(self, draft: bool) -> float | None:
+        """The class's host seconds past the pass (None: not measured yet)."""
+        got = self.samples[bool(draft)]
+        return float(np.median(got)) if len(got) >= HOST_MIN_SAMPLES else None
+
+    def costs(self, t1: float | None) -> tuple[float, float]:
+        """``(plain, draft)`` host time past the pass in one-token forwards
+        (``t1``: a one-token forward's seconds; unknown: no host term). A
+        plain step not measured yet costs none (a draft step must pay for
+        its own host time until plain steps have shown theirs), a draft step
+        not measured yet a plain one's (it is measured once it runs); a
+        draft step costs at least a plain one (what it costs less is
+        noise)."""
+        if not t1:
+            return 0.0, 0.0
+        plain = self.seconds(False) or 0.0
+        draft = self.seconds(True)
+        draft = plain if draft is None else draft
+        return plain / t1, max(draft, plain) / t1
 
 
 class WidthPolicy:
-    """The width of each pipelined step.
+    """The width of each pipelined step, and whether mask slots ride along.
 
-    At a fixed width every step drafts ``most`` nodes. At ``auto`` each step
-    takes the prefix of the drafter's best-first node values that maximises
-    expected tokens per unit of forward time under the device's cost curve
-    (Leviathan et al. 2023, §3.4), 0 where none beats a plain step. The host
-    work is left out: it overlaps the device.
+    At a fixed width every step drafts ``most`` nodes (mask slots after
+    every slot where the drafter has them). At ``auto`` each step takes the
+    prefix of the drafter's best-first node values that maximises expected
+    tokens per unit of step time (Leviathan et al. 2023, §3.4), 0 where none
+    beats a plain step. A step's time is its pass under the device's cost
+    curve (and a draft model's passes beside it) plus the host time its
+    class leaves on the critical path (:class:`HostTimes`: the host work
+    that exceeds the device's pass makes it idle), so a draft step that
+    costs more host time than a plain one must win by more.
+
+    Mask slots (a drafter with a :class:`~mlx_mtp.sources.masks.MaskLayer`)
+    ride along in every step where drafting with them in every step beats
+    drafting without them (each side's best prefix; the candidates they make
+    are the next step's drafts). Elsewhere a plain step carries them now and
+    then, as a probe of the candidates, once the steps since the last cost
+    :data:`EPSILON` of the refresh's price in all; the step after it may
+    draft the candidates without masks.
 
     Args:
         most: the widest step.
         auto: plan each width (False: always ``most``).
         acceptance: the estimates the drafter learns into.
-        curves: the cost curves (``auto``).
+        curves: the cost curves (``auto``); a pipeline's steps refine them.
+        host: the host times to start from (default: none measured; each
+            generation measures its own, the host's load changes).
     """
 
     def __init__(
-        self, most: int, auto: bool, acceptance: Acceptance, curves: LiveCurves | None = None
+        self,
+        most: int,
+        auto: bool,
+        acceptance: Acceptance,
+        curves: LiveCurves | None = None,
+        host: HostTimes | None = None,
     ):
         self.most, self.auto, self.acceptance, self.curves = most, auto, acceptance, curves
+        self.host = host if host is not None else HostTimes()
         self.curve: CostCurve | None = None
         self._idle = 0  # plain steps since the last draft (probes)
+        self._stale = 0  # steps without mask slots since the last with them
 
     def width(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> int:
         """The width of the next step launched."""
-        values = drafter.values(self.acceptance, self.most, signal)
+        return self.choose(drafter, signal, ctx)[0]
+
+    def choose(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> tuple[int, bool]:
+        """The width of the next step launched, and whether it carries mask slots."""
+        layer = drafter.masks
         if not self.auto:
-            return min(self.most, len(values))
+            values = drafter.values(self.acceptance, self.most, signal)
+            return min(self.most, len(values)), layer is not None
         self.curve = curve = self.curves.at(ctx.engine.offset)
-        k = 1 + (drafter.masks.k if drafter.masks is not None else 0)  # masks after each slot
-        n, _ = best_prefix(
-            curve, values, drafter.item_slots * k, base_slots=k, item_cost=drafter.item_cost
+        hp, hd = self.host.costs(self.curves.t1)
+        if layer is None:
+            values = drafter.values(self.acceptance, self.most, signal)
+            n, _ = self._cut(curve, drafter, values, 1, hp, hd)
+            return self._probe(n, drafter, values, curve, hp, hd), False
+        k = 1 + layer.k
+        fresh = layer.fresh
+        layer.assume = not fresh  # the values with the candidates' state flipped
+        try:
+            other = drafter.values(self.acceptance, self.most, signal)
+        finally:
+            layer.assume = None
+        values = drafter.values(self.acceptance, self.most, signal)  # the layout sent
+        with_masks, without = (values, other) if fresh else (other, values)
+        _, on = self._cut(curve, drafter, with_masks, k, hp, hd)
+        _, off = self._cut(curve, drafter, without, 1, hp, hd)
+        if on > off:  # masks in every step pay
+            self._stale = 0
+            return self._cut(curve, drafter, values, k, hp, hd)[0], True
+        n, _ = self._cut(curve, drafter, values, 1, hp, hd)
+        self._stale += 1
+        # a refresh: a plain step carries the masks once the steps since the
+        # last cost EPSILON of its price in all (its candidates are scored)
+        if n == 0 and self._stale * EPSILON >= curve(k) + hd - curve(1) - hp:
+            self._stale = 0
+            return 0, True
+        return n, False
+
+    def _cut(
+        self,
+        curve: CostCurve,
+        drafter: DeviceDrafter,
+        values: list[float],
+        k: int,
+        hp: float,
+        hd: float,
+    ) -> tuple[int, float]:
+        """The best prefix of ``values`` with ``k`` slots a node (a node and
+        its masks) and its rate, plain (0) unless it beats a plain step (a
+        step with mask slots is of the draft class)."""
+        plain = 1.0 / (curve(k) + (hd if k > 1 else hp))
+        if not values:
+            return 0, plain
+        n, rate = best_prefix(
+            curve,
+            values,
+            drafter.item_slots * k,
+            base_slots=k,
+            item_cost=drafter.item_cost,
+            base_cost=hd,
         )
+        return (n, rate) if n and rate > plain else (0, plain)
+
+    def _probe(
+        self,
+        n: int,
+        drafter: DeviceDrafter,
+        values: list[float],
+        curve: CostCurve,
+        hp: float,
+        hd: float,
+    ) -> int:
         if n or drafter.learns_free or not values:
             self._idle = 0
             return n
         # a drafter that learns only from its drafts probes now and then: one
         # item, once the steps since the last cost EPSILON of them in all
         self._idle += 1
-        loss = curve(k * (1 + drafter.item_slots)) + drafter.item_cost - curve(k)
+        loss = curve(1 + drafter.item_slots) + drafter.item_cost + hd - curve(1) - hp
         if self._idle * EPSILON >= loss:
             self._idle = 0
             return 1

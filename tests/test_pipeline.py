@@ -295,3 +295,83 @@ def test_pipelined_draft_model_is_exact(qwen_large, qwen):
     turn2 = prompts[0] + out + prompts[0][-4:]
     out, _ = _decode(ctx, m, turn2, 8)
     assert out == ref(turn2, 8)
+
+
+# ------------------------------------------------- the policy, simulated device
+def _policy_run(smollm, simulate, spec, name, prompt, n=48):
+    simulate(spec)
+    ctx = Context(Engine(smollm.model))
+    m = make_method(name)
+    m.prepare(ctx)
+    _decode(ctx, m, prompt[:-8], 16)  # the first passes of each shape take longer
+    out, stats = _decode(ctx, m, prompt, n)
+    assert out == memoised_greedy(Engine(smollm.model))(prompt, n), (spec, name)
+    return stats
+
+
+def test_pipelined_policy_prices_mask_slots_and_host_time(
+    smollm, simulate, spec_prompts, monkeypatch
+):
+    """On the simulated device: on a steep curve (m4pro-4bit) probe's plain
+    steps carry no mask slots but for a refresh now and then (about one slot
+    a pass, not two); where a draft step's host work exceeds the device's
+    pass by far (30 ms more than a plain step's, against 4 ms a token), pld
+    and probe run plain steps (nearly) always; on a memory-bound curve
+    (bf16-flat) both draft. All exact."""
+    import time
+
+    from mlx_mtp.sources.lookup import LookupDrafter
+    from mlx_mtp.sources.masks import MaskLayer
+
+    prompt = min(spec_prompts[2::6], key=len)  # summarization: much to copy
+    steep = _policy_run(smollm, simulate, "profile=m4pro-4bit,ms_per_token=12", "probe", prompt)
+    assert steep.slots / steep.forward_passes < 1.6, (steep.slots, steep.forward_passes)
+    for name in ("pld", "probe"):
+        flat = _policy_run(smollm, simulate, "profile=bf16-flat,ms_per_token=12", name, prompt)
+        assert flat.drafted > 0 and flat.accepted > 0, name
+        assert flat.plain_steps < flat.steps, name
+    draft, after = LookupDrafter.draft, MaskLayer.after
+
+    def slow_draft(self, *a, **k):
+        time.sleep(0.03)
+        return draft(self, *a, **k)
+
+    def slow_after(self, engine, step, committed, masked=True):
+        if masked:
+            time.sleep(0.03)
+        return after(self, engine, step, committed, masked)
+
+    monkeypatch.setattr(LookupDrafter, "draft", slow_draft)
+    monkeypatch.setattr(MaskLayer, "after", slow_after)
+    for name in ("pld", "probe"):
+        slow = _policy_run(smollm, simulate, "profile=bf16-flat,ms_per_token=4", name, prompt)
+        assert slow.plain_steps >= 0.8 * slow.steps, (name, slow.plain_steps, slow.steps)
+
+
+def test_pipelined_steps_refine_the_live_cost_curve(
+    smollm, short_spec_prompts, simulate, monkeypatch
+):
+    """Pipelined steps whose reads waited for the device report their passes
+    to the live curves (slots, seconds, context), as the planner's steps do,
+    and the curves are saved when the generation ends: on a simulated device
+    of 40 ms a token, curves that start from 10 ms learn the device's one-token
+    time."""
+    from mlx_mtp.budget import CostCurves
+    from mlx_mtp.costs import LiveCurves
+
+    simulate("ms_per_token=40,curve=1:1,16:1.05,64:1.3")
+    base = CostCurve(FLAT.sizes, FLAT.costs, seconds=0.01)
+    live = LiveCurves(CostCurves([base]), key=None, learn=True)
+    seen, saved = [], []
+    observe = live.observe
+    monkeypatch.setattr(live, "observe", lambda *a: (seen.append(a), observe(*a)))
+    monkeypatch.setattr(live, "save", lambda: saved.append(True))
+    ctx = Context(Engine(smollm.model), curves=live)
+    m = make_method("pld")
+    m.prepare(ctx)
+    p = short_spec_prompts[0]
+    out, _ = _decode(ctx, m, p, 24)
+    assert out == memoised_greedy(Engine(smollm.model))(p, 24)
+    assert seen and saved
+    assert all(s >= 1 and sec > 0 and c >= len(p) - 1 for s, sec, c in seen)
+    assert 0.03 < live.t1 < 0.05, live.t1

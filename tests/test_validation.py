@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from mlx_mtp import cli
 from mlx_mtp.errors import (
     InvalidArgumentError,
     ModelNotFoundError,

@@ -157,45 +157,69 @@ class MaskVectors:
 
 class MaskLayer:
     """ESP's mask slots in pipelined steps (:mod:`mlx_mtp.pipeline`): ``k``
-    mask slots after every token slot of every step, their vectors and the
-    candidates they predict kept as lazy arrays (Goel et al., §3.1-3.2).
+    mask slots after every token slot of the steps that carry them, their
+    vectors and the candidates they predict kept as lazy arrays (Goel et
+    al., §3.1-3.2).
 
-    After each step, the masks after its deepest accepted slot give the next
-    step's candidates: the ``top`` best tokens of mask j for depth j + 1
-    (:attr:`cands`), and the vectors move towards each committed token
-    (``m <- m + lam (e - m)``, as :meth:`MaskVectors.update`; learned vectors
-    stay fixed), all inside the step's graph.
+    After a step with mask slots, the masks after its deepest accepted slot
+    give the next step's candidates: the ``top`` best tokens of mask j for
+    depth j + 1 (:attr:`cands`). A step without them leaves no candidates
+    (``cands`` is None until a step carries masks again). After every step
+    the vectors move towards each committed token (``m <- m + lam (e -
+    m)``, as :meth:`MaskVectors.update`; learned vectors stay fixed), all
+    inside the step's graph.
 
     Args:
         vectors: the method's :class:`MaskVectors` (prepared).
         top: candidates kept per depth.
+
+    Attributes:
+        assume: the width policy's question "what if candidates were (True)
+            or were not (False) there": :attr:`fresh` answers it instead of
+            :attr:`cands` while set.
     """
 
     def __init__(self, vectors: MaskVectors, top: int):
         self.vectors, self.k, self.top = vectors, vectors.slots, max(int(top), 1)
-        #: (k, top) int32 lazy, best first; None before the first step
+        #: (k, top) int32 lazy, best first; None before the first step with
+        #: mask slots and after a step without them
         self.cands: mx.array | None = None
         self.vec: mx.array | None = None
+        self.assume: bool | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the step launched last left candidates (or :attr:`assume`)."""
+        return self.cands is not None if self.assume is None else self.assume
 
     def begin(self, engine: Engine, prompt: list[int]) -> None:
         """A generation starts: the vectors from the prompt (or learned)."""
         self.vectors.begin(engine, prompt)
         self.vec = self.vectors.embedding
         self.cands = None
+        self.assume = None
 
     def slots(self, nodes: int) -> mx.array:
         """(nodes * k, D) input embeddings of the mask slots after ``nodes``
         token slots, in slot order."""
         return mx.tile(self.vec, (nodes, 1))
 
-    def after(self, engine: Engine, step: Any, committed: mx.array) -> list[mx.array]:
+    def after(
+        self, engine: Engine, step: Any, committed: mx.array, masked: bool = True
+    ) -> list[mx.array]:
         """Lazy: the next candidates from the masks after ``step``'s deepest
-        accepted slot, and the vectors after its committed tokens (the first
+        accepted slot (``masked``: the step carried mask slots; else none),
+        and the vectors after its committed tokens (the first
         ``step.accepted + 1`` of ``committed``); returns them to evaluate."""
-        n, k = step.tpl.n, self.k
-        deepest = step.path[-1]
-        rows = mx.take(step.logits, n + deepest * k + mx.arange(k), axis=0)
-        self.cands = top_tokens(rows, self.top).astype(mx.int32)
+        out = []
+        if masked:
+            n, k = step.tpl.n, self.k
+            deepest = step.path[-1]
+            rows = mx.take(step.logits, n + deepest * k + mx.arange(k), axis=0)
+            self.cands = top_tokens(rows, self.top).astype(mx.int32)
+            out.append(self.cands)
+        else:
+            self.cands = None
         if self.vectors.learned is None:
             lam = self.vectors.lam
             count = (step.accepted + 1).astype(mx.float32)
@@ -203,7 +227,7 @@ class MaskLayer:
             w = mx.where(i < count, lam * mx.power(1.0 - lam, count - 1.0 - i), 0.0)
             e = engine.embed(committed)
             self.vec = mx.power(1.0 - lam, count) * self.vec + (w.astype(e.dtype) @ e)[None]
-        return [self.cands, self.vec]
+        return [*out, self.vec]
 
 
 #: prior acceptance of the rank-1.. candidates of mask 1, given the root
@@ -241,7 +265,7 @@ class MaskDrafter(DeviceDrafter):
         self._pending = []
 
     def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
-        if self.masks.cands is None:  # no masks read yet: the first step primes
+        if not self.masks.fresh:  # no candidates: the last step carried no masks
             self._plan = ([-1], [0])
             return []
         k, top = self.masks.k, self.masks.top
