@@ -12,12 +12,13 @@ and :meth:`Engine.trim_to` themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     CacheList,
     KVCache,
@@ -96,6 +97,12 @@ class Engine:
         # the last tree pass over plain KV caches: (start, slots, views holding the
         # slots' keys/values), for keep() to move accepted rows without a sync
         self._tree_rows: tuple[int, int, list[TreeCacheView]] | None = None
+        #: held around each prefill chunk of :meth:`sync` and, by
+        #: :func:`~mlx_mtp.decoding.generate_steps`, around each decoding
+        #: step: the model's lock (:func:`mlx_mtp.threads.model_lock`) where
+        #: several threads share the model (an :class:`~mlx_mtp.api.MTPModel`
+        #: sets it), else nothing
+        self.turn: AbstractContextManager[Any] = nullcontext()
 
     def use_model(self, model: nn.Module) -> None:
         """Decode with ``model`` from now on, with an empty cache built the
@@ -181,6 +188,22 @@ class Engine:
                 c = SlidingKVCache(self.max_kv_size - 4, keep=4, room=self.slots)
             out.append(c)
         return out
+
+    def materialize(self) -> None:
+        """Evaluate every array the cache holds, so that no lazy work is left
+        in it: MLX runs a thread's work on that thread's own streams, and a
+        binding used next on another thread could not evaluate work left
+        pending by this one."""
+        arrays: list[mx.array] = []
+        todo = list(self.cache)
+        while todo:
+            c = todo.pop()
+            if isinstance(c, CacheList):
+                todo.extend(c.caches)
+                continue
+            leaves = tree_flatten(list(vars(c).values()))
+            arrays += [v for _, v in leaves if isinstance(v, mx.array)]
+        mx.eval(arrays)
 
     def trimmable(self, n_extra: int = 0, chain: bool = False) -> bool:
         """Whether every layer cache can later drop up to ``n_extra`` new tokens
@@ -311,10 +334,11 @@ class Engine:
                 self.last_prefill = i
                 return i
             piece = rest[i : i + chunk]
-            (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.cached.extend(piece)
-            mx.clear_cache()
+            with self.turn:
+                (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.cached.extend(piece)
+                mx.clear_cache()
         return len(rest)
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
