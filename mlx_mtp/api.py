@@ -63,6 +63,7 @@ from .validation import (
     chat_role,
     check_flag,
     check_generation_args,
+    check_kv,
     check_value,
 )
 
@@ -136,9 +137,16 @@ class MTPModel:
         method: Method,
         max_kv_size: int | None = None,
         thinking: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         if max_kv_size is not None:
             max_kv_size = check_value("max_kv_size", max_kv_size)
+        check_kv(kv_bits, kv_group_size, loaded.model)
+        if kv_bits is not None and not getattr(method, "quantized_kv", True):
+            raise UnsupportedModelError(
+                f"{method.describe()} cannot run on a quantized KV cache; drop --kv-bits."
+            )
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -147,7 +155,13 @@ class MTPModel:
         self.thinking = bool(thinking)
         self._warned_template = False
         # sliding windows keep room for the method's largest forward pass
-        self.engine = Engine(self.model, max_kv_size=max_kv_size, slots=method.block_complexity)
+        self.engine = Engine(
+            self.model,
+            max_kv_size=max_kv_size,
+            slots=method.block_complexity,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
         self.prefill_step = PREFILL_STEP
         self._active: object | None = None  # the generation holding the cache
         self._claim = threading.Lock()  # guards the check and claim of _active
@@ -547,6 +561,8 @@ def load(
     max_kv_size: int | None = None,
     thinking: bool = False,
     pipeline: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
     **method_options: Any,
 ) -> MTPModel:
     """Load a model and a multi-token method.
@@ -558,6 +574,10 @@ def load(
             (Qwen3); off by default.
         dtype: compute dtype (float32 default on Linux CPU; as stored on Mac).
         max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
+        kv_bits: 4 or 8: keep the KV cache quantized (mlx-lm's
+            ``QuantizedKVCache``, from the first token), None for full
+            precision; not with ``max_kv_size``.
+        kv_group_size: quantization group size of the KV cache (32, 64, 128).
         pipeline: under ``mlx.launch`` (a group of several ranks), shard the
             model by layers instead of by heads (see :mod:`mlx_mtp.distributed`).
         **method_options: e.g. ``bc=30, masks=2, tree="dynamic"`` for probe.
@@ -579,11 +599,23 @@ def load(
         check_value("max_kv_size", max_kv_size)
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
+    check_kv(kv_bits, kv_group_size)
+    if kv_bits is not None and max_kv_size is not None:
+        raise InvalidArgumentError(
+            "kv_bits and max_kv_size cannot be combined: a sliding window is not quantized "
+            "(use one of --kv-bits and --max-kv-size)."
+        )
     lm = load_model(model, dtype, pipeline=pipeline)
     shared = share_target(lm, method_options)
     if shared is not method_options:  # the draft model is the target: its weights, once
         m = make_method(method, **shared)
-    return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking)
+    return lm.bind(
+        m,
+        max_kv_size=max_kv_size,
+        thinking=thinking,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+    )
 
 
 class RowSampler:

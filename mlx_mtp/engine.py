@@ -36,7 +36,7 @@ from .cache_view import (
     TreeCacheView,
     install_positional_rope,
 )
-from .errors import CacheNotTrimmableError, UnsupportedModelError
+from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 from .families import TREE, family_support, model_parts
 from .logprobs import LogprobRecorder
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
@@ -75,10 +75,29 @@ class Engine:
         slots: the most tokens one droppable forward pass adds (the method's
             block complexity); sliding-window caches keep room for them, and
             grow if a larger pass comes. None: ``DEFAULT_ROOM`` (64).
+        kv_bits: if set (4 or 8), the layers that would keep every token
+            (plain ``KVCache``) keep them quantized instead, from the first
+            token (mlx-lm's ``QuantizedKVCache(kv_group_size, kv_bits)``);
+            sliding-window layers stay as they are.
+        kv_group_size: elements per quantization group (of a head's dimension).
     """
 
-    def __init__(self, model: nn.Module, max_kv_size: int | None = None, slots: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_kv_size: int | None = None,
+        slots: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+    ):
+        if kv_bits is not None and max_kv_size is not None:
+            raise InvalidArgumentError(
+                "kv_bits and max_kv_size cannot be combined: a sliding window is not "
+                "quantized (use one of --kv-bits and --max-kv-size)."
+            )
         self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         #: room of the sliding-window caches (tokens beyond the window)
         self.slots = max(2, int(slots)) if slots is not None else DEFAULT_ROOM
         self.use_model(model)
@@ -186,6 +205,8 @@ class Engine:
                 c = SlidingKVCache(c.max_size - c.keep, keep=c.keep, room=self.slots)
             elif type(c) is KVCache and self.max_kv_size is not None:
                 c = SlidingKVCache(self.max_kv_size - 4, keep=4, room=self.slots)
+            elif type(c) is KVCache and self.kv_bits is not None:
+                c = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
             out.append(c)
         return out
 

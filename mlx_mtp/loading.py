@@ -331,6 +331,8 @@ class LoadedModel:
         *,
         max_kv_size: int | None = None,
         thinking: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
         **options: Any,
     ) -> Any:
         """A decoding method bound to this model: an
@@ -342,6 +344,8 @@ class LoadedModel:
                 ``options``, or a :class:`~mlx_mtp.methods.Method` instance.
             max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
             thinking: ``enable_thinking`` for hybrid-thinking chat templates.
+            kv_bits: 4 or 8: a quantized KV cache (see :func:`mlx_mtp.api.load`).
+            kv_group_size: its quantization group size (32, 64, 128).
 
         Raises:
             UnknownMethodError, InvalidArgumentError: a bad method or option.
@@ -355,7 +359,14 @@ class LoadedModel:
         m = make_method(method, **options) if isinstance(method, str) else method
         if options and not isinstance(method, str):
             raise InvalidArgumentError("options go with a method name, not a method instance")
-        return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking)
+        return MTPModel(
+            self,
+            m,
+            max_kv_size=max_kv_size,
+            thinking=thinking,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
 
     def batch_generate(self, prompts: Any, **kwargs: Any) -> list[Any]:
         """Answer several prompts at once, batched (plain next-token decoding,
