@@ -75,6 +75,12 @@ NUM_DRAFT = typer.Option(
     help="draft: draft tokens per step, or 'auto' (default: as many as pay on this device).",
 )
 MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in tokens (>= 16).")
+KV_BITS = typer.Option(
+    None,
+    "--kv-bits",
+    help="Keep the KV cache quantized to 4 or 8 bits (bounds its memory; not with --max-kv-size).",
+)
+KV_GROUP = typer.Option(64, "--kv-group-size", help="Quantization group size of --kv-bits.")
 THINKING = typer.Option(
     False, "--thinking/--no-thinking", help="Hybrid-thinking chat templates (Qwen3): think first."
 )
@@ -136,6 +142,8 @@ LOAD = OptionGroup(
         "method": (str, METHOD),
         "dtype": (str | None, DTYPE),
         "max_kv_size": (int | None, MAX_KV),
+        "kv_bits": (int | None, KV_BITS),
+        "kv_group_size": (int, KV_GROUP),
     },
 )
 #: sampling settings: passed on as ``sampling`` (keyword arguments of
@@ -200,7 +208,17 @@ def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callabl
     return decorate
 
 
-def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=False):
+def _load(
+    model,
+    method,
+    dtype,
+    max_kv_size,
+    options,
+    pipeline=False,
+    thinking=False,
+    kv_bits=None,
+    kv_group_size=64,
+):
     check_choices(method, options, dtype)
     where = f" over {distributed.size()} ranks" if distributed.size() > 1 else ""
     typer.echo(f"loading {model} ({method}){where} ...", err=True)
@@ -212,6 +230,8 @@ def _load(model, method, dtype, max_kv_size, options, pipeline=False, thinking=F
             max_kv_size=max_kv_size,
             pipeline=pipeline,
             thinking=thinking,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
             **options,
         )
     if where:
