@@ -37,9 +37,7 @@ from .loading import (
 from .methods import make_method
 from .model import ChatSession, Chunk, MTPModel, Prompt, Result, check_keywords
 from .runners import check_runner
-from .validation import (
-    check_value,
-)
+from .validation import check_kv, check_value
 
 __all__ = [
     "BATCH_METHODS",
@@ -66,6 +64,8 @@ def load(
     pipeline_parallel: bool = False,
     runner: str = "auto",
     pipeline: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
     **method_options: Any,
 ) -> MTPModel:
     """Load a model and a multi-token method.
@@ -77,6 +77,10 @@ def load(
             (Qwen3); off by default.
         dtype: compute dtype (float32 default on Linux CPU; as stored on Mac).
         max_kv_size: sliding-window KV cache size (tokens), None for unbounded.
+        kv_bits: 4 or 8: keep the KV cache quantized (mlx-lm's
+            ``QuantizedKVCache``, from the first token), None for full
+            precision; not with ``max_kv_size``.
+        kv_group_size: quantization group size of the KV cache (32, 64, 128).
         pipeline_parallel: under ``mlx.launch`` (a group of several ranks),
             shard the model by layers instead of by heads (see
             :mod:`mlx_mtp.distributed`); ``pipeline`` is the same.
@@ -102,8 +106,21 @@ def load(
     if not isinstance(thinking, bool):
         raise InvalidArgumentError(f"thinking must be True or False, got {thinking!r}")
     check_runner(runner)
+    check_kv(kv_bits, kv_group_size)
+    if kv_bits is not None and max_kv_size is not None:
+        raise InvalidArgumentError(
+            "kv_bits and max_kv_size cannot be combined: a sliding window is not quantized "
+            "(use one of --kv-bits and --max-kv-size)."
+        )
     lm = load_model(model, dtype, pipeline=pipeline_parallel or pipeline)
     shared = share_target(lm, method_options)
     if shared is not method_options:  # the draft model is the target: its weights, once
         m = make_method(method, **shared)
-    return lm.bind(m, max_kv_size=max_kv_size, thinking=thinking, runner=runner)
+    return lm.bind(
+        m,
+        max_kv_size=max_kv_size,
+        thinking=thinking,
+        runner=runner,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+    )

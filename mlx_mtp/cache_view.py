@@ -22,6 +22,7 @@ dropped even after the window has wrapped.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -457,7 +458,8 @@ def is_rope(module: Any) -> bool:
 def install_positional_rope(model: nn.Module) -> int:
     """Wrap every RoPE module of ``model`` (:func:`is_rope`, wherever it sits:
     ``self_attn.rope``, ``attention.rotary_emb``, a model-level table) with
-    :class:`PositionalRoPE`. Idempotent.
+    :class:`PositionalRoPE`. Idempotent, and one thread at a time (threads
+    binding methods to one loaded model install it together).
 
     Returns:
         The number of RoPE modules now wrapped (0 for a model without RoPE,
@@ -483,7 +485,12 @@ def install_positional_rope(model: nn.Module) -> int:
                 found += walk(child)
         return found
 
-    return walk(model)
+    with _INSTALL:
+        return walk(model)
+
+
+#: one :func:`install_positional_rope` at a time in a process
+_INSTALL = threading.Lock()
 
 
 class LazyView:

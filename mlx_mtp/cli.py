@@ -47,6 +47,8 @@ def _load(
     pipeline_parallel=False,
     thinking=False,
     runner="auto",
+    kv_bits=None,
+    kv_group_size=64,
 ):
     check_choices(method, options, dtype)
     check_runner(runner)
@@ -61,6 +63,8 @@ def _load(
             pipeline_parallel=pipeline_parallel,
             thinking=thinking,
             runner=runner,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
             **options,
         )
     if where:

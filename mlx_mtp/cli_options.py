@@ -61,6 +61,12 @@ NUM_DRAFT = typer.Option(
     help="draft: draft tokens per step, or 'auto' (default: as many as pay on this device).",
 )
 MAX_KV = _ranged("max_kv_size", None, help="Sliding-window KV cache size in tokens (>= 16).")
+KV_BITS = typer.Option(
+    None,
+    "--kv-bits",
+    help="Keep the KV cache quantized to 4 or 8 bits (bounds its memory; not with --max-kv-size).",
+)
+KV_GROUP = typer.Option(64, "--kv-group-size", help="Quantization group size of --kv-bits.")
 THINKING = typer.Option(
     False, "--thinking/--no-thinking", help="Hybrid-thinking chat templates (Qwen3): think first."
 )
@@ -131,6 +137,8 @@ LOAD = OptionGroup(
         "method": (str, METHOD),
         "dtype": (str | None, DTYPE),
         "max_kv_size": (int | None, MAX_KV),
+        "kv_bits": (int | None, KV_BITS),
+        "kv_group_size": (int, KV_GROUP),
     },
 )
 #: sampling settings: passed on as ``sampling`` (keyword arguments of

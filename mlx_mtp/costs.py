@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -436,6 +437,8 @@ class LiveCurves:
 
 #: the curves of every (model, device, dtype) key met in this process
 _LIVE: dict[str, LiveCurves] = {}
+#: held while :func:`device_curves` reads or fills :data:`_LIVE`
+_LIVE_LOCK = threading.RLock()
 
 
 def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
@@ -450,9 +453,18 @@ def device_curves(engine: Engine, measure: bool = True) -> LiveCurves:
     (every rank must draft the same). With ``measure=False`` and nothing
     cached: ``CostCurve.linear(1.0)`` (a slot costs a whole forward).
 
+    One thread at a time (:data:`_LIVE_LOCK`): a thread that finds no curve
+    measures it alone, and the threads after it get the same one.
+
     Raises:
         InvalidArgumentError: a malformed ``MLX_MTP_COST_CURVE``.
     """
+    with _LIVE_LOCK:
+        return _device_curves(engine, measure)
+
+
+def _device_curves(engine: Engine, measure: bool) -> LiveCurves:
+    # device_curves under its lock
     known = engine.clock.known_curve()
     if known is not None:  # the planner runs on the simulated device's own curve
         return LiveCurves(CostCurves([known]), learn=False)

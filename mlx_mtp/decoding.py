@@ -6,7 +6,8 @@ repeatedly ask the method for a step, cut the step's tokens at EOS and
 invariant: when it returns, the cache holds the prompt and every generated
 token but the last, so the next chat turn reuses it. Like mlx-lm's loop it
 runs inside ``mlx_lm.generate.wired_limit`` from before the prefill (Metal:
-the wired memory limit raised to the GPU's recommended working set), clears
+the wired memory limit raised to the GPU's recommended working set; one for
+the threads of a process, :func:`mlx_mtp.threads.wired_limit`), clears
 MLX's buffer cache every 256 tokens, and prefills in steps of 2048 on a GPU
 (512 on a CPU: :data:`~mlx_mtp.engine.PREFILL_STEP`, :meth:`Engine.sync`).
 """
@@ -17,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import wired_limit
 
 from .budget import as_curves
 from .context import Context
@@ -27,6 +27,7 @@ from .errors import InvalidArgumentError
 from .logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
 from .methods.base import DraftMethod, Method
 from .runners import check_runner, choose_runner
+from .threads import wired_limit
 from .verify import Sampler
 
 #: tokens between ``mx.clear_cache()`` calls in the decoding loop (mlx-lm: 256)
@@ -299,6 +300,8 @@ def generate_steps(
     # exit it waits for the passes still queued on the stream before restoring
     # the limit), buffer cache cleared every CLEAR_CACHE_EVERY tokens
     wired = wired_limit(engine.model, streams=[mx.default_stream(mx.default_device())])
+    # each step under the engine's turn (the model's lock where threads share it,
+    # mlx_mtp.threads); none is held across a yield
     wired.__enter__()
     recorder = None if logprobs is None else LogprobRecorder(logprobs)
     engine.logprobs = recorder
@@ -309,20 +312,21 @@ def generate_steps(
         if engine.offset != len(prompt) - 1:  # should_stop during the prefill
             yield Step([], stats, "cancelled")
             return
-        curves = None
-        if isinstance(method, DraftMethod):
-            curves = ctx.curves
-            if method.auto and curves is None:
-                curves = device_curves(engine)
-            if curves is not None and not isinstance(curves, LiveCurves):
-                curves = LiveCurves(as_curves(curves), learn=False)
-        choice = choose_runner(
-            ctx, method, sampler, curves, logprobs=recorder is not None, runner=runner
-        )
-        planner = choice.runner
-        stats.runner, stats.runner_reason = choice.name, choice.reason
-        t0 = clock.now()
-        method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
+        with engine.turn:
+            curves = None
+            if isinstance(method, DraftMethod):
+                curves = ctx.curves
+                if method.auto and curves is None:
+                    curves = device_curves(engine)
+                if curves is not None and not isinstance(curves, LiveCurves):
+                    curves = LiveCurves(as_curves(curves), learn=False)
+            choice = choose_runner(
+                ctx, method, sampler, curves, logprobs=recorder is not None, runner=runner
+            )
+            planner = choice.runner
+            stats.runner, stats.runner_reason = choice.name, choice.reason
+            t0 = clock.now()
+            method.begin(ctx, prompt, sampler)  # a draft model's prefill: prefill time
         stats.prefill_time += clock.now() - t0
         if recorder is not None:  # only the decoding steps' tokens are reported
             recorder.entries.clear()
@@ -341,7 +345,8 @@ def generate_steps(
                 cleared = n
             slots0 = engine.forward_slots
             ctx.left = max_tokens - n
-            out = planner.step(root) if planner is not None else method.step(ctx, root)
+            with engine.turn:
+                out = planner.step(root) if planner is not None else method.step(ctx, root)
             tokens = out.tokens[: max_tokens - n]
             for i, t in enumerate(tokens):
                 if t in eos_ids:
@@ -385,8 +390,10 @@ def generate_steps(
         ctx.left = None
         # cache = prompt + generated tokens but the last one
         expected = len(prompt) - 1 + max(n - 1, 0) + (1 if n else 0)
-        wired.__exit__(None, None, None)
-        if planner is not None:
-            planner.finish()
-        if engine.offset > expected:
-            engine.trim_to(expected)
+        with engine.turn:
+            wired.__exit__(None, None, None)
+            if planner is not None:
+                planner.finish()
+            if engine.offset > expected:
+                engine.trim_to(expected)
+            engine.materialize()  # no pending work left for another thread

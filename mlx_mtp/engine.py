@@ -12,12 +12,13 @@ and :meth:`Engine.trim_to` themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     CacheList,
     KVCache,
@@ -35,7 +36,7 @@ from .cache_view import (
     TreeCacheView,
     install_positional_rope,
 )
-from .errors import CacheNotTrimmableError, UnsupportedModelError
+from .errors import CacheNotTrimmableError, InvalidArgumentError, UnsupportedModelError
 from .families import TREE, family_support, model_parts
 from .logprobs import LogprobRecorder
 from .recurrent import RecurrentRollback, has_recurrent, is_recurrent
@@ -74,10 +75,29 @@ class Engine:
         slots: the most tokens one droppable forward pass adds (the method's
             block complexity); sliding-window caches keep room for them, and
             grow if a larger pass comes. None: ``DEFAULT_ROOM`` (64).
+        kv_bits: if set (4 or 8), the layers that would keep every token
+            (plain ``KVCache``) keep them quantized instead, from the first
+            token (mlx-lm's ``QuantizedKVCache(kv_group_size, kv_bits)``);
+            sliding-window layers stay as they are.
+        kv_group_size: elements per quantization group (of a head's dimension).
     """
 
-    def __init__(self, model: nn.Module, max_kv_size: int | None = None, slots: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_kv_size: int | None = None,
+        slots: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+    ):
+        if kv_bits is not None and max_kv_size is not None:
+            raise InvalidArgumentError(
+                "kv_bits and max_kv_size cannot be combined: a sliding window is not "
+                "quantized (use one of --kv-bits and --max-kv-size)."
+            )
         self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         #: room of the sliding-window caches (tokens beyond the window)
         self.slots = max(2, int(slots)) if slots is not None else DEFAULT_ROOM
         self.use_model(model)
@@ -96,6 +116,12 @@ class Engine:
         # the last tree pass over plain KV caches: (start, slots, views holding the
         # slots' keys/values), for keep() to move accepted rows without a sync
         self._tree_rows: tuple[int, int, list[TreeCacheView]] | None = None
+        #: held around each prefill chunk of :meth:`sync` and, by
+        #: :func:`~mlx_mtp.decoding.generate_steps`, around each decoding
+        #: step: the model's lock (:func:`mlx_mtp.threads.model_lock`) where
+        #: several threads share the model (an :class:`~mlx_mtp.api.MTPModel`
+        #: sets it), else nothing
+        self.turn: AbstractContextManager[Any] = nullcontext()
 
     def use_model(self, model: nn.Module) -> None:
         """Decode with ``model`` from now on, with an empty cache built the
@@ -179,8 +205,26 @@ class Engine:
                 c = SlidingKVCache(c.max_size - c.keep, keep=c.keep, room=self.slots)
             elif type(c) is KVCache and self.max_kv_size is not None:
                 c = SlidingKVCache(self.max_kv_size - 4, keep=4, room=self.slots)
+            elif type(c) is KVCache and self.kv_bits is not None:
+                c = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
             out.append(c)
         return out
+
+    def materialize(self) -> None:
+        """Evaluate every array the cache holds, so that no lazy work is left
+        in it: MLX runs a thread's work on that thread's own streams, and a
+        binding used next on another thread could not evaluate work left
+        pending by this one."""
+        arrays: list[mx.array] = []
+        todo = list(self.cache)
+        while todo:
+            c = todo.pop()
+            if isinstance(c, CacheList):
+                todo.extend(c.caches)
+                continue
+            leaves = tree_flatten(list(vars(c).values()))
+            arrays += [v for _, v in leaves if isinstance(v, mx.array)]
+        mx.eval(arrays)
 
     def trimmable(self, n_extra: int = 0, chain: bool = False) -> bool:
         """Whether every layer cache can later drop up to ``n_extra`` new tokens
@@ -311,10 +355,11 @@ class Engine:
                 self.last_prefill = i
                 return i
             piece = rest[i : i + chunk]
-            (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.cached.extend(piece)
-            mx.clear_cache()
+            with self.turn:
+                (self.backbone or self.model)(mx.array(piece)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.cached.extend(piece)
+                mx.clear_cache()
         return len(rest)
 
     def common_prefix(self, tokens: Sequence[int]) -> int:

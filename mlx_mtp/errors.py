@@ -65,3 +65,10 @@ class ModelBusyError(MTPError):
     """A second generation started on an :class:`~mlx_mtp.api.MTPModel` whose
     previous stream has not finished (one KV cache serves one generation at a
     time)."""
+
+
+class WrongThreadError(MTPError):
+    """A stream of :meth:`~mlx_mtp.api.MTPModel.stream_generate` read on a
+    thread other than the one that started it: MLX runs each thread's work
+    on that thread's own streams, and the stream's pending work cannot move
+    to another one."""

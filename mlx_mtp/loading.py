@@ -335,6 +335,8 @@ class LoadedModel:
         max_kv_size: int | None = None,
         thinking: bool = False,
         runner: str = "auto",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
         **options: Any,
     ) -> Any:
         """A decoding method bound to this model: an
@@ -348,6 +350,8 @@ class LoadedModel:
             thinking: ``enable_thinking`` for hybrid-thinking chat templates.
             runner: ``auto``, ``pipelined`` or ``synchronous``: the runner of
                 the decoding steps (:mod:`mlx_mtp.runners`).
+            kv_bits: 4 or 8: a quantized KV cache (see :func:`mlx_mtp.api.load`).
+            kv_group_size: its quantization group size (32, 64, 128).
 
         Raises:
             UnknownMethodError, InvalidArgumentError: a bad method or option.
@@ -358,7 +362,15 @@ class LoadedModel:
         m = make_method(method, **options) if isinstance(method, str) else method
         if options and not isinstance(method, str):
             raise InvalidArgumentError("options go with a method name, not a method instance")
-        return MTPModel(self, m, max_kv_size=max_kv_size, thinking=thinking, runner=runner)
+        return MTPModel(
+            self,
+            m,
+            max_kv_size=max_kv_size,
+            thinking=thinking,
+            runner=runner,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
 
     def batch_generate(self, prompts: Any, **kwargs: Any) -> list[Any]:
         """Answer several prompts at once, batched (plain next-token decoding,

@@ -5,7 +5,9 @@ and multi-turn chat (:class:`ChatSession`)."""
 
 from __future__ import annotations
 
+import copy
 import numbers
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,17 +25,21 @@ from .errors import (
     InvalidArgumentError,
     ModelBusyError,
     ModelLoadError,
+    UnsupportedModelError,
+    WrongThreadError,
 )
 from .families import check_cache_support
 from .logprobs import TokenLogprob
 from .methods import Method
 from .runners import check_runner
 from .sampling import PositionalSampler, random_seed
+from .threads import model_lock
 from .validation import (
     GENERATION_ARGS,
     chat_role,
     check_flag,
     check_generation_args,
+    check_kv,
     check_value,
 )
 
@@ -69,11 +75,23 @@ class MTPModel:
     """A loaded model, a method and one KV cache (reused across calls by prefix).
 
     Made by :meth:`LoadedModel.bind <mlx_mtp.loading.LoadedModel.bind>` or
-    :func:`load`. Not thread-safe: use one instance per conversation thread.
-    It runs one generation at a time: a stream that has started and not
-    finished (nor been closed) holds the KV cache, and starting another one
-    raises :class:`~mlx_mtp.errors.ModelBusyError` (bind a second model for
-    two at once; each has its own cache).
+    :func:`load`. It runs one generation at a time: a stream that has started
+    and not finished (nor been closed) holds the KV cache, and starting
+    another one, on any thread, raises :class:`~mlx_mtp.errors.ModelBusyError`
+    (the check is race-free; bind a second model for two at once: each has
+    its own cache).
+
+    Threads (docs/design.md, "Threads"): one loaded model serves several
+    threads, each with its own ``MTPModel`` (``loaded.bind(...)`` per
+    thread); each thread's answers are those it gets alone. Their
+    generations take turns on the model, one prefill chunk or decoding step
+    at a time (the model's lock, :func:`mlx_mtp.threads.model_lock`): N
+    threads decode about as fast together as one (batch prompts with
+    :func:`~mlx_mtp.api.batch_generate` or the server for throughput). A
+    binding may move between threads from one generation to the next, but a
+    stream is read on the thread that started it (else
+    :class:`~mlx_mtp.errors.WrongThreadError`). ``stats.peak_memory_gb`` is
+    the process's peak, all threads included.
 
     Attributes:
         prefill_step: prompt tokens per prefill forward pass
@@ -96,9 +114,16 @@ class MTPModel:
         max_kv_size: int | None = None,
         thinking: bool = False,
         runner: str = "auto",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         if max_kv_size is not None:
             max_kv_size = check_value("max_kv_size", max_kv_size)
+        check_kv(kv_bits, kv_group_size, loaded.model)
+        if kv_bits is not None and not getattr(method, "quantized_kv", True):
+            raise UnsupportedModelError(
+                f"{method.describe()} cannot run on a quantized KV cache; drop --kv-bits."
+            )
         #: the runner asked for (:mod:`mlx_mtp.runners`): ``auto``,
         #: ``pipelined`` or ``synchronous``; each result's ``stats.runner``
         #: says which ran
@@ -111,9 +136,18 @@ class MTPModel:
         self.thinking = bool(thinking)
         self._warned_template = False
         # sliding windows keep room for the method's largest forward pass
-        self.engine = Engine(self.model, max_kv_size=max_kv_size, slots=method.block_complexity)
+        self.engine = Engine(
+            self.model,
+            max_kv_size=max_kv_size,
+            slots=method.block_complexity,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
         self.prefill_step = PREFILL_STEP
         self._active: object | None = None  # the generation holding the cache
+        self._claim = threading.Lock()  # guards the check and claim of _active
+        # generations of every binding of this model take turns per step
+        self.engine.turn = model_lock(self.model)
         #: what the method receives: the engine and the checkpoint it came from
         self.ctx = Context(self.engine, loaded)
         check_cache_support(self.engine, method)
@@ -369,23 +403,29 @@ class MTPModel:
         check_logprobs(self.method, logprobs)
         tokens = self.encode(prompt, chat_template, tools=tools)
         max_tokens = self.check_context(len(tokens), args["max_tokens"], fit_context)
-        if self._active is not None:
-            raise ModelBusyError(
-                "This model is already generating: a stream on it (stream_generate or a chat "
-                "turn) has started and not finished. Finish or close it (gen.close()) first, "
-                "or bind a second model for two at once (LoadedModel.bind: its own KV cache)."
-            )
         sampler = None
         if args["temp"] > 0:
             # rank 0's seed on every rank of a sharded model (docs/design.md, failure class 14)
             seed = distributed.agree(args["seed"] if args["seed"] is not None else random_seed())
             sampler = PositionalSampler(args["temp"], args["top_p"], args["top_k"], min_p, seed)
-        detok = self.tokenizer.detokenizer
+        # a detokenizer of its own (older mlx-lm versions hand out one shared by the
+        # tokenizer's callers, and every binding of a loaded model shares its tokenizer)
+        detok = copy.copy(self.tokenizer.detokenizer)
         detok.reset()
         eos = self.eos_ids
-        self._active = mine = object()
+        mine = object()
+        with self._claim:  # the check and the claim in one step: race-free across threads
+            if self._active is not None:
+                raise ModelBusyError(
+                    "This model is already generating: a stream on it (stream_generate or a "
+                    "chat turn, in this thread or another) has started and not finished. Finish "
+                    "or close it (gen.close()) first, or bind a model per thread "
+                    "(LoadedModel.bind: its own KV cache)."
+                )
+            self._active = mine
+        owner = threading.get_ident()
         try:
-            for step in generate_steps(
+            steps = generate_steps(
                 self.ctx,
                 self.method,
                 tokens,
@@ -396,7 +436,8 @@ class MTPModel:
                 prefill_step=self.prefill_step,
                 logprobs=logprobs,
                 runner=self.runner,
-            ):
+            )
+            for step in steps:
                 for t in step.tokens:
                     if t not in eos:
                         detok.add_token(t)
@@ -405,9 +446,26 @@ class MTPModel:
                 yield Chunk(
                     detok.last_segment, step.tokens, step.stats, step.finish_reason, step.logprobs
                 )
+                if threading.get_ident() != owner:
+                    self._moved(steps)
+                    raise WrongThreadError(
+                        "This stream was started on another thread; read a stream on the thread "
+                        "that started it (MLX runs each thread's work on its own streams). The "
+                        "model's KV cache was dropped."
+                    )
         finally:
             if self._active is mine:
                 self._active = None
+
+    def _moved(self, steps: Iterator[Any]) -> None:
+        """End a generation resumed on another thread: its pending device work
+        belongs to the thread that started it, so its cleanup may fail here
+        and the cache it left is not trusted (dropped)."""
+        try:
+            steps.close()
+        except Exception:  # noqa: BLE001 (MLX refuses the other thread's work)
+            pass
+        self.engine.reset()
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Result:
         """Generate to the end; same arguments as :meth:`stream_generate`.

@@ -61,6 +61,43 @@ LIMITS: dict[str, Limit] = {
 }
 
 
+#: bits of a quantized KV cache (``kv_bits``, ``--kv-bits``)
+KV_BITS = (4, 8)
+#: elements per quantization group of a quantized KV cache (``--kv-group-size``)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv(kv_bits: Any, kv_group_size: Any, model: Any = None) -> None:
+    """Refuse a quantized KV cache setting that cannot run.
+
+    Raises:
+        InvalidArgumentError: ``kv_bits`` not None nor one of :data:`KV_BITS`,
+            ``kv_group_size`` not one of :data:`KV_GROUP_SIZES`, or (given the
+            model) a head dimension the group size does not divide.
+    """
+    if kv_bits is None:
+        return
+    if isinstance(kv_bits, bool) or kv_bits not in KV_BITS:
+        raise InvalidArgumentError(
+            f"kv_bits (--kv-bits) must be one of {', '.join(map(str, KV_BITS))}, got {kv_bits!r}."
+        )
+    if isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
+        raise InvalidArgumentError(
+            "kv_group_size (--kv-group-size) must be one of "
+            f"{', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}."
+        )
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    dim = getattr(args, "head_dim", None) or (
+        args.hidden_size // heads if heads and getattr(args, "hidden_size", None) else None
+    )
+    if isinstance(dim, int) and dim % kv_group_size:
+        raise InvalidArgumentError(
+            f"kv_group_size {kv_group_size} does not divide this model's head dimension "
+            f"{dim}; use a --kv-group-size that does."
+        )
+
+
 #: the roles of chat messages, the same for the Python API and the server
 #: ("developer" is OpenAI's newer name for "system")
 #: chat roles ("developer" is OpenAI's newer name for "system"; "tool" carries a

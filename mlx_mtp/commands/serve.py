@@ -217,6 +217,8 @@ def register(app: typer.Typer) -> None:
                 options,
                 dtype=dtype,
                 max_kv_size=load["max_kv_size"],
+                kv_bits=load["kv_bits"],
+                kv_group_size=load["kv_group_size"],
                 max_tokens=max_tokens,
                 temp=temp,
                 top_p=top_p,

@@ -111,7 +111,8 @@ class Worker:
             clients send as ``"model"``.
         method / options: the default method and its options (as ``load``;
             the operator's choice, so paths are not restricted here).
-        dtype / max_kv_size: as :func:`mlx_mtp.load`.
+        dtype / max_kv_size / kv_bits / kv_group_size: as :func:`mlx_mtp.load`
+            (with ``kv_bits`` requests are decoded one at a time, not batched).
         max_tokens: new tokens when a request does not say (clipped to the
             context left).
         temp / top_p / top_k / min_p / seed: sampling defaults when a request
@@ -140,6 +141,8 @@ class Worker:
         *,
         dtype: str | None = None,
         max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
         max_tokens: int = 512,
         temp: float = 0.0,
         top_p: float = 0.0,
@@ -153,7 +156,13 @@ class Worker:
         limits: Limits | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
-        from ..validation import check_generation_args
+        from ..validation import check_generation_args, check_kv
+
+        check_kv(kv_bits, kv_group_size)  # before the load
+        if kv_bits is not None and max_kv_size is not None:
+            raise InvalidArgumentError(
+                "--kv-bits and --max-kv-size cannot be combined: a sliding window is not quantized."
+            )
 
         if queue_size < 1 or max_methods < 1:
             raise InvalidArgumentError("queue_size and max_methods must be >= 1.")
@@ -165,6 +174,9 @@ class Worker:
         self.options = dict(options or {})
         self.dtype = dtype
         self.max_kv_size = max_kv_size
+        #: a quantized KV cache for every binding (requests then run one at a
+        #: time: the batched runner keeps full-precision caches)
+        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
         self.sampling = check_generation_args(
             max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
         )
@@ -401,7 +413,9 @@ class Worker:
             # timed on a cache of its own (no sliding window, nothing to restore)
             self.limits.measure(Engine(self.loaded.model))
             self.limits.check_default(default)
-            m = self.loaded.bind(default, max_kv_size=self.max_kv_size, runner=self.runner)
+            m = self.loaded.bind(
+                default, max_kv_size=self.max_kv_size, runner=self.runner, **self.kv
+            )
             m.prefill_step = self.limits.prefill_step
             self._models[self.default_key] = m
             self._snapshot()
@@ -453,7 +467,12 @@ class Worker:
         req = job.request
         if req.logprobs is not None:
             return None
-        if self.max_batch < 2 or self.max_kv_size is not None or distributed.group() is not None:
+        if (
+            self.max_batch < 2
+            or self.max_kv_size is not None
+            or self.kv["kv_bits"] is not None
+            or distributed.group() is not None
+        ):
             return None
         method, options = (
             (self.method, self.options) if req.method is None else (req.method, req.options)
@@ -639,7 +658,7 @@ class Worker:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        m = self.loaded.bind(method, max_kv_size=self.max_kv_size, runner=self.runner)
+        m = self.loaded.bind(method, max_kv_size=self.max_kv_size, runner=self.runner, **self.kv)
         m.prefill_step = self.limits.prefill_step
         self._models[key] = m
         while len(self._models) > self.max_methods:
