@@ -265,6 +265,24 @@ def untrained_clp_heads(loaded, folder) -> str:
     return str(folder)
 
 
+#: every method that runs pipelined steps, at auto and at a fixed setting
+PIPELINED_SETTINGS = [
+    ("pld", {}),
+    ("pld", {"max_draft": 10}),
+    ("recycle", {}),
+    ("recycle", {"bc": 30}),
+    ("probe", {}),
+    ("probe", {"bc": 30, "masks": 2}),
+    ("hybrid", {}),
+    ("hybrid", {"bc": 30, "recycle": 1}),
+]
+
+
+def setting_ids(settings: list[tuple[str, dict]]) -> list[str]:
+    """Test ids of (method, options) settings: ``probe-bc30-masks2``, ``pld-auto``."""
+    return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
+
+
 def memoised_greedy(engine):
     """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation on
     ``engine``, memoised per prompt (a longer ``n`` decodes the prompt again)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import memoised_greedy
+from conftest import PIPELINED_SETTINGS, memoised_greedy, setting_ids
 from tiny_models import make_tiny_model
 
 from mlx_mtp.budget import CostCurve
@@ -169,23 +169,10 @@ def test_a_composite_weighs_each_part_by_what_its_nodes_delivered():
 
 
 # ------------------------------------------------------------ real models
-METHODS = [
-    ("pld", {}),
-    ("pld", {"max_draft": 10}),
-    ("recycle", {}),
-    ("recycle", {"bc": 30}),
-    ("probe", {}),
-    ("probe", {"bc": 30, "masks": 2}),
-    ("hybrid", {}),
-    ("hybrid", {"bc": 30, "recycle": 1}),
-]
+METHODS = PIPELINED_SETTINGS
 
 
-def _ids(settings):
-    return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
-
-
-@pytest.mark.parametrize("name,opts", METHODS, ids=_ids(METHODS))
+@pytest.mark.parametrize("name,opts", METHODS, ids=setting_ids(METHODS))
 def test_pipelined_methods_are_exact(smollm, short_spec_prompts, greedy_reference, name, opts):
     """Every pipelined method reproduces plain greedy decoding in float32 on
     three Spec-Bench prompts (three tasks), at auto and at a fixed setting, on
@@ -216,7 +203,7 @@ SWEEP = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,opts", SWEEP, ids=_ids(SWEEP))
+@pytest.mark.parametrize("name,opts", SWEEP, ids=setting_ids(SWEEP))
 def test_pipelined_methods_are_exact_on_many_prompts(
     smollm, short_spec_prompts, greedy_reference, name, opts
 ):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import memoised_greedy
+from conftest import PIPELINED_SETTINGS, memoised_greedy, setting_ids
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
@@ -30,21 +30,7 @@ from mlx_mtp.methods import make_method
 
 #: tokens decoded per prompt
 N = 16
-#: every pipelined method, at auto and at a fixed setting
-METHODS = [
-    ("pld", {}),
-    ("pld", {"max_draft": 10}),
-    ("recycle", {}),
-    ("recycle", {"bc": 30}),
-    ("probe", {}),
-    ("probe", {"bc": 30, "masks": 2}),
-    ("hybrid", {}),
-    ("hybrid", {"bc": 30, "recycle": 1}),
-]
-
-
-def _ids(settings):
-    return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
+METHODS = PIPELINED_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +79,7 @@ def test_quantized_matmuls_are_row_invariant_on_the_cpu(request, which):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,opts", METHODS, ids=_ids(METHODS))
+@pytest.mark.parametrize("name,opts", METHODS, ids=setting_ids(METHODS))
 def test_pipelined_methods_on_4_bit_weights_equal_ntp(
     q4, short_spec_prompts, monkeypatch, name, opts
 ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import memoised_greedy
+from conftest import memoised_greedy, setting_ids
 
 from mlx_mtp.budget import CostCurve
 from mlx_mtp.context import Context
@@ -35,10 +35,6 @@ SETTINGS = [
 ]
 
 
-def _ids(settings):
-    return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
-
-
 @pytest.fixture(scope="module")
 def prompts(short_spec_prompts):
     """One token, two tokens, then 48 tokens of a Spec-Bench prompt, in that order."""
@@ -46,7 +42,7 @@ def prompts(short_spec_prompts):
 
 
 @pytest.mark.parametrize("runner", ["pipelined", "synchronous"])
-@pytest.mark.parametrize("name,opts", SETTINGS, ids=_ids(SETTINGS))
+@pytest.mark.parametrize("name,opts", SETTINGS, ids=setting_ids(SETTINGS))
 def test_short_prompts_on_one_binding_equal_greedy(
     smollm, near_draft, greedy_reference, prompts, monkeypatch, runner, name, opts
 ):
