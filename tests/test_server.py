@@ -425,7 +425,8 @@ def test_api_key(server):
 
 
 M = {"model": MODEL, "messages": Q, "max_tokens": 2}
-WORDS = [{"role": "user", "content": "word " * 9000}]
+WORDS = [{"role": "user", "content": "word " * 9000}]  # past the 8192-token context
+FITS = [{"role": "user", "content": "word " * 6000}]  # within it, but not with 4000 more
 
 
 def mtp(**options):
@@ -1025,7 +1026,8 @@ API_WORDS = [
     (mtp(method="draft"), "needs the option mtp.draft_model"),
     (mtp(method="probe", bc="abc"), "mtp.bc must be"),
     (mtp(method="probe", tree="6,3", masks=1), "mtp.tree 6,3 has depth 2 but mtp.masks 1"),
-    (dict(M, max_tokens=4000, messages=WORDS), "lower max_tokens."),
+    (dict(M, max_tokens=4000, messages=FITS), "lower max_tokens."),
+    (dict(M, max_tokens=4000, messages=WORDS), "Shorten the prompt to fewer than"),
 ]
 
 
