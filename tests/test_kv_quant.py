@@ -33,12 +33,16 @@ def prompts(short_spec_prompts):
         8,
         pytest.param(
             4,
-            marks=pytest.mark.xfail(
-                reason="4 bits: a key row of an N-slot pass may differ from a one-token "
-                "pass's by float rounding, and 4-bit quantization can turn that into a "
-                "whole quantization step: one prompt of three departs from ntp after 18 tokens",
-                strict=False,
-            ),
+            marks=[
+                pytest.mark.slow,  # an expected departure: measured, not a gate
+                pytest.mark.xfail(
+                    reason="4 bits: a key row of an N-slot pass may differ from a one-token "
+                    "pass's by float rounding, and 4-bit quantization can turn that into a "
+                    "whole quantization step: one prompt of three departs from ntp after 18 "
+                    "tokens",
+                    strict=False,
+                ),
+            ],
         ),
     ],
 )
