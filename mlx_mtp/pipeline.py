@@ -654,13 +654,7 @@ class Pipeline:
     def _width(self) -> tuple[int, bool]:
         width, masked = self.policy.choose(self.drafter, self.signal, self.ctx)
         # a width 0 at auto: declined where the drafter had nodes to offer
-        # (asked again: its values depend only on the estimates and signal)
-        declined = width == 0 and self.policy.auto
-        if declined:
-            declined = bool(
-                self.drafter.values(self.policy.acceptance, self.policy.most, self.signal)
-            )
-        self._declined.append(declined)
+        self._declined.append(width == 0 and self.policy.auto and self.policy.offered)
         return width, masked
 
     def _read(self, root: int) -> tuple[StepOutput, float, _Launched]:
@@ -790,6 +784,8 @@ class WidthPolicy:
         self.most, self.auto, self.acceptance, self.curves = most, auto, acceptance, curves
         self.host = host if host is not None else HostTimes()
         self.curve: CostCurve | None = None
+        #: whether the drafter offered any node for the step last chosen
+        self.offered = False
         self._idle = 0  # plain steps since the last draft (probes)
         self._stale = 0  # steps without mask slots since the last with them
 
@@ -802,11 +798,13 @@ class WidthPolicy:
         layer = drafter.masks
         if not self.auto:
             values = drafter.values(self.acceptance, self.most, signal)
+            self.offered = bool(values)
             return min(self.most, len(values)), layer is not None
         self.curve = curve = self.curves.at(ctx.engine.offset)
         hp, hd = self.host.costs(self.curves.t1)
         if layer is None:
             values = drafter.values(self.acceptance, self.most, signal)
+            self.offered = bool(values)
             n, _ = self._cut(curve, drafter, values, 1, hp, hd)
             return self._probe(n, drafter, values, curve, hp, hd), False
         k = 1 + layer.k
@@ -817,6 +815,7 @@ class WidthPolicy:
         finally:
             layer.assume = None
         values = drafter.values(self.acceptance, self.most, signal)  # the layout sent
+        self.offered = bool(values)
         with_masks, without = (values, other) if fresh else (other, values)
         _, on = self._cut(curve, drafter, with_masks, k, hp, hd)
         _, off = self._cut(curve, drafter, without, 1, hp, hd)
