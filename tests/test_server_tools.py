@@ -205,21 +205,23 @@ FORCED = [
 
 
 @pytest.fixture
-def forced(tool_server, monkeypatch):
-    """The tool model's default method answers :data:`FORCED` (then EOS)."""
+def forced(tool_server, monkeypatch, request):
+    """The tool model's default method answers :data:`FORCED` (or the
+    pieces given as the fixture's parameter), then EOS."""
     from mlx_mtp.api import Chunk
     from mlx_mtp.decoding import GenerationStats
 
     worker = tool_server[1]
     m = worker._models[worker.default_key]
     seen = {}
+    pieces = getattr(request, "param", FORCED)
 
     def fake(prompt, tools=None, **kw):
         seen["tools"] = tools
         st = GenerationStats(method="ntp", prompt_tokens=len(m.encode(prompt, tools=tools)))
-        for i, text in enumerate(FORCED):
+        for i, text in enumerate(pieces):
             st.generated_tokens = st.forward_passes = i + 1
-            last = i == len(FORCED) - 1
+            last = i == len(pieces) - 1
             yield Chunk(text, [1], st, "stop" if last else None)
 
     monkeypatch.setattr(m, "stream_generate", fake)
@@ -356,3 +358,68 @@ def test_logprob_requests_run_alone_and_lossy_methods_refuse(tool_server):
             "mtp": {"method": "clp", "mode": "paper"}}  # fmt: skip
     status, _, err = raw(base, "POST", "/v1/chat/completions", body)
     assert status == 400 and "lossy" in err["error"]["message"], err
+
+
+#: Qwen2.5-Coder-Instruct's way: the call's JSON alone in a fenced block
+BARE = ["```", 'json\n{"name": "get_weather",', ' "arguments": {"city": "Paris"}}\n', "```"]
+
+
+@pytest.mark.parametrize("forced", [BARE], indirect=True, ids=["fenced-json"])
+def test_a_call_without_markers_is_read_as_a_tool_call(tool_server, forced):
+    base, worker, client = tool_server
+    model = str(worker.model_id)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(
+        client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name) for t in calls] == [(0, "get_weather")]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+CODE = ["```", "python\nprint(", "1)\n```"]
+NOT_A_CALL = ['{"city": ', '"Paris"}']
+
+
+@pytest.mark.parametrize("forced", [CODE, NOT_A_CALL], indirect=True, ids=["code", "json"])
+def test_other_answers_stay_content_streamed_as_they_come(tool_server, forced):
+    base, worker, client = tool_server
+    model = str(worker.model_id)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER])
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    chunks = list(
+        client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], stream=True)
+    )
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(deltas) == text
+    if text.startswith("```python"):  # sent before the answer ended
+        assert len(deltas) >= 2 and deltas[0] == "```python\nprint("
+
+
+def test_bare_calls_are_read_only_from_whole_answers_that_are_calls():
+    from mlx_mtp.server.tools import bare_calls, may_be_bare_call
+
+    names = {"get_weather"}
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    for text in (json.dumps(call), f"```json\n{json.dumps(call)}\n```", f"[{json.dumps(call)}]"):
+        assert bare_calls(text, names) == [call], text
+    for text in (
+        "Sure: " + json.dumps(call),  # other text
+        json.dumps({"name": "run", "arguments": {}}),  # a tool not offered
+        json.dumps({"name": "get_weather", "arguments": "Oslo"}),  # arguments not an object
+        json.dumps({"name": "get_weather", "arguments": {}, "extra": 1}),
+        f"```python\n{json.dumps(call)}\n```",
+        "```json\n{",  # cut
+    ):
+        assert bare_calls(text, names) is None, text
+    assert all(may_be_bare_call(t) for t in ("", "  ", "`", "```js", "```json\n", "{", "```\n["))
+    assert not any(may_be_bare_call(t) for t in ("Hi", "```py", "```python\n", "```json\nx"))
