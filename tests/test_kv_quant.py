@@ -152,3 +152,43 @@ def test_load_refuses_bad_kv_settings_before_loading():
 
     with pytest.raises(InvalidArgumentError, match="kv_bits"):
         load("no-such-model-anywhere", kv_bits=5)
+
+
+def test_clp_and_gated_confadapt_are_exact_on_an_8_bit_cache(smollm, prompts):
+    """``clp`` (verified: lossless) and ``confadapt`` with the shipped gated
+    adapter at tau > 1 (every block's first token is the base model's greedy
+    token, so it equals plain decoding) give ntp's tokens on the same 8-bit
+    cache; the adapter's copy of the model gets a quantized cache too."""
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS
+
+    want = [smollm.bind("ntp", kv_bits=8).generate(p, max_tokens=20).tokens for p in prompts]
+    clp = smollm.bind("clp", kv_bits=8)
+    assert [clp.generate(p, max_tokens=20).tokens for p in prompts] == want
+    ca = smollm.bind("confadapt", kv_bits=8, k=8, tau=1.5,
+                     adapter=str(SHIPPED_ADAPTERS / "smollm2-135m-gsm8k"))  # fmt: skip
+    assert [ca.generate(p, max_tokens=20).tokens for p in prompts] == want
+    assert ca.engine.model is not smollm.model
+    assert all(isinstance(c, QuantizedKVCache) for c in ca.engine.cache)
+
+
+def test_native_mtp_is_exact_on_an_8_bit_cache(smollm, tmp_path):
+    """``mtp`` on a tiny hybrid model (a native MTP layer; its full-attention
+    layers' caches quantized, its linear-attention state as it is) gives
+    ntp's tokens on the same cache."""
+    from mlx_lm.utils import load_model
+    from tiny_models import HYBRID_FAMILIES, write_tiny_hybrid
+
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.loading import LoadedModel
+    from mlx_mtp.methods import make_method
+
+    family = HYBRID_FAMILIES[0]
+    write_tiny_hybrid(tmp_path, family, seed=1, head_dim=64)
+    model, config = load_model(tmp_path)
+    lm = LoadedModel(model, smollm.tokenizer, tmp_path, config, family, "float32")
+    prompt = [11, 22, 33, 44, 55]
+    got = MTPModel(lm, make_method("mtp", depth=2), kv_bits=8)
+    assert any(isinstance(c, QuantizedKVCache) for c in got.engine.cache)
+    ref = MTPModel(lm, make_method("ntp"), kv_bits=8).generate(prompt, max_tokens=12)
+    r = got.generate(prompt, max_tokens=12)
+    assert r.tokens == ref.tokens and r.stats.drafted > 0

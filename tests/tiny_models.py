@@ -624,15 +624,17 @@ _NEXT_MOE: dict[str, Any] = {
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
 
 
-def hybrid_config(family: str) -> dict[str, Any]:
+def hybrid_config(family: str, **text_settings: Any) -> dict[str, Any]:
     """config.json of a tiny hybrid model of ``family`` (``qwen3_next``: MoE MLPs,
-    flat; ``qwen3_5``: dense, text settings under ``text_config``)."""
+    flat; ``qwen3_5``: dense, text settings under ``text_config``);
+    ``text_settings`` replace the text model's (``head_dim=64``)."""
+    base = {**_HYBRID_TEXT, **text_settings}
     if family == "qwen3_next":
-        return {"model_type": "qwen3_next", **_HYBRID_TEXT, **_NEXT_MOE}
+        return {"model_type": "qwen3_next", **base, **_NEXT_MOE}
     if family == "qwen3_5":
         text = {
             "model_type": "qwen3_5_text",
-            **_HYBRID_TEXT,
+            **base,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -676,7 +678,9 @@ def _random_model(folder: Any, config: dict[str, Any], seed: int) -> tuple[Path,
     return folder, model_class(args_class.from_dict(config))
 
 
-def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) -> dict[str, Any]:
+def write_tiny_hybrid(
+    folder: Any, family: str = "qwen3_next", seed: int = 0, **text_settings: Any
+) -> dict[str, Any]:
     """Write a tiny random hybrid checkpoint, in the Hugging Face layout of the
     public Qwen3-Next / Qwen3.5 checkpoints, with a native MTP layer under
     ``mtp.*`` (zero-centred norms, per-expert tensors, conv1d as (C, 1, K)).
@@ -684,12 +688,13 @@ def write_tiny_hybrid(folder: Any, family: str = "qwen3_next", seed: int = 0) ->
     Load it with ``mlx_lm.utils.load_model(folder)`` (mlx-lm's own sanitize
     runs, and drops ``mtp.*``); norms are randomised (1 + 0.2 N(0, 1)) so that
     a missing or doubled ``+1`` shows, embeddings are scaled x8 so greedy
-    decoding is not a flat tie.
+    decoding is not a flat tie. ``text_settings`` replace the text model's
+    settings (:func:`hybrid_config`).
 
     Returns:
         The config written to ``config.json``.
     """
-    config = hybrid_config(family)
+    config = hybrid_config(family, **text_settings)
     folder, model = _random_model(folder, config, seed)
     moe = family == "qwen3_next"
     layer = NativeMTPLayer(model, moe)
