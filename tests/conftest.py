@@ -16,6 +16,10 @@ from typing import Any
 #: exactness tests would flip on near-ties. Set before anything imports mlx;
 #: subprocesses of the tests inherit it.
 os.environ["MLX_ENABLE_TF32"] = "0"
+#: a worker process of pytest-xdist (the suite runs in two) keeps to one BLAS
+#: thread: two processes with two threads each would crowd two cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import mlx_mtp  # noqa: E402, F401  (first: preloads OpenBLAS before mlx on Linux, docs/design.md §9)
 from mlx_mtp.context import Context
@@ -31,6 +35,16 @@ os.environ["MLX_MTP_COST_CURVE"] = "1:1,32:1,64:1.3"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_xdist_auto_num_workers(config: Any) -> int:
+    """Processes for ``-n auto`` (pyproject.toml's addopts): 2, or fewer
+    cores, or ``MLX_MTP_TEST_WORKERS``. More would each load the real
+    models (about 4 GB in float32) for little gain on a laptop's memory."""
+    env = os.environ.get("MLX_MTP_TEST_WORKERS")
+    if env:
+        return int(env)
+    return max(1, min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture
