@@ -23,6 +23,10 @@ import platform
 import statistics
 import time
 
+# isort: off
+import mlx_mtp  # noqa: F401  (first: it loads OpenBLAS before mlx on Linux)
+
+# isort: on
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from tqdm import tqdm

@@ -20,9 +20,12 @@ import gc
 import platform
 import time
 
+# isort: off
+import mlx_mtp  # noqa: F401  (first: it loads OpenBLAS before mlx on Linux)
+
+# isort: on
 import mlx.core as mx
 
-import mlx_mtp  # noqa: F401  (OpenBLAS before mlx on Linux)
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.loading import load_model
 

@@ -40,6 +40,10 @@ import time
 import types
 from pathlib import Path
 
+# isort: off
+import mlx_mtp  # noqa: F401  (first: it loads OpenBLAS before mlx on Linux)
+
+# isort: on
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache

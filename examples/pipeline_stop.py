@@ -20,6 +20,10 @@ import argparse
 import statistics
 import time
 
+# isort: off
+import mlx_mtp  # noqa: F401  (first: it loads OpenBLAS before mlx on Linux)
+
+# isort: on
 import mlx.core as mx
 
 from mlx_mtp.engine import Engine
