@@ -803,9 +803,20 @@ class WidthPolicy:
         self.curve = curve = self.curves.at(ctx.engine.offset)
         hp, hd = self.host.costs(self.curves.t1)
         if layer is None:
-            values = drafter.values(self.acceptance, self.most, signal)
+            best = None
+            # a drafter with several layouts (a draft model's tree or its
+            # chain alone) steps with the one whose best prefix is fastest
+            for w in getattr(drafter, "widths", (None,)):
+                if w is not None:
+                    drafter.use(w)
+                values = drafter.values(self.acceptance, self.most, signal)
+                n, rate = self._cut(curve, drafter, values, 1, hp, hd)
+                if best is None or rate > best[0]:
+                    best = (rate, w, values, n)
+            _, w, values, n = best
+            if w is not None:
+                drafter.use(w)
             self.offered = bool(values)
-            n, _ = self._cut(curve, drafter, values, 1, hp, hd)
             return self._probe(n, drafter, values, curve, hp, hd), False
         k = 1 + layer.k
         fresh = layer.fresh

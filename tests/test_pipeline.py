@@ -362,3 +362,37 @@ def test_pipelined_steps_refine_the_live_cost_curve(
     assert seen and saved
     assert all(s >= 1 and sec > 0 and c >= len(p) - 1 for s, sec, c in seen)
     assert 0.03 < live.t1 < 0.05, live.t1
+
+
+def test_a_draft_model_steps_with_its_chain_where_a_tree_depth_is_dear():
+    """At ``auto`` the policy weighs a draft model's tree (4 candidates a
+    depth) against its chain alone: on a flat curve it takes the tree, on the
+    M4 Pro 4-bit profile (4 more slots cost 0.73 passes, 1 more 0.10) the
+    chain, and each step's acceptance is learned in the layout it was sent
+    in. A real pair drafting on that profile: ``bench`` in docs/profiles.md."""
+    import types
+
+    from mlx_mtp.acceptance import Acceptance
+    from mlx_mtp.bench.profiles import profile_curve
+    from mlx_mtp.budget import CostCurves, parse_curve
+    from mlx_mtp.costs import LiveCurves
+    from mlx_mtp.methods.draft import DraftModelMethod
+    from mlx_mtp.pipeline import WidthPolicy
+    from mlx_mtp.sources.draft import DraftModelDrafter
+
+    source = types.SimpleNamespace(draft_cost=0.3)
+    ctx = types.SimpleNamespace(engine=types.SimpleNamespace(offset=100))
+    flat = CostCurve([1, 16, 64], [1.0, 1.05, 1.3], seconds=0.012)
+    steep = parse_curve(profile_curve("m4pro-4bit"))
+    steep = CostCurve(steep.sizes, steep.costs, seconds=0.012)
+    for curve, want in ((flat, 4), (steep, 1)):
+        drafter = DraftModelDrafter(source, 4)
+        acceptance = Acceptance(DraftModelMethod.PIPELINE_ACCEPTANCE)
+        policy = WidthPolicy(4, True, acceptance, LiveCurves(CostCurves([curve]), learn=False))
+        width, masked = policy.choose(drafter, None, ctx)
+        assert width >= 1 and not masked and drafter.width == want, (curve.costs, width)
+        tpl = drafter.template(width)
+        assert int((tpl.parents == 0).sum()) == want
+        # the step comes back with its first depth's chain token accepted
+        drafter.learn(acceptance, [], [StepRecord(0, width, 1, [7, 8], tpl, [0, 1])])
+        assert acceptance.source("draft").tried[1] > 0

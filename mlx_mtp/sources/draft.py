@@ -286,7 +286,10 @@ class DraftModelDrafter(DeviceDrafter):
     nothing), then its argmax depth by depth (the chain); with ``width`` > 1
     its next ``width - 1`` most probable tokens at every depth hang beside
     the chain's token as leaves (:class:`DraftModel`'s tree). An item of the
-    width policy is one depth: ``width`` slots and one draft pass.
+    width policy is one depth: ``width`` slots and one draft pass. At
+    ``auto`` the policy also weighs the chain alone (``widths``, :meth:`use`):
+    on a steep cost curve (a 4-bit model on a Mac) a chain of 2-3 tokens
+    pays where a depth of ``width`` slots does not.
 
     Args:
         source: the method's prepared :class:`DraftModel` (its engine holds
@@ -299,10 +302,17 @@ class DraftModelDrafter(DeviceDrafter):
 
     def __init__(self, source: DraftModel, width: int):
         super().__init__()
-        self.source, self.width = source, width
-        self.item_slots = width
+        self.source = source
+        #: the layouts the policy may choose between (candidates per depth)
+        self.widths = (width, 1) if width > 1 else (width,)
+        self.use(width)
         self.item_cost = source.draft_cost
-        self._tpls: dict[int, Template] = {}
+        self._tpls: dict[tuple[int, int], Template] = {}
+
+    def use(self, width: int) -> None:
+        """Lay out the next steps launched with ``width`` candidates per depth
+        (one of :attr:`widths`)."""
+        self.width = self.item_slots = width
 
     def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
         qs = acceptance.qs("draft", most)
@@ -314,13 +324,14 @@ class DraftModelDrafter(DeviceDrafter):
         return out
 
     def template(self, width: int) -> Template:
-        tpl = self._tpls.get(width)
+        w = self.width
+        tpl = self._tpls.get((w, width))
         if tpl is None:
-            parents, w = [-1], self.width
+            parents = [-1]
             for d in range(1, width + 1):
                 up = 0 if d == 1 else (d - 2) * w + 1  # the chain's node one depth up
                 parents += [up] * w
-            tpl = self._tpls[width] = Template.of(parents)
+            tpl = self._tpls[(w, width)] = Template.of(parents)
         return tpl
 
     def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
@@ -345,10 +356,10 @@ class DraftModelDrafter(DeviceDrafter):
         return out
 
     def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> None:
-        w = self.width
         for s in steps:
             if s.width == 0:
                 continue
+            w = int((s.tpl.parents == 0).sum())  # the step's layout: the root's children
             on = set(s.path)
             for d in range(1, s.width + 1):
                 up = 0 if d == 1 else (d - 2) * w + 1
