@@ -8,7 +8,12 @@ each method (ntp, probe BC 10, probe BC 30) decodes ``--new`` tokens from
 that same prefilled cache (handed from binding to binding, so the prompt is
 prefilled once per context and ``kv_bits``), its peak reset before: the
 decoding peak. A user's peak is the larger of the two. The KV cache's own
-bytes (``nbytes`` of its arrays) are printed beside. Markdown table:
+bytes (``nbytes`` of its arrays) are printed beside. With
+``--quantize-after-prefill`` a quantized row prefills a full-precision
+cache and quantizes it (``KVCache.to_quantized``, as mlx-lm's
+``--quantized-kv-start`` does) before the methods decode; its prefill peak
+is then the full cache's, printed as "-". Prefilling into a quantized cache
+from the first token is slow on a CPU at long contexts. Markdown table:
 
     python examples/kv_memory.py --model qwen2.5-coder-1.5b --dtype float32 --contexts 2048 8192
 """
@@ -25,6 +30,7 @@ import mlx_mtp  # noqa: F401  (first: it loads OpenBLAS before mlx on Linux)
 
 # isort: on
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.loading import load_model
@@ -36,13 +42,12 @@ ROWS = [
 ]
 
 
-def kv_bytes(engine) -> int:
-    """Bytes of the arrays of ``engine``'s KV cache."""
+def kv_bytes_of(c) -> int:
+    """Bytes of the arrays of one layer's KV cache ``c``."""
     total = 0
-    for c in engine.cache:
-        for a in (c.keys, c.values):
-            for x in a if isinstance(a, (tuple, list)) else [a]:
-                total += x.nbytes if x is not None else 0
+    for a in (c.keys, c.values):
+        for x in a if isinstance(a, (tuple, list)) else [a]:
+            total += x.nbytes if x is not None else 0
     return total
 
 
@@ -62,6 +67,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--new", type=int, default=16, help="new tokens per generation")
+    ap.add_argument("--kv-bits", nargs="+", default=["none", "8", "4"],
+                    help="rows: none, 8, 4")  # fmt: skip
+    ap.add_argument("--quantize-after-prefill", action="store_true",
+                    help="quantized rows: prefill in full precision, then quantize")  # fmt: skip
     args = ap.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     weights = mx.get_active_memory() / 1e9
@@ -75,12 +84,19 @@ def main() -> None:
     base = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
     for context in args.contexts:
         prompt = (base * (context // len(base) + 1))[:context]
-        for bits in (None, 8, 4):
+        for bits in (None if b == "none" else int(b) for b in args.kv_bits):
             t0 = time.perf_counter()
-            first = loaded.bind("ntp", kv_bits=bits)
+            after = args.quantize_after_prefill and bits is not None
+            first = loaded.bind("ntp", kv_bits=None if after else bits)
             prefill = peak_of(first, prompt, args.new)
-            held = kv_bytes(first.engine) / 1e9
             cache, cached = first.engine.cache, first.engine.cached
+            if after:
+                cache = [
+                    c.to_quantized(group_size=64, bits=bits) if type(c) is KVCache else c
+                    for c in cache
+                ]
+                mx.eval([c.state for c in cache])
+            held = sum(kv_bytes_of(c) for c in cache) / 1e9
             first.engine.cache, first.engine.cached = [], []
             del first
             decode = []
@@ -95,8 +111,9 @@ def main() -> None:
                 del m
             kind = "full" if bits is None else f"{bits}-bit"
             cells = " | ".join(f"{d:.3f}" for d in decode)
+            pre = "-" if after else f"{prefill:.3f}"
             print(
-                f"| {context} | {kind} | {held:.3f} | {prefill:.3f} | {cells} | "
+                f"| {context} | {kind} | {held:.3f} | {pre} | {cells} | "
                 f"{time.perf_counter() - t0:.0f} |",
                 flush=True,
             )
