@@ -26,7 +26,15 @@ from mlx_mtp.context import Context
 
 #: The user's cache folder, recorded before the tests replace it: the models
 #: imported by scripts/get_test_model.sh live there (``qwen``, ``gemma`` fixtures).
-REAL_MLX_MTP_HOME = os.environ.get("MLX_MTP_HOME") or os.path.expanduser("~/.cache/mlx-mtp")
+#: pytest-xdist's worker processes inherit the environment of the process that
+#: started them, after this file replaced its cache folder: the real one is
+#: handed down in ``MLX_MTP_TEST_REAL_HOME``.
+REAL_MLX_MTP_HOME = (
+    os.environ.get("MLX_MTP_TEST_REAL_HOME")
+    or os.environ.get("MLX_MTP_HOME")
+    or os.path.expanduser("~/.cache/mlx-mtp")
+)
+os.environ["MLX_MTP_TEST_REAL_HOME"] = REAL_MLX_MTP_HOME
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
 #: every method's ``auto`` budget sees a memory-bound device (flat up to 32 slots,
 #: the papers' edge trees), whatever machine runs the tests: tests of a method's
