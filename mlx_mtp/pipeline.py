@@ -249,6 +249,9 @@ class DeviceDrafter:
     #: whether the drafter learns at plain steps too (else the width policy
     #: probes now and then while the cut says no: :class:`WidthPolicy`)
     learns_free = True
+    #: the layouts the width policy weighs at ``auto`` (:meth:`use` switches
+    #: to one); a single unnamed one for most drafters
+    widths: tuple[Any, ...] = (None,)
     #: ESP mask slots after every token slot of the steps that carry them
     #: (a :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
     masks: Any = None
@@ -262,6 +265,10 @@ class DeviceDrafter:
         #: ``(arrays to evaluate, its time in one-token target forwards)``;
         #: the pipeline launches it before the pass and empties the list
         self.aside: list[tuple[list[mx.array], float]] = []
+
+    def use(self, width: Any) -> None:
+        """Lay out the next steps launched as ``width``, one of :attr:`widths`
+        (:meth:`values`, :meth:`template` and :meth:`draft` follow it)."""
 
     def begin(self, ctx: Context, prompt: list[int]) -> None:
         """A generation starts after ``prompt`` (all but its last token cached)."""
@@ -806,16 +813,14 @@ class WidthPolicy:
             best = None
             # a drafter with several layouts (a draft model's tree or its
             # chain alone) steps with the one whose best prefix is fastest
-            for w in getattr(drafter, "widths", (None,)):
-                if w is not None:
-                    drafter.use(w)
+            for w in drafter.widths:
+                drafter.use(w)
                 values = drafter.values(self.acceptance, self.most, signal)
                 n, rate = self._cut(curve, drafter, values, 1, hp, hd)
                 if best is None or rate > best[0]:
                     best = (rate, w, values, n)
             _, w, values, n = best
-            if w is not None:
-                drafter.use(w)
+            drafter.use(w)
             self.offered = bool(values)
             return self._probe(n, drafter, values, curve, hp, hd), False
         k = 1 + layer.k

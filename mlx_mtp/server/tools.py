@@ -74,7 +74,7 @@ class ToolCallStream:
             return content, calls
         self._bare.append(content)
         held = "".join(self._bare)
-        if not calls and not self.called and self._call == "" and may_be_bare_call(held):
+        if not self.called and not self._call and may_be_bare_call(held):
             return "", calls
         self._bare = None
         return held, calls

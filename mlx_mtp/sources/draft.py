@@ -303,15 +303,14 @@ class DraftModelDrafter(DeviceDrafter):
     def __init__(self, source: DraftModel, width: int):
         super().__init__()
         self.source = source
-        #: the layouts the policy may choose between (candidates per depth)
+        #: candidates per depth: the tree's, and the chain alone
         self.widths = (width, 1) if width > 1 else (width,)
         self.use(width)
         self.item_cost = source.draft_cost
         self._tpls: dict[tuple[int, int], Template] = {}
 
     def use(self, width: int) -> None:
-        """Lay out the next steps launched with ``width`` candidates per depth
-        (one of :attr:`widths`)."""
+        """Lay out the next steps launched with ``width`` candidates per depth."""
         self.width = self.item_slots = width
 
     def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
