@@ -74,6 +74,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(server: subprocess.Popen, port: int, timeout: float = 600) -> None:
+    """Return once ``server`` accepts connections on 127.0.0.1:``port``;
+    AssertionError if it exits or ``timeout`` seconds pass first."""
+    deadline = time.time() + timeout
+    while True:
+        assert server.poll() is None and time.time() < deadline, "the server did not start"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> str:
+    """Stop ``server`` with SIGINT (killed if it is still up 120 s later) and
+    return its stderr."""
+    server.send_signal(signal.SIGINT)
+    try:
+        return server.communicate(timeout=120)[1].decode(errors="replace")
+    except subprocess.TimeoutExpired:  # mlx_lm.server with a draft model outlived it once
+        server.kill()
+        return server.communicate()[1].decode(errors="replace")
+
+
 def ask(port: int, model: str, text: str, max_tokens: int, method: str | None = None) -> dict:
     """One greedy chat request (with ``method``: mlx-mtp's ``mtp.method``);
     the parsed answer."""
@@ -150,13 +173,7 @@ def main() -> None:
             env["LD_PRELOAD"] = blas
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
     try:
-        deadline = time.time() + 600
-        while True:
-            assert server.poll() is None and time.time() < deadline, "the server did not start"
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.5)
+        wait_until_serving(server, port)
         ask(port, model_id, "Hi", 4)  # warm-up
         answers: dict[int, dict] = {}
         latency: dict[int, float] = {}
@@ -174,12 +191,7 @@ def main() -> None:
             t.join()
         wall = time.perf_counter() - t0
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            err = server.communicate(timeout=120)[1].decode(errors="replace")
-        except subprocess.TimeoutExpired:  # mlx_lm.server with a draft model outlived it once
-            server.kill()
-            err = server.communicate()[1].decode(errors="replace")
+        err = stop_server(server)
     solo = lm.bind("ntp")
     equal = sum(
         answers[i]["choices"][0]["message"]["content"]

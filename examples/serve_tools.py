@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import openai
+from serve_batch import free_port, stop_server, wait_until_serving  # examples/ is on sys.path
 
 WEATHER = {
     "type": "function",
@@ -60,13 +59,6 @@ QUESTIONS = [
     "Use Python to compute the 20th Fibonacci number.",
     "Is it colder in Oslo or in Madrid today? Check both.",
 ]
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def calls_of(message) -> list[dict]:
@@ -119,13 +111,7 @@ def main() -> None:
     record: list[dict] = []
     ok = True
     try:
-        deadline = time.time() + 600
-        while True:
-            assert server.poll() is None and time.time() < deadline, "the server did not start"
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.5)
+        wait_until_serving(server, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         for method in args.methods.split(","):
             for q in QUESTIONS:
@@ -178,12 +164,7 @@ def main() -> None:
                 print(json.dumps(entry, indent=1), flush=True)
                 record.append(entry)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            err = server.communicate(timeout=120)[1].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            server.kill()
-            err = server.communicate()[1].decode(errors="replace")
+        err = stop_server(server)
     out = {
         "model": args.model,
         "command": " ".join(["mlx-mtp", *cmd[1:4]]),
