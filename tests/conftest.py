@@ -75,6 +75,22 @@ def smollm():
     return load_model("smollm2-135m", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def solo(smollm):
+    """Plain greedy (or seeded) generation through the Python API on SmolLM2:
+    ``solo(prompt, **generate_kwargs) -> GenerationResult``, the answer a
+    batched row must equal."""
+    from mlx_mtp.api import MTPModel
+    from mlx_mtp.methods import make_method
+
+    model = MTPModel(smollm, make_method("ntp"))
+
+    def run(prompt, **kw):
+        return model.generate(prompt, **kw)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def near_draft(smollm):
     """A draft model for SmolLM2: a second SmolLM2 with every weight nudged
