@@ -274,3 +274,44 @@ def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
     assert len(read_prompts([data])) == 6
     with pytest.raises(InvalidArgumentError):
         read_prompts([tmp_path / "missing.jsonl"])
+
+
+def test_train_clp_within_a_generation_budget_then_resumed(tmp_path, monkeypatch):
+    """``--gen-minutes``: generation stops starting batches once the budget is
+    spent and the heads train on the continuations made so far; a later
+    ``--resume`` run generates the rest and trains on all of them. A budget
+    that made none is a one-line error."""
+    import itertools
+
+    from mlx_mtp.training import continuations
+    from mlx_mtp.training.clp import TrainConfig, train_clp
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"q{i}" * (i + 1)}) for i in range(8)))
+    model = make_tiny_model("llama", seed=0)
+
+    class Tok:
+        eos_token_id = 255
+        chat_template = "a stand-in"
+
+        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
+            return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
+
+    loaded = SimpleNamespace(model=model, tokenizer=Tok(), name="tiny")
+    cfg = TrainConfig(
+        k=2, bottleneck=8, max_new_tokens=10, gen_batch=2, epochs=1, batch_size=16,
+        predictor_epochs=1, data=[str(data)], gen_minutes=1.0,
+    )  # fmt: skip
+    out, logged = tmp_path / "heads", []
+    # the clock: the start, the first batch's check, then past the minute
+    clock = itertools.chain([0.0, 0.0, 30.0], itertools.repeat(61.0))
+    monkeypatch.setattr(continuations.time, "monotonic", lambda: next(clock))
+    part = train_clp(loaded, out, cfg, log=logged.append)
+    assert any("training on 4 of 8 prompts" in line for line in logged), logged
+    monkeypatch.undo()
+    cfg.gen_minutes = None
+    whole = train_clp(loaded, out, cfg, resume=True, log=lambda s: None)
+    assert whole["train_positions"] > part["train_positions"] > 0
+    cfg.gen_minutes = 0.0
+    with pytest.raises(InvalidArgumentError, match="--gen-minutes"):
+        train_clp(loaded, tmp_path / "other", cfg, log=lambda s: None)

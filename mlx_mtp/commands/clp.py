@@ -45,6 +45,13 @@ def register(app: typer.Typer) -> None:
         gen_batch: int = typer.Option(
             32, "--gen-batch", min=1, help="Prompts per generation batch."
         ),
+        gen_minutes: float | None = typer.Option(
+            None,
+            "--gen-minutes",
+            **float_range(0.0),
+            help="Stop generating continuations after this many minutes and train on those "
+            "made so far (a later --resume run generates the rest).",
+        ),
         epochs: int = typer.Option(3, "--epochs", min=1, help="Head training epochs."),
         batch_size: int = typer.Option(128, "--batch-size", min=1, help="Positions per head step."),
         lr: float = typer.Option(
@@ -80,6 +87,7 @@ def register(app: typer.Typer) -> None:
             max_prompt_tokens=max_prompt_tokens,
             limit=limit,
             gen_batch=gen_batch,
+            gen_minutes=gen_minutes,
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,

@@ -62,6 +62,7 @@ class TrainConfig:
     max_prompt_tokens: int = 256
     limit: int | None = None
     gen_batch: int = 32
+    gen_minutes: float | None = None
     epochs: int = 3
     batch_size: int = 128
     lr: float = 1e-3
@@ -220,7 +221,17 @@ def train_clp(
     )
     if conts.done:
         log(f"resumed {len(conts.done)} generated continuations from {conts.path}")
-    seqs = conts.all()
+    budget = None if cfg.gen_minutes is None else 60.0 * cfg.gen_minutes
+    seqs = conts.all(budget_s=budget)
+    if len(seqs) < len(prompts):
+        log(
+            f"--gen-minutes {cfg.gen_minutes:g}: training on {len(seqs)} of {len(prompts)} "
+            "prompts' continuations (--resume generates the rest)"
+        )
+    if not seqs:
+        raise InvalidArgumentError(
+            "no continuations were generated within --gen-minutes; give it more time"
+        )
 
     n_val = max(1, int(len(seqs) * cfg.val_fraction)) if len(seqs) > 1 else 0
     split = np.random.default_rng(cfg.seed + 3).permutation(len(seqs))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,11 +325,14 @@ class Continuations:
             self.done.update(new)
         return [self.done[i] for i in indices]
 
-    def all(self) -> list[TrainSequence]:
+    def all(self, budget_s: float | None = None) -> list[TrainSequence]:
         """Every prompt's continuation, decoded ``batch_size`` at a time in
         order of prompt length (less padding; saved after every batch, so an
-        interrupted run resumes)."""
+        interrupted run resumes). With ``budget_s`` no batch starts after
+        that many seconds: the continuations made by then, in prompt order
+        (the shortest prompts first generated)."""
         n = len(self.prompts)
+        t0 = time.monotonic()
         with tqdm(
             total=n,
             initial=len(self.done),
@@ -340,5 +344,7 @@ class Continuations:
                 (i for i in range(n) if i not in self.done), key=lambda i: len(self.prompts[i])
             )
             for b0 in range(0, len(todo), self.batch_size):
+                if budget_s is not None and time.monotonic() - t0 >= budget_s:
+                    break
                 self.get(todo[b0 : b0 + self.batch_size], bar)
-        return [self.done[i] for i in range(n)]
+        return [self.done[i] for i in range(n) if i in self.done]
