@@ -28,7 +28,12 @@ on the device:
 A plain step is a step of width 0 (the root alone), so plain steps and draft
 steps share one pipeline and switching between them costs nothing. Each
 width is chosen before the step before it is read, from what is known then
-(:class:`WidthPolicy`).
+(:class:`WidthPolicy`). Where the host needs longer to build a pipelined
+step than the device needs for its pass (a small model on a fast GPU, a busy
+host), the plain steps the policy chooses run instead as a *spell* of
+one-token steps as ``ntp`` runs them (:class:`~mlx_mtp.plain.PlainSteps`),
+whose graphs are smaller; the policy keeps asking after each of them, and
+the pipeline starts again where it chooses a draft.
 
 Greedy only: the committed tokens are exactly plain greedy decoding's (the
 walk follows the argmax, as :func:`mlx_mtp.verify.walk_tree`), checked token
@@ -40,6 +45,7 @@ next step before the current one is read).
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ from .acceptance import CARRY_WEIGHT, Acceptance, Calibration, CalibrationModel,
 from .budget import CostCurve, best_prefix
 from .engine import Engine, ancestors
 from .offers import StepOutput
+from .plain import PlainSteps
 
 if TYPE_CHECKING:
     from .context import Context
@@ -277,6 +284,16 @@ class DeviceDrafter:
         """The generation ended with the target's cache holding ``cached``
         (the state the host keeps is brought back)."""
 
+    def pause(self, cached: list[int]) -> None:
+        """A spell of plain steps begins (:class:`Pipeline`) with the target's
+        cache holding ``cached``; by default the generation's end."""
+        self.end(cached)
+
+    def resume(self, ctx: Context, history: list[int]) -> None:
+        """The pipeline starts again after a spell, ``history`` the committed
+        tokens (all but the last cached); by default a new beginning."""
+        self.begin(ctx, history)
+
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
         """Expected accepted tokens of each of the first ``most`` nodes of
         the drafter's best-first layout, for the width policy (``signal``:
@@ -381,6 +398,15 @@ class CompositeDrafter(DeviceDrafter):
     def end(self, cached: list[int]) -> None:
         for p in self.parts:
             p.end(cached)
+
+    def pause(self, cached: list[int]) -> None:
+        for p in self.parts:
+            p.pause(cached)
+
+    def resume(self, ctx: Context, history: list[int]) -> None:
+        self._predicted = []
+        for p in self.parts:
+            p.resume(ctx, history)
 
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
         sigs = signal if isinstance(signal, tuple) else (None,) * len(self.parts)
@@ -506,7 +532,8 @@ class Pipeline:
         declined: those of them where the drafter offered nodes and the
             width policy judged none worth its cost (the rest had nothing
             to draft).
-        reprobes, plain_spells: 0 (the decoding loop's statistics ask).
+        plain_spells: spells of plain steps begun (:meth:`_spell_step`).
+        reprobes: 0 (the decoding loop's statistics ask).
         curve: the cost curve the policy plans with (None at a fixed width).
     """
 
@@ -529,6 +556,13 @@ class Pipeline:
         self.history: list[int] = []
         self.signal: Any = None
         self._waited = False  # the last read waited for the device
+        #: a spell of plain steps runs (:meth:`_spell_step`)
+        self.spell = False
+        self.plain = PlainSteps(None)
+        self._spell_offered = False
+        self._resume: tuple[int, bool] | None = None  # the choice that ends the spell
+        #: where a switch into or out of a spell began (:meth:`_idle_mark`)
+        self._switch_from: tuple[float, float | None, int] | None = None
 
     @property
     def curve(self) -> CostCurve | None:
@@ -538,9 +572,13 @@ class Pipeline:
     # -------------------------------------------------------------- steps
     def _start(self, root: int) -> None:
         engine = self.engine
+        resuming = bool(self.history)  # after a spell
         self.history = [*engine.cached, int(root)]
         # the whole prompt, root included: a one-token prompt caches nothing
-        self.drafter.begin(self.ctx, list(self.history))
+        if resuming:
+            self.drafter.resume(self.ctx, list(self.history))
+        else:
+            self.drafter.begin(self.ctx, list(self.history))
         at = len(engine.cached)
         buf = np.zeros(_round_up(at + 1 + HISTORY_STEP, HISTORY_STEP), dtype=np.int32)
         buf[: at + 1] = self.history
@@ -609,21 +647,43 @@ class Pipeline:
 
     def step(self, root: int) -> StepOutput:
         """Commit the tokens of the step in flight after ``root`` (launching
-        it first if none is), with the next step launched before reading."""
+        it first if none is), with the next step launched before reading; in
+        a spell, one plain step."""
+        if self.spell:
+            return self._spell_step(root)
         clock = self.engine.clock
         t0, idle0 = clock.now(), clock.idle
         first = self.state is None
         if first:
             self._start(root)
         if not self.inflight:
-            self._launch(self._width())
+            choice = self._width()
+            if self._spell_begins(choice):
+                self._declined.pop()
+                self._switch_from = self._idle_mark(t0, idle0, passes=-1)
+                self.engine.settle_at(self.engine.cached)
+                self.drafter.pause(self.engine.cached)
+                return self._spell_step(root)
+            self._launch(choice)
         launched = None
         left = self.ctx.left
         if self.overlap and (left is None or left > 1):  # the next step first
-            self._launch(self._width())
-            launched = self.inflight[-1]
+            choice = self._width()
+            if self._spell_begins(choice):  # after this read: nothing launched now
+                self._declined.pop()
+                self._switch_from = self._idle_mark(t0, idle0)
+            else:
+                self._launch(choice)
+                launched = self.inflight[-1]
         start = len(self.engine.cached)
         out, waited, step = self._read(root)
+        if self.spell:  # the spell begins: the cache holds the committed tokens
+            self.engine.settle_at(self.engine.cached)
+            self.drafter.pause(self.engine.cached)
+        elif first and self._switch_from is not None:
+            # the first pipelined step after a spell: the switch out is measured
+            self.policy.host.record("switch", self._idle_since(self._switch_from, 2))
+            self._switch_from = None
         # device time, as for pipelined plain steps: the whole step but the host
         # work the device did not overlap, which is none where the host had to
         # wait for the result, else what exceeds the pass's time as the clock
@@ -640,7 +700,8 @@ class Pipeline:
             if idle is None:
                 device = self._device_seconds(step.slots, step.aside)
                 idle = 0.0 if waited > WAITED else max(wall - device, 0.0)
-            self.policy.host.record(launched.width > 0 or launched.masked, idle)
+            kind = "draft" if launched.width > 0 or launched.masked else "plain"
+            self.policy.host.record(kind, idle)
         if not first and waited > WAITED and self._waited:
             # the device was busy from the step before to this read: the step
             # timed its pass (the work beside it priced at its forwards)
@@ -651,6 +712,81 @@ class Pipeline:
         self._waited = waited > WAITED
         return out
 
+    # ------------------------------------------------------------- spells
+    def _spell_begins(self, choice: tuple[int, bool]) -> bool:
+        """Whether ``choice`` (a plain step at ``auto``) starts a spell of
+        plain steps instead of a pipelined step of width 0: where the host
+        times say a spell's steps leave the device idle for less
+        (:meth:`HostTimes.spells_pay`). The steps in flight are read first;
+        nothing more is launched."""
+        policy = self.policy
+        if choice != (0, False) or not policy.auto or policy.curves is None:
+            return False
+        if not policy.host.spells_pay(policy.curves.t1):
+            return False
+        self.spell = True
+        self.plain_spells += 1
+        self._spell_offered = policy.offered
+        policy.switch = policy.host.switch_cost(policy.curves.t1)
+        return True
+
+    def _spell_step(self, root: int) -> StepOutput:
+        """One plain step of a spell (:class:`~mlx_mtp.plain.PlainSteps`,
+        mlx-lm's loop), then the width policy asks again from the drafter's
+        view of the new root; where it chooses to draft (or to refresh the
+        mask candidates), the next step ends the spell with a plain step
+        that queues nothing and the pipeline starts again after it."""
+        engine, clock = self.engine, self.engine.clock
+        idle0, t0 = clock.idle, clock.now()
+        leaving = self._resume is not None
+        left = self.ctx.left
+        if self.inflight:  # the spell begins with nothing in flight
+            raise RuntimeError("a spell of plain steps began with a pipelined step in flight")
+        queue = not leaving and (left is None or left > 1)
+        tokens = self.plain.step(engine, root, queue_next=queue)
+        policy = self.policy
+        if leaving:  # the switch out: this step and the pipeline's first
+            self._switch_from = self._idle_mark(t0, idle0)
+        elif self._switch_from is not None:  # the switch in: the step before and this
+            policy.host.record("switch", self._idle_since(self._switch_from, 2))
+            self._switch_from = None
+        else:
+            policy.host.record("spell", self._idle_since(self._idle_mark(t0, idle0), 1))
+        self.history.extend(tokens)
+        self.plain_steps += 1
+        self.declined += self._spell_offered
+        if leaving:  # the cache holds exactly the committed tokens
+            self.spell = False
+            self.state = None
+            policy.switch = 0.0
+        else:
+            policy.switch = policy.host.switch_cost(policy.curves.t1)
+            acceptance = self.policy.acceptance
+            self.signal = self.drafter.learn(acceptance, self.history, [])
+            choice = self.policy.choose(self.drafter, self.signal, self.ctx)
+            self._spell_offered = self.policy.offered
+            if choice != (0, False):
+                self._resume = choice
+        return StepOutput(tokens, 0, 0, 1)
+
+    def _idle_mark(
+        self, t0: float, idle0: float | None, passes: int = 0
+    ) -> tuple[float, float | None, int]:
+        """A mark to measure the device's idle time from (:meth:`_idle_since`):
+        the time, the clock's idle seconds, and passes to leave out."""
+        return t0, idle0, passes
+
+    def _idle_since(self, mark: tuple[float, float | None, int], passes: int) -> float:
+        """Seconds the device sat idle since ``mark``, over ``passes`` one-token
+        passes: the clock's where it knows them (a simulated device), else the
+        time past those passes' (the host was on the critical path)."""
+        t0, idle0, skip = mark
+        clock = self.engine.clock
+        if idle0 is not None and clock.idle is not None:
+            return clock.idle - idle0
+        t1 = self.policy.curves.t1 if self.policy.curves is not None else None
+        return max(clock.now() - t0 - (passes + skip) * (t1 or 0.0), 0.0)
+
     def _device_seconds(self, slots: int, aside: float = 0.0) -> float:
         known = self.engine.clock.pass_seconds(slots)
         t1 = self.policy.curves.t1 if self.policy.curves is not None else None
@@ -659,6 +795,10 @@ class Pipeline:
         return t1 * (self.curve(slots) + aside) if t1 and self.curve is not None else 0.0
 
     def _width(self) -> tuple[int, bool]:
+        if self._resume is not None:  # chosen in the spell that just ended
+            (width, masked), self._resume = self._resume, None
+            self._declined.append(False)
+            return width, masked
         width, masked = self.policy.choose(self.drafter, self.signal, self.ctx)
         # a width 0 at auto: declined where the drafter had nodes to offer
         self._declined.append(width == 0 and self.policy.auto and self.policy.offered)
@@ -696,6 +836,11 @@ class Pipeline:
         the cache holds exactly the committed tokens (``engine.cached``)."""
         self.inflight.clear()
         self._declined.clear()
+        if self.spell:
+            self.plain.unqueue(self.engine, self.history[-1])
+            self.spell = False
+        self._resume = self._switch_from = None
+        self.policy.switch = 0.0
         self.engine.settle_at(self.engine.cached)
         self.drafter.end(self.engine.cached)
         if self.policy.auto and self.policy.curves is not None:
@@ -706,47 +851,83 @@ class Pipeline:
 #: make a measurement
 HOST_SAMPLES = 9
 HOST_MIN_SAMPLES = 3
+#: a spell of plain steps replaces pipelined plain steps where it saves more
+#: than this share of a one-token pass in host time on the critical path
+SPELL_MARGIN = 0.05
+#: what leaving a spell and coming back costs (one-token forwards) until
+#: measured: about one pass of the pipelined step's graph building each way
+SWITCH_PRIOR = 1.0
 
 
 class HostTimes:
-    """Host seconds on the critical path per pipelined step, by class: a
-    plain step (width 0, no mask slots) and a draft step (drafts or mask
-    slots). Each step's sample is the time the device sat idle waiting for
-    the host between one launch and the next, charged to the class of the
-    step launched then (whose graph the host built); a class's time is the
-    median of its last :data:`HOST_SAMPLES` samples (a host shared with
-    other work stalls now and then for tens of milliseconds; the first pass
-    of a new shape takes longer too), measured once it has
-    :data:`HOST_MIN_SAMPLES`."""
+    """Host seconds on the critical path per step, by class: a pipelined
+    plain step (width 0, no mask slots), a draft step (drafts or mask
+    slots), a plain step of a *spell* (one-token steps as ``ntp`` runs
+    them, :class:`~mlx_mtp.plain.PlainSteps`), and a *switch* into or out of
+    a spell (the two steps around it, neither overlapped). Each sample is the time the
+    device sat idle waiting for the host between one launch and the next,
+    charged to the class of the step launched then (whose graph the host
+    built); a class's time is the median of its last :data:`HOST_SAMPLES`
+    samples (a host shared with other work stalls now and then for tens of
+    milliseconds; the first pass of a new shape takes longer too), measured
+    once it has :data:`HOST_MIN_SAMPLES`."""
+
+    CLASSES = ("plain", "draft", "spell", "switch")
 
     def __init__(self) -> None:
-        self.samples: dict[bool, deque[float]] = {
-            False: deque(maxlen=HOST_SAMPLES),
-            True: deque(maxlen=HOST_SAMPLES),
+        self.samples: dict[str, deque[float]] = {
+            c: deque(maxlen=HOST_SAMPLES) for c in self.CLASSES
         }
 
-    def record(self, draft: bool, seconds: float) -> None:
-        """One step of the class (``draft``) left the device idle ``seconds``."""
-        self.samples[bool(draft)].append(max(float(seconds), 0.0))
+    def record(self, kind: str, seconds: float) -> None:
+        """One step of class ``kind`` (:attr:`CLASSES`) left the device idle ``seconds``."""
+        self.samples[kind].append(max(float(seconds), 0.0))
 
-    def seconds(self, draft: bool) -> float | None:
+    def seconds(self, kind: str) -> float | None:
         """The class's host seconds past the pass (None: not measured yet)."""
-        got = self.samples[bool(draft)]
-        return float(np.median(got)) if len(got) >= HOST_MIN_SAMPLES else None
+        got = self.samples[kind]
+        # statistics.median: numpy's costs ~0.2 ms a call here, on the critical path
+        return statistics.median(got) if len(got) >= HOST_MIN_SAMPLES else None
+
+    def spells_pay(self, t1: float | None) -> bool:
+        """Whether plain steps run faster as a spell than pipelined: a
+        pipelined plain step leaves the device idle more than
+        :data:`SPELL_MARGIN` of a one-token pass longer than a spell's step
+        does (a spell not measured yet: none), which is where the host's
+        work for a pipelined step exceeds the device's pass (a fast device,
+        a busy host). Unknown ``t1`` or pipelined plain steps not measured
+        yet: no."""
+        pipelined = self.seconds("plain")
+        if not t1 or pipelined is None:
+            return False
+        return pipelined - (self.seconds("spell") or 0.0) > SPELL_MARGIN * t1
+
+    def switch_cost(self, t1: float | None) -> float:
+        """What leaving a spell and coming back costs, in one-token forwards:
+        the two switches' idle time past four spell steps'
+        (:data:`SWITCH_PRIOR` until measured; 0 with ``t1`` unknown)."""
+        if not t1:
+            return 0.0
+        switch = self.seconds("switch")
+        if switch is None:
+            return SWITCH_PRIOR
+        return max(2.0 * (switch - 2.0 * (self.seconds("spell") or 0.0)), 0.0) / t1
 
     def costs(self, t1: float | None) -> tuple[float, float]:
         """``(plain, draft)`` host time past the pass in one-token forwards
         (``t1``: a one-token forward's seconds; unknown: no host term). A
-        plain step not measured yet costs none (a draft step must pay for
-        its own host time until plain steps have shown theirs), a draft step
-        not measured yet a plain one's (it is measured once it runs); a
-        draft step costs at least a plain one (what it costs less is
-        noise)."""
+        plain step is priced as it runs: as a spell's step where spells pay
+        (:meth:`spells_pay`), else pipelined. A plain step not measured yet
+        costs none (a draft step must pay for its own host time until plain
+        steps have shown theirs), a draft step not measured yet a pipelined
+        plain one's (it is measured once it runs); a draft step costs at
+        least a plain one (what it costs less is noise)."""
         if not t1:
             return 0.0, 0.0
-        plain = self.seconds(False) or 0.0
-        draft = self.seconds(True)
-        draft = plain if draft is None else draft
+        pipelined = self.seconds("plain") or 0.0
+        plain = (self.seconds("spell") or 0.0) if self.spells_pay(t1) else pipelined
+        draft = self.seconds("draft")
+        draft = pipelined if draft is None else draft
         return plain / t1, max(draft, plain) / t1
 
 
@@ -790,11 +971,16 @@ class WidthPolicy:
     ):
         self.most, self.auto, self.acceptance, self.curves = most, auto, acceptance, curves
         self.host = host if host is not None else HostTimes()
+        #: what choosing a draft or a refresh costs besides the step, in
+        #: one-token forwards: leaving a spell and coming back (the pipeline
+        #: sets it while a spell runs)
+        self.switch = 0.0
         self.curve: CostCurve | None = None
         #: whether the drafter offered any node for the step last chosen
         self.offered = False
         self._idle = 0  # plain steps since the last draft (probes)
         self._stale = 0  # steps without mask slots since the last with them
+        self._saving = 0.0  # the last cut's saving over plain steps (one-token forwards)
 
     def width(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> int:
         """The width of the next step launched."""
@@ -818,10 +1004,12 @@ class WidthPolicy:
                 values = drafter.values(self.acceptance, self.most, signal)
                 n, rate = self._cut(curve, drafter, values, 1, hp, hd)
                 if best is None or rate > best[0]:
-                    best = (rate, w, values, n)
-            _, w, values, n = best
+                    best = (rate, w, values, n, self._saving)
+            _, w, values, n, saving = best
             drafter.use(w)
             self.offered = bool(values)
+            if saving <= self.switch:  # not worth leaving the spell for
+                n = 0
             return self._probe(n, drafter, values, curve, hp, hd), False
         k = 1 + layer.k
         fresh = layer.fresh
@@ -834,15 +1022,19 @@ class WidthPolicy:
         self.offered = bool(values)
         with_masks, without = (values, other) if fresh else (other, values)
         _, on = self._cut(curve, drafter, with_masks, k, hp, hd)
+        on_saving = self._saving
         _, off = self._cut(curve, drafter, without, 1, hp, hd)
-        if on > off:  # masks in every step pay
+        if on > off and on_saving > self.switch:  # masks in every step pay
             self._stale = 0
             return self._cut(curve, drafter, values, k, hp, hd)[0], True
         n, _ = self._cut(curve, drafter, values, 1, hp, hd)
+        if self._saving <= self.switch:
+            n = 0
         self._stale += 1
         # a refresh: a plain step carries the masks once the steps since the
         # last cost EPSILON of its price in all (its candidates are scored)
-        if n == 0 and self._stale * EPSILON >= curve(k) + hd - curve(1) - hp:
+        price = curve(k) + hd - curve(1) - hp + self.switch
+        if n == 0 and self._stale * EPSILON >= price:
             self._stale = 0
             return 0, True
         return n, False
@@ -860,6 +1052,7 @@ class WidthPolicy:
         its masks) and its rate, plain (0) unless it beats a plain step (a
         step with mask slots is of the draft class)."""
         plain = 1.0 / (curve(k) + (hd if k > 1 else hp))
+        self._saving = 0.0
         if not values:
             return 0, plain
         n, rate = best_prefix(
@@ -870,7 +1063,12 @@ class WidthPolicy:
             item_cost=drafter.item_cost,
             base_cost=hd,
         )
-        return (n, rate) if n and rate > plain else (0, plain)
+        if not n or rate <= plain:
+            return 0, plain
+        # the time the step saves against plain steps of its expected tokens
+        tokens = 1.0 + sum(values[:n])
+        self._saving = tokens / (1.0 / (curve(1) + hp)) - tokens / rate
+        return n, rate
 
     def _probe(
         self,
@@ -888,7 +1086,7 @@ class WidthPolicy:
         # item, once the steps since the last cost EPSILON of them in all
         self._idle += 1
         loss = curve(1 + drafter.item_slots) + drafter.item_cost + hd - curve(1) - hp
-        if self._idle * EPSILON >= loss:
+        if self._idle * EPSILON >= loss + self.switch:
             self._idle = 0
             return 1
         return 0

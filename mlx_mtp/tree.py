@@ -1,11 +1,13 @@
 """Draft-tree sizes and layouts (pure functions): block complexity, the most
-probable path first. Trees are grown best first by
+probable path first, the best-first tree of rank paths (:func:`rank_tree`).
+Trees of scored items are grown best first by
 :class:`~mlx_mtp.allocate.Allocator` (ESP's tree: :func:`~mlx_mtp.allocate.build_tree`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Sequence
 
 
 def block_complexity(masks: int, nodes: int) -> int:
@@ -51,3 +53,57 @@ def reorder_tree(order: Sequence[int], parents: Sequence[int]) -> list[int]:
     ``new_parents[k]`` is the new position of node ``order[k]``'s parent (-1: root)."""
     pos = {old: new for new, old in enumerate(order)}
     return [-1 if parents[o] < 0 else pos[int(parents[o])] for o in order]
+
+
+def rank_tree(
+    estimates: Callable[[int], Sequence[float]], most: int, deepest: int | None = None
+) -> tuple[list[int], list[int], list[float]]:
+    """The best-first draft tree of rank paths: a node at depth d of rank r
+    is worth its parent's value times ``estimates(d)[r]`` (the root's value
+    is 1), and the ``most`` most valuable nodes are taken, each after its
+    parent (the shape of token recycling's and of ESP's mask-candidate
+    trees on the pipelined step: Luo et al. 2024 §3; Goel et al. §3.2).
+
+    A node's children enter the heap one at a time, best first (the next
+    sibling once one is taken), so the host time is O(most log most)
+    whatever the number of ranks.
+
+    Args:
+        estimates: depth (1-based) -> the acceptance estimate of each rank.
+        most: nodes to take at most.
+        deepest: the deepest depth (None: no limit).
+
+    Returns:
+        ``(parents, ranks, values)``: per slot, the root first, its parent
+        slot (-1 for the root) and rank (0 for the root); per node (slot 1
+        on), its value, non-increasing.
+    """
+    orders: dict[int, tuple[list[int], Sequence[float]]] = {}
+
+    def order(d: int) -> tuple[list[int], Sequence[float]]:
+        got = orders.get(d)
+        if got is None:
+            q = estimates(d)
+            got = orders[d] = (sorted(range(len(q)), key=lambda r: -q[r]), q)
+        return got
+
+    parents, ranks, depths, worth, values = [-1], [0], [0], [1.0], []
+    best, q1 = order(1)
+    heap = [(-q1[best[0]], 0, 0)] if best and most > 0 else []  # (-value, parent, i)
+    while heap and len(values) < most:
+        v, parent, i = heapq.heappop(heap)
+        d = depths[parent] + 1
+        ranks_d, q = order(d)
+        slot = len(parents)
+        parents.append(parent)
+        ranks.append(ranks_d[i])
+        depths.append(d)
+        worth.append(-v)
+        values.append(-v)
+        if i + 1 < len(ranks_d):  # the next sibling
+            heapq.heappush(heap, (-worth[parent] * q[ranks_d[i + 1]], parent, i + 1))
+        if deepest is None or d < deepest:  # the best child
+            child, qc = order(d + 1)
+            if child:
+                heapq.heappush(heap, (v * qc[child[0]], slot, 0))
+    return parents, ranks, values

@@ -335,6 +335,52 @@ def test_pipelined_policy_prices_mask_slots_and_host_time(
         assert slow.plain_steps >= 0.8 * slow.steps, (name, slow.plain_steps, slow.steps)
 
 
+#: recycle resumes as a part of hybrid (alone, its values do not change in
+#: a spell); the draft model (the target's size: it never pays) is made to
+#: draft two tokens every fourth step
+SPELLS = ["pld", "probe", "hybrid", "draft"]
+
+
+@pytest.mark.parametrize("name", SPELLS)
+def test_spells_of_plain_steps_keep_every_drafter_exact(
+    smollm, near_draft, simulate, spec_prompts, monkeypatch, name
+):
+    """Where the host times say so (forced here: spells always pay, host
+    time free), the policy's plain steps run as spells of one-token steps as
+    ``ntp`` runs them, and the pipeline starts again where a draft (or a
+    mask refresh) is chosen, each drafter resuming its state: the lookup's
+    signal, recycle's device table, the mask vectors (the candidates of
+    before the spell dropped), a draft model's cache catching up with the
+    spell's tokens. Exact, with spells begun and the pipeline started again
+    after them, on the simulated device."""
+    import itertools
+
+    from mlx_mtp.pipeline import HostTimes, Pipeline, WidthPolicy
+
+    start, starts = Pipeline._start, []
+    monkeypatch.setattr(Pipeline, "_start", lambda self, r: (starts.append(r), start(self, r)))
+    monkeypatch.setattr(HostTimes, "spells_pay", lambda self, t1: True)
+    monkeypatch.setattr(HostTimes, "costs", lambda self, t1: (0.0, 0.0))
+    monkeypatch.setattr(HostTimes, "switch_cost", lambda self, t1: 0.0)
+    if name == "draft":
+        choose, calls = WidthPolicy.choose, itertools.count(1)
+
+        def every_fourth(self, drafter, signal, ctx):
+            choose(self, drafter, signal, ctx)
+            return (2, False) if next(calls) % 4 == 0 else (0, False)
+
+        monkeypatch.setattr(WidthPolicy, "choose", every_fourth)
+    simulate("profile=m4pro-4bit,ms_per_token=12")
+    prompt = min(spec_prompts[2::6], key=len)  # summarization: much to copy
+    ctx = Context(Engine(smollm.model), loaded=smollm)
+    m = make_method(name, **({"draft_model": near_draft} if name == "draft" else {}))
+    m.prepare(ctx)
+    out, stats = _decode(ctx, m, prompt, 48)
+    assert out == memoised_greedy(Engine(smollm.model))(prompt, 48), name
+    assert stats.runner == "pipelined" and stats.plain_spells > 0, stats.summary()
+    assert len(starts) >= 2 and stats.accepted > 0, (starts, stats.summary())
+
+
 def test_pipelined_steps_refine_the_live_cost_curve(
     smollm, short_spec_prompts, simulate, monkeypatch
 ):
@@ -396,3 +442,88 @@ def test_a_draft_model_steps_with_its_chain_where_a_tree_depth_is_dear():
         # the step comes back with its first depth's chain token accepted
         drafter.learn(acceptance, [], [StepRecord(0, width, 1, [7, 8], tpl, [0, 1])])
         assert acceptance.source("draft").tried[1] > 0
+
+
+def test_host_times_decide_spells_and_price_leaving_one():
+    """The host times of each step class decide whether plain steps run as
+    spells (a pipelined plain step idles the device longer than a spell's by
+    more than 5% of a pass) and what leaving a spell costs (the two switches'
+    idle time past four spell steps'); in a spell the policy drafts only a
+    step that saves more than that, and a lookup drafter's long match
+    still does. Pure: a flat curve, t1 = 4 ms."""
+    import types
+
+    from mlx_mtp.acceptance import Acceptance, AcceptanceModel
+    from mlx_mtp.budget import CostCurves
+    from mlx_mtp.costs import LiveCurves
+    from mlx_mtp.pipeline import SWITCH_PRIOR, HostTimes, WidthPolicy
+    from mlx_mtp.sources.lookup import LookupDrafter
+
+    t1 = 0.004
+    host = HostTimes()
+    assert not host.spells_pay(t1) and host.switch_cost(t1) == SWITCH_PRIOR
+    for _ in range(3):
+        host.record("plain", 0.003)
+    assert host.spells_pay(t1) and host.costs(t1)[0] == 0.0  # a spell not measured: free
+    for _ in range(3):
+        host.record("spell", 0.0029)
+    assert not host.spells_pay(t1)  # 0.1 ms is 2.5% of a pass
+    for _ in range(7):
+        host.record("spell", 0.0005)
+        host.record("switch", 0.005)
+        host.record("draft", 0.0005)  # drafting costs the host no more than a spell
+    assert host.spells_pay(t1) and host.costs(t1)[0] == pytest.approx(0.5 / 4)
+    assert host.switch_cost(t1) == pytest.approx(2 * (5 - 1) / 4)  # 2 passes
+
+    flat = CostCurve([1, 16, 64], [1.0, 1.05, 1.3], seconds=t1)
+    ctx = types.SimpleNamespace(engine=types.SimpleNamespace(offset=100))
+    chosen = {}
+    for m, length in ((1, 2), (3, 12)):  # a weak match, a long one
+        drafter = LookupDrafter(3, 24)
+        drafter.fresh = True
+        acceptance = Acceptance(AcceptanceModel(priors={"pld/1": 0.15, "pld/3": 0.9}))
+        policy = WidthPolicy(24, True, acceptance, LiveCurves(CostCurves([flat]), learn=False))
+        policy.host = host
+        for switch in (0.0, host.switch_cost(t1)):
+            policy.switch = switch
+            chosen[m, switch > 0] = policy.choose(drafter, (m, length), ctx)[0]
+    assert chosen[1, False] > 0 and chosen[1, True] == 0, chosen
+    assert chosen[3, False] > 0 and chosen[3, True] > 0, chosen
+
+
+def test_rank_tree_takes_the_most_valuable_rank_paths():
+    """The lazy best-first tree of rank paths (recycle's and the mask
+    candidates' shape on the pipelined step) takes exactly the values an
+    eager expansion (every child pushed) takes, each node worth its parent's
+    value times its rank's estimate at its depth, parents first, with and
+    without a deepest depth; random estimates, not sorted by rank."""
+    import heapq
+    import random
+
+    from mlx_mtp.tree import rank_tree
+
+    def eager(est, most, deepest):
+        values, heap = [], [(-q, 1, r) for r, q in enumerate(est(1))]
+        heapq.heapify(heap)
+        while heap and len(values) < most:
+            v, d, r = heapq.heappop(heap)
+            values.append(-v)
+            if deepest is None or d < deepest:
+                for r2, q in enumerate(est(d + 1)):
+                    heapq.heappush(heap, (v * q, d + 1, r2))
+        return values
+
+    rng = random.Random(0)
+    for trial in range(300):
+        k = rng.randint(1, 8)
+        by_depth = [[rng.random() for _ in range(k)] for _ in range(6)]
+        est = lambda d, b=by_depth: b[min(d, 6) - 1]  # noqa: E731
+        most, deepest = rng.randint(0, 64), rng.choice([None, 1, 2, 3])
+        parents, ranks, values = rank_tree(est, most, deepest)
+        assert values == pytest.approx(eager(est, most, deepest)), trial
+        worth, depth = [1.0, *values], [0] * len(parents)
+        for s in range(1, len(parents)):
+            assert parents[s] < s
+            depth[s] = depth[parents[s]] + 1
+            assert deepest is None or depth[s] <= deepest
+            assert worth[s] == pytest.approx(worth[parents[s]] * est(depth[s])[ranks[s]])

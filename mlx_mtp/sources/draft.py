@@ -371,6 +371,14 @@ class DraftModelDrafter(DeviceDrafter):
                     acceptance.source("draft_alt").add(1, any(a in on for a in alts))
         return None
 
+    def resume(self, ctx: Any, history: list[int]) -> None:
+        """After a spell of plain steps the draft model's cache catches up
+        with the committed tokens (all but the root, as at the start), its
+        passes counted as device work beside the target's."""
+        eng = self.source.engine
+        with ctx.engine.clock.work_of(eng.clock):
+            eng.sync(history[:-1])
+
     def end(self, cached: list[int]) -> None:
         # rows before the last committed token's are certain; the in-flight
         # step may have rewritten the two after with the same tokens

@@ -9,7 +9,6 @@ Used by ``probe`` (the paper's tree) and ``hybrid`` (one source among others).
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +18,7 @@ from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..learned_masks import load_learned_masks
 from ..pipeline import DeviceDrafter, Template
+from ..tree import rank_tree
 from ..verify import top_tokens
 
 
@@ -264,24 +264,27 @@ class MaskDrafter(DeviceDrafter):
         self.masks.begin(ctx.engine, prompt)
         self._pending = []
 
+    def pause(self, cached: list[int]) -> None:
+        """A spell of plain steps carries no mask slots: no candidates
+        through it (the width policy's choices in the spell see none)."""
+        self.masks.cands = None
+
+    def resume(self, ctx: Any, history: list[int]) -> None:
+        """The vectors start again from ``history``; the candidates still
+        waiting for the tokens they guess are scored as those come."""
+        self.masks.begin(ctx.engine, history)
+
     def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
         if not self.masks.fresh:  # no candidates: the last step carried no masks
             self._plan = ([-1], [0])
             return []
         k, top = self.masks.k, self.masks.top
         qs = [acceptance.qs(f"probe/{d}", top) for d in range(1, k + 1)]
-        parents, flat, values = [-1], [0], []
-        heap = [(-qs[0][r], 0, 1, r) for r in range(top)]  # (-value, parent, depth, rank)
-        heapq.heapify(heap)
-        while heap and len(values) < most:
-            v, parent, d, r = heapq.heappop(heap)
-            slot = len(parents)
-            parents.append(parent)
-            flat.append((d - 1) * top + r)
-            values.append(-v)
-            if d < k:
-                for r2 in range(top):
-                    heapq.heappush(heap, (v * qs[d][r2], slot, d + 1, r2))
+        parents, ranks, values = rank_tree(lambda d: qs[d - 1], most, deepest=k)
+        depth = [0] * len(parents)
+        for s in range(1, len(parents)):
+            depth[s] = depth[parents[s]] + 1
+        flat = [0] + [(depth[s] - 1) * top + ranks[s] for s in range(1, len(parents))]
         self._plan = (parents, flat)
         return values
 

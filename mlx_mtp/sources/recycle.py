@@ -32,7 +32,6 @@ no draft model and no training. Read top to bottom:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ from ..acceptance import Acceptance
 from ..allocate import Child
 from ..errors import InvalidArgumentError
 from ..pipeline import DeviceDrafter, DeviceState, Pass, Template
+from ..tree import rank_tree
 from ..verify import top_tokens
 
 if TYPE_CHECKING:
@@ -220,24 +220,18 @@ class RecycleDrafter(DeviceDrafter):
             self.source.table = np.array(self.table)
         self.table = None
 
+    def pause(self, cached: list[int]) -> None:
+        """The device table stays as it is through a spell of plain steps."""
+
+    def resume(self, ctx: Any, history: list[int]) -> None:
+        """The device table is the one the spell began with."""
+
     def values(self, acceptance: Acceptance, most: int, signal: Any) -> list[float]:
         k = self.source.k
         # under the root, and deeper (given the parent accepted, a child is
         # likelier right there than at the root: a continuation under way)
         first, deep = acceptance.qs(SOURCE, k), acceptance.qs(DEEP, k)
-        parents: list[int] = [-1]
-        ranks: list[int] = [0]
-        values: list[float] = []
-        heap = [(-first[r], 0, r) for r in range(k)]  # (-value, parent slot, rank)
-        heapq.heapify(heap)
-        while heap and len(values) < most:
-            v, parent, r = heapq.heappop(heap)
-            slot = len(parents)
-            parents.append(parent)
-            ranks.append(r)
-            values.append(-v)
-            for r2 in range(k):
-                heapq.heappush(heap, (v * deep[r2], slot, r2))
+        parents, ranks, values = rank_tree(lambda d: first if d == 1 else deep, most)
         self._plan = (parents, ranks)
         return values
 
