@@ -13,6 +13,10 @@ the methods interleaved prompt by prompt:
 
     python examples/clp_figures.py [--per-task 8] [--max-tokens 128] [--out clp.json]
         [--settings ntp,clp-verified,clp-paper,gate-verified,gate-paper] [--heads FOLDER]
+        [--model smollm2-135m] [--data PROMPTS.jsonl --limit N]
+
+``--data`` takes the prompts from a jsonl file (e.g. GSM8K's test split)
+instead of Spec-Bench: its first ``--limit`` questions.
 
 With ``--from-bench DIR`` (a finished or partial ``mlx-mtp bench`` output that
 ran ``clp`` settings) nothing is decoded again: head top-1 accuracy is measured
@@ -33,8 +37,9 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from mlx_mtp.confadapt_format import tokenizer_eos_ids
 from mlx_mtp.context import Context
-from mlx_mtp.data import spec_bench_sample
+from mlx_mtp.data import read_prompts, render_prompt, spec_bench_sample
 from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine
 from mlx_mtp.loading import load_model
@@ -80,11 +85,11 @@ def head_accuracy(engine: Engine, heads, prompt: list[int], out: list[int]) -> n
     return counts
 
 
-def accuracy_from_bench(bench_dir: str, heads_folder: str | None) -> dict:
+def accuracy_from_bench(bench_dir: str, heads_folder: str | None, model: str) -> dict:
     """Head top-1 per offset on the ntp outputs recorded by ``mlx-mtp bench``."""
     from mlx_mtp.bench.runner import recorded_outputs
 
-    lm = load_model("smollm2-135m", dtype="float32")
+    lm = load_model(model, dtype="float32")
     rows = recorded_outputs(bench_dir, lm.tokenizer, "ntp")
     engine = Engine(lm.model)
     m = make_method("clp", **({"heads": heads_folder} if heads_folder else {}))
@@ -108,36 +113,37 @@ def main() -> None:
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--from-bench", default=None, help="an mlx-mtp bench --out folder")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--data", default=None, help="prompt jsonl instead of Spec-Bench")
+    ap.add_argument("--limit", type=int, default=48, help="prompts of --data")
     args = ap.parse_args()
     if args.from_bench:
-        table = accuracy_from_bench(args.from_bench, args.heads)
+        table = accuracy_from_bench(args.from_bench, args.heads, args.model)
         print(json.dumps(table, indent=2))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(table, f, indent=2)
         return
 
-    lm = load_model("smollm2-135m", dtype="float32")
+    lm = load_model(args.model, dtype="float32")
     tok = lm.tokenizer
-    qs = spec_bench_sample(args.per_task)
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
-        )
-        for q in qs
-    ]
-    eos = {tok.eos_token_id}
+    if args.data:
+        texts = read_prompts(args.data, limit=args.limit)
+    else:
+        texts = [q["turns"][0] for q in spec_bench_sample(args.per_task)]
+    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
+    eos = set(tokenizer_eos_ids(tok))
     names = args.settings.split(",")
     # shared: each prompt is prefilled once, then reused by prefix
-    engine = Context(Engine(lm.model), lm)
+    ctx = Context(Engine(lm.model), lm)
     runs = {}
     for name in names:
         mname, opts = SETTINGS[name]
         if mname == "clp" and args.heads:
             opts = {**opts, "heads": args.heads}
         m = make_method(mname, **opts)
-        m.prepare(engine)
-        runs[name] = (m, engine)
+        m.prepare(ctx)
+        runs[name] = (m, ctx)
     rec = {n: {"tokens": 0, "time": 0.0, "forwards": 0, "rep": [], "same": 0} for n in names}
     outs: dict[str, list[list[int]]] = {n: [] for n in names}
     heads = runs[next(n for n in names if n != "ntp")][0].heads
@@ -156,11 +162,13 @@ def main() -> None:
             r["rep"].append(repetition_rate(toks))
             outs[name].append(toks)
         if "ntp" in names:
-            acc += head_accuracy(engine, heads, p, outs["ntp"][-1])
+            acc += head_accuracy(ctx.engine, heads, p, outs["ntp"][-1])
             for name in names:
                 rec[name]["same"] += int(outs[name][-1] == outs["ntp"][-1])
     ntp_tps = rec["ntp"]["tokens"] / rec["ntp"]["time"] if "ntp" in rec else float("nan")
     table = {
+        "model": args.model,
+        "data": args.data or f"spec-bench, {args.per_task} per task",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "head_top1": [float(c / t) if t else 0.0 for c, t in acc],
