@@ -151,11 +151,14 @@ def gemma():
     return _imported(GEMMA_MODEL, "Gemma 3")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def qwen_large():
     """The draft-model pair's target, Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF
-    imported by scripts/get_draft_pair.sh), loaded in float32 (about 6 GB): a
-    ``LoadedModel``. Fails (does not skip) when the model was not imported."""
+    imported by scripts/get_draft_pair.sh), loaded in float32 (about 7 GB): a
+    ``LoadedModel``. Fails (does not skip) when the model was not imported.
+    Only tests/test_draft.py uses it, and only for that module's tests: the
+    test processes share the machine's memory, and a second copy in the other
+    process would not fit beside the rest."""
     from mlx_mtp.loading import QWEN_CODER_LARGE
 
     return _imported(QWEN_CODER_LARGE, "Qwen 1.5B", "get_draft_pair.sh")

@@ -421,3 +421,42 @@ def test_hybrid_runs_a_draft_model_only_while_it_pays(monkeypatch):
         assert [out for out, _ in runs] == ref, draft.name
         share[draft.name] = len(calls) / sum(s.steps - s.plain_steps for _, s in runs)
     assert share["close"] > 0.9 and share["far"] < 0.25, share
+
+
+def test_pipelined_draft_model_is_exact(qwen_large, qwen, monkeypatch):
+    """The draft model's passes queued ahead of the target's on the lazy
+    state (Qwen2.5-Coder-1.5B drafted by 0.5B: qwen2, q/k/v biases, untied
+    head), chain and tree, equal plain greedy decoding; a second turn reuses
+    both caches."""
+    from conftest import memoised_greedy
+
+    from mlx_mtp.data import load_questions
+    from mlx_mtp.decoding import generate_steps
+
+    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")  # pipelined steps on this CPU too
+
+    def _decode(ctx, method, prompt, n):
+        out, stats = [], None
+        for step in generate_steps(ctx, method, prompt, max_tokens=n):
+            out.extend(step.tokens)
+            stats = step.stats
+        return out, stats
+
+    qs = [q for q in load_questions() if q["task"] == "math_reasoning"]
+    texts = [qs[0]["turns"][0]]
+    tok = qwen_large.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts
+    ]
+    ref = memoised_greedy(Engine(qwen_large.model))
+    ctx = Context(Engine(qwen_large.model), loaded=qwen_large, curves=CostCurve.flat())
+    for opts in ({"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}):
+        m = make_method("draft", draft_model=qwen, **opts)
+        m.prepare(ctx)
+        out, stats = _decode(ctx, m, prompts[0], 14)
+        assert out == ref(prompts[0], 14), opts
+        assert stats.accepted > 0
+    turn2 = prompts[0] + out + prompts[0][-4:]
+    out, _ = _decode(ctx, m, turn2, 8)
+    assert out == ref(turn2, 8)

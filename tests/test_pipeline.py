@@ -257,33 +257,6 @@ def test_pipeline_ends_clean_for_the_next_turn(smollm, short_spec_prompts):
     assert got == ref(turn2, 20)
 
 
-def test_pipelined_draft_model_is_exact(qwen_large, qwen):
-    """The draft model's passes queued ahead of the target's on the lazy
-    state (Qwen2.5-Coder-1.5B drafted by 0.5B: qwen2, q/k/v biases, untied
-    head), chain and tree, equal plain greedy decoding; a second turn reuses
-    both caches."""
-    from mlx_mtp.data import load_questions
-
-    qs = [q for q in load_questions() if q["task"] == "math_reasoning"]
-    texts = [qs[0]["turns"][0]]
-    tok = qwen_large.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-        for t in texts
-    ]
-    ref = memoised_greedy(Engine(qwen_large.model))
-    ctx = Context(Engine(qwen_large.model), loaded=qwen_large, curves=FLAT)
-    for opts in ({"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}):
-        m = make_method("draft", draft_model=qwen, **opts)
-        m.prepare(ctx)
-        out, stats = _decode(ctx, m, prompts[0], 14)
-        assert out == ref(prompts[0], 14), opts
-        assert stats.accepted > 0
-    turn2 = prompts[0] + out + prompts[0][-4:]
-    out, _ = _decode(ctx, m, turn2, 8)
-    assert out == ref(turn2, 8)
-
-
 # ------------------------------------------------- the policy, simulated device
 def _policy_run(smollm, simulate, spec, name, prompt, n=48):
     simulate(spec)
