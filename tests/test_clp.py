@@ -236,6 +236,17 @@ def test_shipped_heads_refused_for_other_model():
         load_heads(SHIPPED, make_tiny_model("llama", hidden_size=576, vocab_size=49152))
 
 
+class StandInTokenizer:
+    """A chat tokenizer for the tiny trainer tests: a fixed prefix, then one
+    id per character; 255 ends a sequence."""
+
+    eos_token_id = 255
+    chat_template = "a stand-in"
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
+        return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
     """Self-distillation on a tiny model: data, heads, predictor, resume; also
@@ -251,14 +262,7 @@ def test_train_clp_tiny_end_to_end(tmp_path, monkeypatch, quantized):
     if quantized:
         nn.quantize(model, group_size=32, bits=4)
 
-    class Tok:
-        eos_token_id = 255
-        chat_template = "a stand-in"
-
-        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
-            return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
-
-    loaded = SimpleNamespace(model=model, tokenizer=Tok(), name="tiny")
+    loaded = SimpleNamespace(model=model, tokenizer=StandInTokenizer(), name="tiny")
     cfg = TrainConfig(
         k=2, bottleneck=8, max_new_tokens=10, gen_batch=4, epochs=2, batch_size=16,
         predictor_epochs=2, checkpoint_every=2, data=[str(data)],
@@ -290,14 +294,7 @@ def test_train_clp_within_a_generation_budget_then_resumed(tmp_path, monkeypatch
     data.write_text("\n".join(json.dumps({"question": f"q{i}" * (i + 1)}) for i in range(8)))
     model = make_tiny_model("llama", seed=0)
 
-    class Tok:
-        eos_token_id = 255
-        chat_template = "a stand-in"
-
-        def apply_chat_template(self, msgs, add_generation_prompt=True, **kw):
-            return [1, 2, 3] + [ord(c) % 250 for c in msgs[0]["content"]]
-
-    loaded = SimpleNamespace(model=model, tokenizer=Tok(), name="tiny")
+    loaded = SimpleNamespace(model=model, tokenizer=StandInTokenizer(), name="tiny")
     cfg = TrainConfig(
         k=2, bottleneck=8, max_new_tokens=10, gen_batch=2, epochs=1, batch_size=16,
         predictor_epochs=1, data=[str(data)], gen_minutes=1.0,
