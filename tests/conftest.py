@@ -75,7 +75,7 @@ def smollm():
     return load_model("smollm2-135m", dtype="float32")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def solo(smollm):
     """Plain greedy (or seeded) generation through the Python API on SmolLM2:
     ``solo(prompt, **generate_kwargs) -> GenerationResult``, the answer a
@@ -86,9 +86,32 @@ def solo(smollm):
     model = MTPModel(smollm, make_method("ntp"))
 
     def run(prompt, **kw):
-        return model.generate(prompt, **kw)
+        key = _solo_key(prompt, kw)
+        if key is None:
+            return model.generate(prompt, **kw)
+        if key not in _SOLO:
+            _SOLO[key] = model.generate(prompt, **kw)
+        return _SOLO[key]
 
     return run
+
+
+#: ``solo``'s answers for the session, by prompt and arguments
+_SOLO: dict[tuple, Any] = {}
+
+
+def _solo_key(prompt, kw) -> tuple | None:
+    """A hashable key for a ``solo`` call, None where an argument is not a
+    plain value (a sampler, a callback: not memoised)."""
+    plain = (str, int, float, bool, type(None))
+    if any(not isinstance(v, plain) for v in kw.values()):
+        return None
+    if kw.get("temp", 0.0) != 0.0 and kw.get("seed") is None:  # a fresh draw each call
+        return None
+    p = prompt if isinstance(prompt, str) else tuple(prompt) if isinstance(prompt, list) else None
+    if p is None or (isinstance(p, tuple) and not all(isinstance(t, int) for t in p)):
+        return None
+    return p, tuple(sorted(kw.items()))
 
 
 @pytest.fixture(scope="session")
@@ -324,12 +347,25 @@ def setting_ids(settings: list[tuple[str, dict]]) -> list[str]:
     return [f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'auto'}" for n, o in settings]
 
 
+#: plain greedy references per model (and cache settings), shared by every
+#: ``memoised_greedy`` in the session; an entry goes with its model
+_GREEDY: dict[tuple, tuple[Any, dict[tuple, list[int]]]] = {}
+
+
 def memoised_greedy(engine):
     """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation on
-    ``engine``, memoised per prompt (a longer ``n`` decodes the prompt again)."""
+    ``engine``, memoised per prompt for the session: every engine over the
+    same model object and cache settings shares the references (and decodes
+    them on the first such engine); a longer ``n`` decodes the prompt again."""
+    import weakref
+
     from mlx_mtp.methods.ntp import NTP
 
-    memo: dict[tuple, list[int]] = {}
+    key = (id(engine.model), engine.slots, engine.max_kv_size, engine.kv_bits)
+    if key not in _GREEDY:
+        _GREEDY[key] = (engine, {})
+        weakref.finalize(engine.model, _GREEDY.pop, key, None)
+    engine, memo = _GREEDY[key]
 
     def ref(prompt: list[int], n: int) -> list[int]:
         key = tuple(prompt)
