@@ -44,9 +44,9 @@ from .cache_view import install_positional_rope
 from .engine import PREFILL_STEP
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .families import check_tree_support, model_parts
+from .ledger import EPSILON
 from .memory import weight_bytes
 from .native_mtp import draft_cost_of
-from .planner import EPSILON
 from .sources.lookup import lookup_match
 from .sources.masks import PROBE_RANK_PRIORS
 from .sources.pool import JACOBI_EXTRA, NGramPool, ranked_trie

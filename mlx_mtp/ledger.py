@@ -1,12 +1,22 @@
 """One generation's ledger (docs/budget.md): its time, what drafting lost of
 it against plain steps of the same tokens, and what the steps of an offer
 that takes device work (a draft model's) gained. The
-:class:`~mlx_mtp.planner.Planner` records every step here and grants
-drafting credit from it."""
+:class:`~mlx_mtp.planner.Planner` and the pipelined steps'
+:class:`~mlx_mtp.pipeline.WidthPolicy` record every step here and grant
+drafting credit from it (:data:`EPSILON` of the time so far)."""
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from .steptimes import average
+
+#: the share of a generation's time drafting may lose against plain steps of
+#: the same tokens (besides one plain step), and probes may cost: 1% keeps a
+#: 64-token reply within about 3% of plain decoding at worst. Every runner's
+#: policy (the planner, the pipelined steps, the batch) spends it.
+EPSILON = 0.01
 
 
 class Ledger:
@@ -67,3 +77,76 @@ class Ledger:
     def paying(self) -> bool:
         """Whether the steps of an offer that takes device work gain."""
         return self.gain is not None and self.gain > 0
+
+
+#: plain steps kept per kind for the baseline (:class:`StepLedger`), and the
+#: fewest that make one
+PLAIN_SAMPLES = 9
+PLAIN_MIN_SAMPLES = 3
+
+
+class StepLedger:
+    """Drafting's account in seconds for steps whose time is measured one by
+    one (the pipelined steps' :class:`~mlx_mtp.pipeline.WidthPolicy`): what
+    the steps that plain decoding would not have run took, against plain
+    decoding's steps of the same tokens as measured in the same generation
+    (the median of the newest :data:`PLAIN_SAMPLES` plain steps: a spell's,
+    as ``ntp`` runs them, once :data:`PLAIN_MIN_SAMPLES` were measured, else
+    pipelined plain ones, else an estimate). Past steps are priced at the
+    newest baseline, so a cost curve whose one-token time is wrong misleads
+    it only until plain steps were measured.
+
+    Attributes:
+        time: seconds of every step recorded.
+        spent: seconds of drafting's steps.
+        tokens: tokens those steps committed.
+        steps: steps recorded.
+    """
+
+    KINDS = ("spell", "plain")
+
+    def __init__(self) -> None:
+        self.time = self.spent = 0.0
+        self.tokens = self.steps = 0
+        self.samples: dict[str, deque[float]] = {k: deque(maxlen=PLAIN_SAMPLES) for k in self.KINDS}
+        self._drafted = False
+
+    def record(self, seconds: float, tokens: int, drafting: bool, plain: str = "") -> None:
+        """One step: ``seconds`` from the read before, ``tokens`` committed.
+
+        Args:
+            drafting: a step plain decoding would not have run (drafts or
+                mask slots, the switch out of a spell, a pipelined plain
+                step where a spell's is the baseline).
+            plain: otherwise its kind (:attr:`KINDS`), a baseline sample;
+                the first spell step after drafting is drafting's (the
+                switch in). The generation's first step is plain decoding's
+                start: neither.
+        """
+        first = self.steps == 0
+        self.steps += 1
+        self.time += seconds
+        if not first and (drafting or (plain == "spell" and self._drafted)):
+            self.spent += seconds
+            self.tokens += tokens
+        elif not first and plain in self.samples:
+            self.samples[plain].append(seconds)
+        self._drafted = drafting
+
+    def baseline(self, estimate: float) -> float:
+        """Seconds of plain decoding's step (``estimate`` until measured)."""
+        for kind in self.KINDS:
+            got = self.samples[kind]
+            if len(got) >= PLAIN_MIN_SAMPLES:
+                return statistics.median(got)
+        return estimate
+
+    @property
+    def measured(self) -> bool:
+        """Whether a spell's steps make the baseline."""
+        return len(self.samples["spell"]) >= PLAIN_MIN_SAMPLES
+
+    def credit(self, plain: float) -> float:
+        """Seconds drafting may still lose: :data:`EPSILON` of the time so
+        far plus one plain step (``plain`` seconds), less what it lost."""
+        return EPSILON * self.time + plain - (self.spent - self.tokens * plain)

@@ -57,6 +57,7 @@ import numpy as np
 from .acceptance import CARRY_WEIGHT, Acceptance, Calibration, CalibrationModel, chain_values
 from .budget import CostCurve, best_prefix
 from .engine import Engine, ancestors
+from .ledger import EPSILON, StepLedger
 from .offers import StepOutput
 from .plain import PlainSteps
 
@@ -68,9 +69,6 @@ if TYPE_CHECKING:
 HISTORY_STEP = 1024
 #: a read that waited longer than this (seconds) found the device still busy
 WAITED = 2e-4
-#: the share of decoding time a probe of a drafter that learns only from its
-#: drafts may cost (:class:`WidthPolicy`)
-EPSILON = 0.02
 
 
 @dataclass(frozen=True)
@@ -556,6 +554,8 @@ class Pipeline:
         self.history: list[int] = []
         self.signal: Any = None
         self._waited = False  # the last read waited for the device
+        #: when a spell's last read returned, having waited for the device
+        self._read_at: float | None = None
         #: a spell of plain steps runs (:meth:`_spell_step`)
         self.spell = False
         self.plain = PlainSteps(None)
@@ -691,6 +691,10 @@ class Pipeline:
         wall = clock.now() - t0
         host = 0.0 if waited > WAITED else max(wall - self._device_seconds(step.slots), 0.0)
         clock.add(wall - host)
+        # drafting's cost against plain decoding: drafts or mask slots, and
+        # any pipelined step once a spell's steps (plain decoding's) were measured
+        drafting = step.width > 0 or step.masked or self.policy.ledger.measured
+        self.policy.record(wall, len(out.tokens), drafting, "plain")
         if launched is not None and not first:
             # the host time on the critical path between two launches: the
             # device's idle time where the clock knows it, else the step's
@@ -717,15 +721,17 @@ class Pipeline:
         """Whether ``choice`` (a plain step at ``auto``) starts a spell of
         plain steps instead of a pipelined step of width 0: where the host
         times say a spell's steps leave the device idle for less
-        (:meth:`HostTimes.spells_pay`). The steps in flight are read first;
-        nothing more is launched."""
+        (:meth:`HostTimes.spells_pay`), or where drafting has no credit left
+        (:attr:`WidthPolicy.credit`: plain decoding's own steps, then). The
+        steps in flight are read first; nothing more is launched."""
         policy = self.policy
         if choice != (0, False) or not policy.auto or policy.curves is None:
             return False
-        if not policy.host.spells_pay(policy.curves.t1):
+        if not policy.host.spells_pay(policy.curves.t1) and policy.credit > 0:
             return False
         self.spell = True
         self.plain_spells += 1
+        self._read_at = None
         self._spell_offered = policy.offered
         policy.switch = policy.host.switch_cost(policy.curves.t1)
         return True
@@ -743,8 +749,16 @@ class Pipeline:
         if self.inflight:  # the spell begins with nothing in flight
             raise RuntimeError("a spell of plain steps began with a pipelined step in flight")
         queue = not leaving and (left is None or left > 1)
+        at = engine.offset
         tokens = self.plain.step(engine, root, queue_next=queue)
         policy = self.policy
+        now, last = clock.now(), self._read_at
+        self._read_at = now if self.plain.waited > WAITED and not leaving else None
+        if last is not None and self._read_at is not None and policy.auto:
+            # the device was busy from the spell's read before to this one:
+            # the time between them is a one-token pass, as the pipelined
+            # steps' reads measure theirs
+            policy.curves.observe(1, now - last, at)
         if leaving:  # the switch out: this step and the pipeline's first
             self._switch_from = self._idle_mark(t0, idle0)
         elif self._switch_from is not None:  # the switch in: the step before and this
@@ -755,6 +769,8 @@ class Pipeline:
         self.history.extend(tokens)
         self.plain_steps += 1
         self.declined += self._spell_offered
+        # the switch out of the spell is drafting's cost (the switch in too)
+        policy.record(clock.now() - t0, len(tokens), leaving, "spell")
         if leaving:  # the cache holds exactly the committed tokens
             self.spell = False
             self.state = None
@@ -942,7 +958,11 @@ class WidthPolicy:
     curve (and a draft model's passes beside it) plus the host time its
     class leaves on the critical path (:class:`HostTimes`: the host work
     that exceeds the device's pass makes it idle), so a draft step that
-    costs more host time than a plain one must win by more.
+    costs more host time than a plain one must win by more. Every step
+    read goes to a :class:`~mlx_mtp.ledger.StepLedger` against plain decoding's
+    steps of the same tokens; past its credit (:attr:`credit`) drafting
+    runs only as probes (:meth:`_afford`), so where the estimates are wrong
+    the measured time bounds the loss.
 
     Mask slots (a drafter with a :class:`~mlx_mtp.sources.masks.MaskLayer`)
     ride along in every step where drafting with them in every step beats
@@ -958,7 +978,8 @@ class WidthPolicy:
         acceptance: the estimates the drafter learns into.
         curves: the cost curves (``auto``); a pipeline's steps refine them.
         host: the host times to start from (default: none measured; each
-            generation measures its own, the host's load changes).
+            generation measures its own: a warm-up's first passes of new
+            shapes, or another load of the host, would mislead the next).
     """
 
     def __init__(
@@ -981,13 +1002,81 @@ class WidthPolicy:
         self._idle = 0  # plain steps since the last draft (probes)
         self._stale = 0  # steps without mask slots since the last with them
         self._saving = 0.0  # the last cut's saving over plain steps (one-token forwards)
+        #: the generation's steps against plain decoding's steps of the same tokens
+        self.ledger = StepLedger()
+        self._probed = 0.0  # the ledger's time at the last step past the credit
+
+    # ------------------------------------------------------------ the ledger
+    @property
+    def t1(self) -> float | None:
+        """Seconds of a one-token forward (None: unknown, or a fixed width)."""
+        return self.curves.t1 if self.auto and self.curves is not None else None
+
+    @property
+    def plain_seconds(self) -> float:
+        """Plain decoding's step in seconds: measured (:meth:`StepLedger.baseline
+        <mlx_mtp.ledger.StepLedger.baseline>`), else a pass and a plain step's
+        host time (:meth:`HostTimes.costs`)."""
+        t1 = self.t1 or 0.0
+        return self.ledger.baseline(t1 * (1.0 + self.host.costs(t1)[0]))
+
+    @property
+    def credit(self) -> float:
+        """Seconds drafting may still lose in this generation
+        (:meth:`StepLedger.credit <mlx_mtp.ledger.StepLedger.credit>`)."""
+        return self.ledger.credit(self.plain_seconds)
+
+    def record(self, seconds: float, tokens: int, drafting: bool, plain: str = "") -> None:
+        """One step read (:meth:`StepLedger.record
+        <mlx_mtp.ledger.StepLedger.record>`), at ``auto``."""
+        if self.t1:
+            self.ledger.record(seconds, tokens, drafting, plain)
+
+    def _fits(self, worst: float) -> bool:
+        """Whether a probe whose worst case costs ``worst`` one-token forwards
+        fits :data:`~mlx_mtp.ledger.EPSILON` of the time since the last one."""
+        return worst * (self.t1 or 0.0) <= EPSILON * (self.ledger.time - self._probed)
+
+    def _afford(
+        self, choice: tuple[int, bool], drafter: DeviceDrafter, hp: float, hd: float
+    ) -> tuple[int, bool]:
+        """``choice`` cut to the widest prefix whose worst case (every draft
+        rejected) fits the credit left (leaving a spell for it, the cut
+        weighed); where none does, a draft or mask step only as a probe
+        whose worst case, the switch out of a spell included, fits
+        :data:`~mlx_mtp.ledger.EPSILON` of the time since the last such
+        step, else a plain step."""
+        n, masked = choice
+        if choice == (0, False):
+            return choice
+        k = 1 + (drafter.masks.k if masked and drafter.masks is not None else 0)
+
+        def worst(n: int) -> float:  # seconds over a plain step, every draft rejected
+            slots = (1 + n * drafter.item_slots) * k
+            t1 = self.t1 or 0.0
+            return t1 * (self.curve(slots) + n * drafter.item_cost + hd - 1.0 - hp)
+
+        credit = self.credit
+        if credit > 0:  # the widest prefix of the cut whose worst case fits the credit
+            while n > 0 and worst(n) > credit:
+                n -= 1
+            if n or masked:
+                return n, masked
+            n = choice[0]
+        switch = self.switch * (self.t1 or 0.0)  # leaving a spell: the cut priced it
+        if worst(n) + switch > EPSILON * (self.ledger.time - self._probed):
+            return 0, False
+        self._probed = self.ledger.time
+        return choice
 
     def width(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> int:
         """The width of the next step launched."""
         return self.choose(drafter, signal, ctx)[0]
 
     def choose(self, drafter: DeviceDrafter, signal: Any, ctx: Context) -> tuple[int, bool]:
-        """The width of the next step launched, and whether it carries mask slots."""
+        """The width of the next step launched, and whether it carries mask
+        slots: at ``auto`` the cut's choice while drafting has credit
+        (:attr:`credit`), past it only probes (:meth:`_afford`)."""
         layer = drafter.masks
         if not self.auto:
             values = drafter.values(self.acceptance, self.most, signal)
@@ -995,6 +1084,22 @@ class WidthPolicy:
             return min(self.most, len(values)), layer is not None
         self.curve = curve = self.curves.at(ctx.engine.offset)
         hp, hd = self.host.costs(self.curves.t1)
+        if self.credit <= 0:
+            # past the credit not even the cheapest probe fits yet: a plain
+            # step, without the drafter's values (their host time is on the
+            # critical path of a spell's steps)
+            masks = drafter.masks
+            cheapest = curve(1 + drafter.item_slots) + drafter.item_cost
+            if masks is not None:
+                cheapest = min(cheapest, curve(1 + masks.k))
+            if not self._fits(cheapest + hd - 1.0 - hp + self.switch):
+                return 0, False
+        return self._afford(self._choose(drafter, signal, hp, hd), drafter, hp, hd)
+
+    def _choose(
+        self, drafter: DeviceDrafter, signal: Any, hp: float, hd: float
+    ) -> tuple[int, bool]:
+        layer, curve = drafter.masks, self.curve
         if layer is None:
             best = None
             # a drafter with several layouts (a draft model's tree or its
@@ -1109,7 +1214,8 @@ def pipeline_for(
 ) -> Pipeline:
     """The :class:`Pipeline` of a generation of ``method`` on ``ctx`` with its
     device drafter, carrying the estimates of the method's earlier
-    generations on ``ctx``. Whether a generation runs one is decided by
+    generations on ``ctx``.
+    Whether a generation runs one is decided by
     :func:`mlx_mtp.runners.choose_runner`."""
     key = f"pipeline:{method.settings_key()}"
     acceptance = ctx.learned.get(key)

@@ -37,6 +37,8 @@ class PlainSteps:
         #: engine records log-probabilities, else None)
         self.next: tuple[mx.array, mx.array | None, int, float, mx.array | None] | None = None
         self.last_top: np.ndarray | None = None
+        #: seconds the last greedy step's read waited for the device
+        self.waited = 0.0
 
     def _top(self, logits: mx.array) -> mx.array | None:
         return top_tokens(logits[-1:], self.topk)[0] if self.topk else None
@@ -90,12 +92,15 @@ class PlainSteps:
             logits = engine.queue_token(y)
             following, after = mx.argmax(logits, axis=-1), self._top(logits)
             queued = clock.launch([following, *([] if after is None else [after])], 1)
+            tb = clock.now()
             tok = clock.block(read, done)
             engine.resolve_last(tok)
             kept = logits if engine.logprobs is not None else None
             self.next = (following, after, engine.offset, queued, kept)
         else:
+            tb = clock.now()
             tok = clock.block(read, done)
+        self.waited = clock.now() - tb
         clock.add(clock.now() - t0)
         if engine.logprobs is not None:
             engine.logprobs.record(row, [tok])

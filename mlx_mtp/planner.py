@@ -37,7 +37,7 @@ from . import distributed
 from .acceptance import CARRY_WEIGHT, Acceptance
 from .budget import CostCurve, CostCurves, as_curves
 from .costs import LiveCurves
-from .ledger import Ledger
+from .ledger import EPSILON, Ledger
 from .offers import Budget, Item, Offer, PlainResult, StepOutput
 from .plain import PlainSteps
 from .scoring import Shadow, learn
@@ -48,10 +48,6 @@ from .verify import Sampler
 if TYPE_CHECKING:
     from .context import Context
     from .methods.base import DraftMethod
-
-#: share of a generation's time drafting may lose (besides one plain step):
-#: 1% keeps a 64-token reply within 3% of plain decoding at worst
-EPSILON = 0.01
 
 
 @dataclass

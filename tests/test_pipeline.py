@@ -15,7 +15,13 @@ from mlx_mtp.decoding import generate_steps
 from mlx_mtp.engine import Engine, ancestors
 from mlx_mtp.methods import make_method
 from mlx_mtp.pipeline import CompositeDrafter, DeviceDrafter, StepRecord, Template, device_walk
-from mlx_mtp.sources.lookup import device_lookup, lookup_candidates, match_length
+from mlx_mtp.sources.lookup import (
+    SuffixIndex,
+    device_lookup,
+    lookup_candidates,
+    lookup_match,
+    match_length,
+)
 from mlx_mtp.verify import walk_tree
 
 
@@ -54,6 +60,25 @@ def test_device_lookup_is_the_host_lookup():
         assert got[: len(want)] == want, (trial, ctx.tolist(), window)
         assert got[len(want) :] == [0] * (width - len(want))
         assert (match_length(ctx, window) > 0) == bool(want)
+
+
+def test_suffix_index_answers_as_the_lookup_on_every_prefix():
+    """The incremental n-gram index the pipelined lookup learns with gives
+    :func:`lookup_match`'s continuation and n-gram length at every prefix of
+    random token lists (a small vocabulary: many matches), indexed a few
+    tokens at a time."""
+    rng = np.random.default_rng(4)
+    for trial in range(60):
+        T, window = int(rng.integers(1, 120)), int(rng.integers(1, 5))
+        most = int(rng.integers(1, 9))
+        toks = rng.integers(0, int(rng.integers(2, 12)), size=T).tolist()
+        index, at = SuffixIndex(window), 0
+        while at < T:
+            at = min(T, at + int(rng.integers(1, 6)))
+            index.extend(toks[:at])
+        for r in range(T):
+            want = lookup_match(np.array(toks[: r + 1]), window, most)
+            assert index.match(r, most) == want, (trial, r, toks[: r + 1], window)
 
 
 def test_device_walk_is_the_host_walk():
@@ -308,6 +333,38 @@ def test_pipelined_policy_prices_mask_slots_and_host_time(
         assert slow.plain_steps >= 0.8 * slow.steps, (name, slow.plain_steps, slow.steps)
 
 
+def test_the_ledger_bounds_what_wrong_estimates_lose(smollm, simulate, spec_prompts, monkeypatch):
+    """Where the estimates are wrong (prompt lookup's continuations claimed
+    nearly sure, on a writing prompt where they are not, on a steep curve
+    where a rejected chain costs passes), the pipelined steps' ledger stops
+    drafting once it lost its credit (each draft's worst case cut to the
+    credit left): what drafting lost stays within ``EPSILON`` of the time
+    plus one plain step, the probes' share and the step already launched,
+    and most steps are plain. Exact."""
+    from mlx_mtp.ledger import EPSILON
+    from mlx_mtp.pipeline import WidthPolicy
+    from mlx_mtp.sources.lookup import LookupDrafter
+
+    policies, init = [], WidthPolicy.__init__
+
+    def kept(self, *a, **k):
+        policies.append(self)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(WidthPolicy, "__init__", kept)
+    monkeypatch.setattr(LookupDrafter, "values", lambda self, acc, most, sig: [0.95] * most)
+    prompt = spec_prompts[0]  # writing: little to copy
+    stats = _policy_run(smollm, simulate, "profile=m4pro-4bit,ms_per_token=12", "pld", prompt)
+    policy = policies[-1]
+    ledger, plain = policy.ledger, policy.plain_seconds
+    assert stats.drafted > 0  # the estimates did send drafts
+    assert stats.plain_steps >= 0.7 * stats.steps, (stats.plain_steps, stats.steps)
+    lost = ledger.spent - ledger.tokens * plain
+    # the credit, the probes' share, and the step launched before the read
+    # that used the credit up
+    assert lost <= 2 * EPSILON * ledger.time + 3 * plain, (lost, ledger.time, plain)
+
+
 #: recycle resumes as a part of hybrid (alone, its values do not change in
 #: a spell); the draft model (the target's size: it never pays) is made to
 #: draft two tokens every fourth step
@@ -328,6 +385,7 @@ def test_spells_of_plain_steps_keep_every_drafter_exact(
     after them, on the simulated device."""
     import itertools
 
+    from mlx_mtp import pipeline
     from mlx_mtp.pipeline import HostTimes, Pipeline, WidthPolicy
 
     start, starts = Pipeline._start, []
@@ -335,6 +393,10 @@ def test_spells_of_plain_steps_keep_every_drafter_exact(
     monkeypatch.setattr(HostTimes, "spells_pay", lambda self, t1: True)
     monkeypatch.setattr(HostTimes, "costs", lambda self, t1: (0.0, 0.0))
     monkeypatch.setattr(HostTimes, "switch_cost", lambda self, t1: 0.0)
+    # the drafts' losses do not end the drafting here (the ledger's test is
+    # above), and mask refreshes come as often as a 2% share allows
+    monkeypatch.setattr(WidthPolicy, "credit", property(lambda self: float("inf")))
+    monkeypatch.setattr(pipeline, "EPSILON", 0.02)
     if name == "draft":
         choose, calls = WidthPolicy.choose, itertools.count(1)
 

@@ -4,6 +4,8 @@ found earlier in the context, the training-free source of ``pld`` and
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -152,6 +154,45 @@ def match_length(context: np.ndarray, window: int) -> int:
     return n
 
 
+class SuffixIndex:
+    """Where every n-gram (n <= ``window``) of a growing token list ends, so
+    that the lookup after each new token costs a few dictionary reads
+    instead of a scan of the whole context: :meth:`match` answers as
+    :func:`lookup_match` does on any prefix of the tokens indexed.
+
+    Args:
+        window: longest n-gram indexed.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        #: the tokens indexed so far
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, history: Sequence[int]) -> None:
+        """Index ``history``'s tokens past those indexed (``history`` extends them)."""
+        toks, ends = self.tokens, self._ends
+        for i in range(len(toks), len(history)):
+            toks.append(int(history[i]))
+            for n in range(1, min(self.window, i + 1) + 1):
+                ends.setdefault(tuple(toks[i - n + 1 : i + 1]), []).append(i)
+
+    def match(self, r: int, max_draft: int) -> tuple[list[int], int]:
+        """:func:`lookup_match` of the first ``r + 1`` tokens indexed: the
+        continuation (at most ``max_draft`` tokens) after the most recent
+        earlier end of the longest suffix n-gram, and n (``([], 0)``: no
+        match)."""
+        toks = self.tokens
+        for n in range(min(self.window, r), 0, -1):
+            ends = self._ends.get(tuple(toks[r - n + 1 : r + 1]))
+            k = bisect_right(ends, r - 1) if ends else 0
+            if k:
+                e = ends[k - 1]
+                return toks[e + 1 : min(e + 1 + max_draft, r + 1)], n
+        return [], 0
+
+
 class LookupDrafter(DeviceDrafter):
     """Prompt lookup on the device, for :mod:`mlx_mtp.pipeline`: each step's
     drafts are :func:`device_lookup` after the lazy root.
@@ -179,6 +220,13 @@ class LookupDrafter(DeviceDrafter):
         self.begin(None, [])
 
     def begin(self, ctx: Any, prompt: list[int]) -> None:
+        self._index = SuffixIndex(self.window)
+        self._restart()
+
+    def resume(self, ctx: Any, history: list[int]) -> None:
+        self._restart()  # the history only grew: the index stays
+
+    def _restart(self) -> None:
         # (root position, continuation, signal when it was drafted) of lookups
         # whose outcome is not known yet; the last root looked up; the signal
         self._pending: list[tuple[int, list[int], int]] = []
@@ -197,8 +245,11 @@ class LookupDrafter(DeviceDrafter):
     def learn(
         self, acceptance: Acceptance, history: list[int], steps: list[Any]
     ) -> tuple[int, int]:
-        ctx = np.asarray(history, dtype=np.int64)
-        T = len(ctx)
+        index = self._index
+        if len(history) < len(index.tokens):  # not the history indexed
+            index = self._index = SuffixIndex(self.window)
+        index.extend(history)
+        T = len(history)
         # every root once: those of the steps read, and the newest (the root of
         # the step in flight); each continuation is tagged with the signal known
         # when its step's width was chosen (the match at the root before)
@@ -206,16 +257,14 @@ class LookupDrafter(DeviceDrafter):
             if r <= self._last:
                 continue
             self._last = r
-            cands = lookup_candidates(ctx[: r + 1], self.window, self.most)
-            cont = cands[0] if cands else []
-            m = match_length(ctx[: r + 1], self.window) if cont else 0
+            cont, m = index.match(r, self.most)
             # tagged with the signal its width was chosen from: its own match
             # (fresh), or the match at the root before (the step in flight's)
             self._pending.append((r, cont, m if self.fresh else self._signal[0]))
             self._signal = (m, len(cont))
         keep = []
         for r, cont, sig in self._pending:
-            known = ctx[r + 1 : r + 1 + max(len(cont), 1)]
+            known = history[r + 1 : r + 1 + max(len(cont), 1)]
             if not len(known):
                 keep.append((r, cont, sig))
                 continue
