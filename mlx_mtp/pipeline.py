@@ -1033,9 +1033,12 @@ class WidthPolicy:
             self.ledger.record(seconds, tokens, drafting, plain)
 
     def _fits(self, worst: float) -> bool:
-        """Whether a probe whose worst case costs ``worst`` one-token forwards
-        fits :data:`~mlx_mtp.ledger.EPSILON` of the time since the last one."""
-        return worst * (self.t1 or 0.0) <= EPSILON * (self.ledger.time - self._probed)
+        """Whether a probe whose worst case costs ``worst`` seconds over a
+        plain step fits :data:`~mlx_mtp.ledger.EPSILON` of the time since the
+        last one; a probe is priced at least one plain step (what a rejected
+        draft step measures on a host-bound device, whatever its curve says)."""
+        worst = max(worst, self.plain_seconds)
+        return worst <= EPSILON * (self.ledger.time - self._probed)
 
     def _afford(
         self, choice: tuple[int, bool], drafter: DeviceDrafter, hp: float, hd: float
@@ -1063,8 +1066,7 @@ class WidthPolicy:
             if n or masked:
                 return n, masked
             n = choice[0]
-        switch = self.switch * (self.t1 or 0.0)  # leaving a spell: the cut priced it
-        if worst(n) + switch > EPSILON * (self.ledger.time - self._probed):
+        if not self._fits(worst(n) + self.switch * (self.t1 or 0.0)):
             return 0, False
         self._probed = self.ledger.time
         return choice
@@ -1092,7 +1094,7 @@ class WidthPolicy:
             cheapest = curve(1 + drafter.item_slots) + drafter.item_cost
             if masks is not None:
                 cheapest = min(cheapest, curve(1 + masks.k))
-            if not self._fits(cheapest + hd - 1.0 - hp + self.switch):
+            if not self._fits((self.t1 or 0.0) * (cheapest + hd - 1.0 - hp + self.switch)):
                 return 0, False
         return self._afford(self._choose(drafter, signal, hp, hd), drafter, hp, hd)
 
