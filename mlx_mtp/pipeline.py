@@ -1040,11 +1040,24 @@ class WidthPolicy:
         worst = max(worst, self.plain_seconds)
         return worst <= EPSILON * (self.ledger.time - self._probed)
 
+    def _worst(self, drafter: DeviceDrafter, n: int, k: int, hp: float, hd: float) -> float:
+        """Seconds a step of ``n`` nodes with ``k`` slots each (a node and
+        its mask slots) costs over a plain step where every draft is
+        rejected (the switch out of a spell not included)."""
+        slots = (1 + n * drafter.item_slots) * k
+        cost = self.curve(slots) + n * drafter.item_cost + hd - 1.0 - hp
+        return (self.t1 or 0.0) * cost
+
     def _afford(
-        self, choice: tuple[int, bool], drafter: DeviceDrafter, hp: float, hd: float
+        self,
+        choice: tuple[int, bool],
+        drafter: DeviceDrafter,
+        hp: float,
+        hd: float,
+        credit: float,
     ) -> tuple[int, bool]:
         """``choice`` cut to the widest prefix whose worst case (every draft
-        rejected) fits the credit left (leaving a spell for it, the cut
+        rejected) fits the ``credit`` left (leaving a spell for it, the cut
         weighed); where none does, a draft or mask step only as a probe
         whose worst case, the switch out of a spell included, fits
         :data:`~mlx_mtp.ledger.EPSILON` of the time since the last such
@@ -1053,20 +1066,14 @@ class WidthPolicy:
         if choice == (0, False):
             return choice
         k = 1 + (drafter.masks.k if masked and drafter.masks is not None else 0)
-
-        def worst(n: int) -> float:  # seconds over a plain step, every draft rejected
-            slots = (1 + n * drafter.item_slots) * k
-            t1 = self.t1 or 0.0
-            return t1 * (self.curve(slots) + n * drafter.item_cost + hd - 1.0 - hp)
-
-        credit = self.credit
         if credit > 0:  # the widest prefix of the cut whose worst case fits the credit
-            while n > 0 and worst(n) > credit:
+            while n > 0 and self._worst(drafter, n, k, hp, hd) > credit:
                 n -= 1
             if n or masked:
                 return n, masked
             n = choice[0]
-        if not self._fits(worst(n) + self.switch * (self.t1 or 0.0)):
+        switch = self.switch * (self.t1 or 0.0)
+        if not self._fits(self._worst(drafter, n, k, hp, hd) + switch):
             return 0, False
         self._probed = self.ledger.time
         return choice
@@ -1084,19 +1091,19 @@ class WidthPolicy:
             values = drafter.values(self.acceptance, self.most, signal)
             self.offered = bool(values)
             return min(self.most, len(values)), layer is not None
-        self.curve = curve = self.curves.at(ctx.engine.offset)
+        self.curve = self.curves.at(ctx.engine.offset)
         hp, hd = self.host.costs(self.curves.t1)
-        if self.credit <= 0:
-            # past the credit not even the cheapest probe fits yet: a plain
-            # step, without the drafter's values (their host time is on the
-            # critical path of a spell's steps)
-            masks = drafter.masks
-            cheapest = curve(1 + drafter.item_slots) + drafter.item_cost
-            if masks is not None:
-                cheapest = min(cheapest, curve(1 + masks.k))
-            if not self._fits((self.t1 or 0.0) * (cheapest + hd - 1.0 - hp + self.switch)):
+        credit = self.credit
+        if credit <= 0:
+            # past the credit not even the cheapest probe (one node, or a
+            # refresh of the mask slots) fits yet: a plain step, without the
+            # drafter's values (their host time is on a spell step's critical path)
+            cheapest = self._worst(drafter, 1, 1, hp, hd)
+            if drafter.masks is not None:
+                cheapest = min(cheapest, self._worst(drafter, 0, 1 + drafter.masks.k, hp, hd))
+            if not self._fits(cheapest + self.switch * (self.t1 or 0.0)):
                 return 0, False
-        return self._afford(self._choose(drafter, signal, hp, hd), drafter, hp, hd)
+        return self._afford(self._choose(drafter, signal, hp, hd), drafter, hp, hd, credit)
 
     def _choose(
         self, drafter: DeviceDrafter, signal: Any, hp: float, hd: float
@@ -1216,8 +1223,7 @@ def pipeline_for(
 ) -> Pipeline:
     """The :class:`Pipeline` of a generation of ``method`` on ``ctx`` with its
     device drafter, carrying the estimates of the method's earlier
-    generations on ``ctx``.
-    Whether a generation runs one is decided by
+    generations on ``ctx``. Whether a generation runs one is decided by
     :func:`mlx_mtp.runners.choose_runner`."""
     key = f"pipeline:{method.settings_key()}"
     acceptance = ctx.learned.get(key)

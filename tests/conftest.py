@@ -348,24 +348,25 @@ def setting_ids(settings: list[tuple[str, dict]]) -> list[str]:
 
 
 #: plain greedy references per model (and cache settings), shared by every
-#: ``memoised_greedy`` in the session; an entry goes with its model
-_GREEDY: dict[tuple, tuple[Any, dict[tuple, list[int]]]] = {}
+#: ``memoised_greedy`` in the session; an entry goes with its model (the
+#: memo holds no reference to it, so a module-scoped model is still freed)
+_GREEDY: dict[tuple, dict[tuple, list[int]]] = {}
 
 
 def memoised_greedy(engine):
     """``ref(prompt_ids, n) -> list[int]``: plain greedy (ntp) continuation on
     ``engine``, memoised per prompt for the session: every engine over the
-    same model object and cache settings shares the references (and decodes
-    them on the first such engine); a longer ``n`` decodes the prompt again."""
+    same model object and cache settings shares the references; a longer
+    ``n`` decodes the prompt again."""
     import weakref
 
     from mlx_mtp.methods.ntp import NTP
 
     key = (id(engine.model), engine.slots, engine.max_kv_size, engine.kv_bits)
     if key not in _GREEDY:
-        _GREEDY[key] = (engine, {})
+        _GREEDY[key] = {}
         weakref.finalize(engine.model, _GREEDY.pop, key, None)
-    engine, memo = _GREEDY[key]
+    memo = _GREEDY[key]
 
     def ref(prompt: list[int], n: int) -> list[int]:
         key = tuple(prompt)
