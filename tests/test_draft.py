@@ -320,8 +320,13 @@ def _real_pair_exact(qwen_large, qwen, prompts, settings, n=12):
     """Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (one tokenizer) with
     each of ``settings`` equals plain greedy decoding in float32 on
     ``prompts``, and the draft is accepted often (a real draft source)."""
-    ntp = qwen_large.bind("ntp")
-    refs = [ntp.generate(p, max_tokens=n).tokens for p in prompts]
+    from conftest import memoised_greedy
+
+    from mlx_mtp.data import render_prompt
+
+    greedy = memoised_greedy(Engine(qwen_large.model))
+    chat = [render_prompt(qwen_large.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    refs = [greedy(ids, n) for ids in chat]
     assert (
         refs[0][:12] == PAIR_REFERENCE
     )  # the recorded greedy reference ("```python\ndef square_")
@@ -430,7 +435,7 @@ def test_pipelined_draft_model_is_exact(qwen_large, qwen, monkeypatch):
     both caches."""
     from conftest import memoised_greedy
 
-    from mlx_mtp.data import load_questions
+    from mlx_mtp.data import render_prompt
     from mlx_mtp.decoding import generate_steps
 
     monkeypatch.setenv("MLX_MTP_PIPELINE", "1")  # pipelined steps on this CPU too
@@ -442,20 +447,15 @@ def test_pipelined_draft_model_is_exact(qwen_large, qwen, monkeypatch):
             stats = step.stats
         return out, stats
 
-    qs = [q for q in load_questions() if q["task"] == "math_reasoning"]
-    texts = [qs[0]["turns"][0]]
-    tok = qwen_large.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-        for t in texts
-    ]
+    # the real pair's CI prompt and length: its greedy reference is decoded once
+    prompts = [render_prompt(qwen_large.tokenizer, [{"role": "user", "content": PAIR_PROMPT}])]
     ref = memoised_greedy(Engine(qwen_large.model))
     ctx = Context(Engine(qwen_large.model), loaded=qwen_large, curves=CostCurve.flat())
     for opts in ({"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}):
         m = make_method("draft", draft_model=qwen, **opts)
         m.prepare(ctx)
-        out, stats = _decode(ctx, m, prompts[0], 14)
-        assert out == ref(prompts[0], 14), opts
+        out, stats = _decode(ctx, m, prompts[0], 12)
+        assert out == ref(prompts[0], 12), opts
         assert stats.accepted > 0
     turn2 = prompts[0] + out + prompts[0][-4:]
     out, _ = _decode(ctx, m, turn2, 8)

@@ -10,6 +10,11 @@ computed on an engine of its own. One method instance decodes all of a
 model's prompts, so what it learns on one (recycle's table, the planner's
 estimates) is carried to the next.
 
+Each setting runs on the synchronous steps (the planner, the default on a
+CPU) and, where the method has a device form, on the pipelined steps too
+(the default on a GPU): one test, parametrized by runner; the stats name
+the runner that ran.
+
 The settings cover each method's mechanisms once: fixed and ``auto`` block
 complexities, one and two mask slots, learned mask vectors, recycle's table
 alone and as a source of hybrid, CLP's shipped heads (SmolLM2) and freshly
@@ -57,14 +62,35 @@ SETTINGS = [
     ("gemma", "lookahead", {}),
 ]
 
+#: the settings run again on the pipelined steps (mlx_mtp/pipeline.py: the
+#: default runner on a GPU, forced here on the CPU), each method's device
+#: form: chains (pld), trees whose accepted path moves cache rows (recycle's
+#: table), ESP's mask slots (probe) and all of them in one tree (hybrid), at
+#: auto and at fixed budgets, on SmolLM2 and on Qwen2.5-Coder (qwen2). Gemma
+#: 3's rotating caches and the methods without a device form run only the
+#: synchronous steps (tests/test_runners.py checks that they are refused).
+PIPELINED = [
+    ("smollm", "pld", {}),
+    ("smollm", "pld", {"max_draft": 10}),
+    ("smollm", "probe", {}),
+    ("smollm", "probe", {"bc": 30, "masks": 2, "mask_init": "learned"}),
+    ("smollm", "hybrid", {}),
+    ("smollm", "hybrid", {"bc": 30, "masks": 2, "mask_init": "learned", "recycle": 1}),
+    ("smollm", "recycle", {}),
+    ("smollm", "recycle", {"bc": 30}),
+    ("qwen", "pld", {}),
+    ("qwen", "probe", {"bc": 10}),
+]
+RUNS = [(*s, "synchronous") for s in SETTINGS] + [(*s, "pipelined") for s in PIPELINED]
 
-def _id(setting) -> str:
-    model, name, opts = setting
-    return "-".join([model, name, *(f"{k}{v}" for k, v in opts.items())])
+
+def _id(run) -> str:
+    model, name, opts, runner = run
+    return "-".join([model, name, *(f"{k}{v}" for k, v in opts.items()), runner])
 
 
-@pytest.mark.parametrize("model,name,opts", SETTINGS, ids=[_id(s) for s in SETTINGS])
-def test_equals_greedy_and_drafts(request, tmp_path, model, name, opts):
+@pytest.mark.parametrize("model,name,opts,runner", RUNS, ids=[_id(r) for r in RUNS])
+def test_equals_greedy_and_drafts(request, tmp_path, model, name, opts, runner):
     case = request.getfixturevalue(f"{model}_case")
     untrained = opts.get("heads") == "untrained"
     if untrained:
@@ -74,8 +100,9 @@ def test_equals_greedy_and_drafts(request, tmp_path, model, name, opts):
     for i, ((prompt, n), engine) in enumerate(zip(case.prompts, case.engines)):
         ctx = Context(engine, case.loaded)
         method.prepare(ctx)
-        out, stats = decode(ctx, method, prompt, n, eos_ids=set())
-        assert out == case.greedy(prompt, n), f"{method.describe()}, prompt {i}"
+        out, stats = decode(ctx, method, prompt, n, eos_ids=set(), runner=runner)
+        assert out == case.greedy(prompt, n), f"{method.describe()}, {runner}, prompt {i}"
+        assert stats.runner == runner
         assert engine.cached == prompt + out[:-1]  # the loop's cache invariant
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         passes, tokens = passes + stats.forward_passes, tokens + stats.generated_tokens

@@ -426,7 +426,7 @@ def pipeline_check(
       engine's passes at a known length and a fresh cache
       (:func:`mlx_mtp.selfcheck.check_lazy_passes`);
     - ``tokens`` tokens of the model itself with pipelined steps of each of
-      ``methods`` (``MLX_MTP_PIPELINE=1``, a memory-bound cost curve so that
+      ``methods`` (``runner="pipelined"``, a memory-bound cost curve so that
       they draft) against plain decoding (ntp): identical in float32 with
       full float32 matmuls, else an agreement of at least
       :data:`MIN_AGREEMENT`.
@@ -496,34 +496,26 @@ def pipeline_check(
     ]
     from ..bench.metrics import first_mismatch, prefix_agreement
 
-    forced = os.environ.get("MLX_MTP_PIPELINE")
-    os.environ["MLX_MTP_PIPELINE"] = "1"
-    try:
-        for name in methods:
-            ctx = Context(Engine(lm.model), curves=CostCurve.flat())
-            method = make_method(name)
-            method.prepare(ctx)
-            got, drafted, accepted = [], 0, 0
-            for step in generate_steps(ctx, method, prompt, max_tokens=tokens):
-                got += step.tokens
-                drafted, accepted = step.stats.drafted, step.stats.accepted
-            checks.append(
-                Agreement(
-                    name,
-                    len(reference),
-                    prefix_agreement(reference, got),
-                    first_mismatch(reference, got),
-                    drafted,
-                    accepted,
-                    exact,
-                )
+    for name in methods:
+        ctx = Context(Engine(lm.model), curves=CostCurve.flat())
+        method = make_method(name)
+        method.prepare(ctx)
+        got, drafted, accepted = [], 0, 0
+        for step in generate_steps(ctx, method, prompt, max_tokens=tokens, runner="pipelined"):
+            got += step.tokens
+            drafted, accepted = step.stats.drafted, step.stats.accepted
+        checks.append(
+            Agreement(
+                name,
+                len(reference),
+                prefix_agreement(reference, got),
+                first_mismatch(reference, got),
+                drafted,
+                accepted,
+                exact,
             )
-            echo(checks[-1].line())
-    finally:
-        if forced is None:
-            os.environ.pop("MLX_MTP_PIPELINE", None)
-        else:
-            os.environ["MLX_MTP_PIPELINE"] = forced
+        )
+        echo(checks[-1].line())
     return checks
 
 
