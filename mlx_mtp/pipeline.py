@@ -560,6 +560,10 @@ class Pipeline:
         self.spell = False
         self.plain = PlainSteps(None)
         self._spell_offered = False
+        #: a spell's asks of the policy (:meth:`_spell_step`): when the last
+        #: one ended, and the host seconds it took
+        self._asked_at: float | None = None
+        self._ask_seconds = 0.0
         self._resume: tuple[int, bool] | None = None  # the choice that ends the spell
         #: where a switch into or out of a spell began (:meth:`_idle_mark`)
         self._switch_from: tuple[float, float | None, int] | None = None
@@ -731,7 +735,7 @@ class Pipeline:
             return False
         self.spell = True
         self.plain_spells += 1
-        self._read_at = None
+        self._read_at = self._asked_at = None
         self._spell_offered = policy.offered
         policy.switch = policy.host.switch_cost(policy.curves.t1)
         return True
@@ -775,12 +779,17 @@ class Pipeline:
             self.spell = False
             self.state = None
             policy.switch = 0.0
-        else:
+        elif self._asked_at is None or now - self._asked_at >= self._ask_seconds / ASK_SHARE:
+            # the drafter learns the new tokens and the policy is asked whether
+            # to draft: host work on a spell step's critical path (ntp's steps
+            # have none), so asked once its time fits ASK_SHARE of the spell's
             policy.switch = policy.host.switch_cost(policy.curves.t1)
-            acceptance = self.policy.acceptance
-            self.signal = self.drafter.learn(acceptance, self.history, [])
-            choice = self.policy.choose(self.drafter, self.signal, self.ctx)
-            self._spell_offered = self.policy.offered
+            ask = clock.now()
+            self.signal = self.drafter.learn(policy.acceptance, self.history, [])
+            choice = policy.choose(self.drafter, self.signal, self.ctx)
+            self._spell_offered = policy.offered
+            self._asked_at = clock.now()
+            self._ask_seconds = self._asked_at - ask
             if choice != (0, False):
                 self._resume = choice
         return StepOutput(tokens, 0, 0, 1)
@@ -863,6 +872,11 @@ class Pipeline:
             self.policy.curves.save()
 
 
+#: the share of a spell's time its asks of the width policy may take (the
+#: drafter's learning and values, about 1 ms for ``hybrid`` against a 4 ms
+#: step): the policy is asked again once the spell ran its last ask's time
+#: over this share
+ASK_SHARE = 0.05
 #: host times kept per step class (:class:`HostTimes`), and the fewest that
 #: make a measurement
 HOST_SAMPLES = 9

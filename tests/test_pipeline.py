@@ -398,6 +398,41 @@ def test_spells_of_plain_steps_keep_every_drafter_exact(
     assert len(starts) >= 2 and stats.accepted > 0, (starts, stats.summary())
 
 
+def test_a_spell_asks_the_policy_within_its_share_of_the_time(
+    smollm, simulate, spec_prompts, monkeypatch
+):
+    """A spell's steps are plain decoding's; the drafter's learning and the
+    policy's choice after each are host work on the critical path, which
+    ``ntp`` does not have. With an ask that takes 2 ms (half a 4 ms step;
+    ``hybrid``'s took about 1 ms), the policy is asked again only once the
+    spell ran the ask's time over ``ASK_SHARE``: far fewer asks than steps.
+    Exact."""
+    import time
+
+    from mlx_mtp import pipeline
+    from mlx_mtp.pipeline import HostTimes, WidthPolicy
+
+    monkeypatch.setattr(HostTimes, "spells_pay", lambda self, t1: True)
+    asks = []
+
+    def slow_plain(self, drafter, signal, ctx):
+        asks.append(ctx.engine.offset)
+        time.sleep(0.002)
+        return 0, False
+
+    monkeypatch.setattr(WidthPolicy, "choose", slow_plain)
+    simulate("profile=bf16-flat,ms_per_token=4")
+    prompt = spec_prompts[0]
+    ctx = Context(Engine(smollm.model))
+    m = make_method("pld")
+    m.prepare(ctx)
+    out, stats = _decode(ctx, m, prompt, 48)
+    assert out == memoised_greedy(Engine(smollm.model))(prompt, 48)
+    assert stats.plain_spells > 0 and stats.plain_steps >= 40, stats.summary()
+    # 2 ms over a 5% share: one ask in about 40 ms of spell, 10 steps of 4 ms
+    assert len(asks) <= stats.steps / 3, (len(asks), stats.steps, pipeline.ASK_SHARE)
+
+
 def test_pipelined_steps_refine_the_live_cost_curve(
     smollm, short_spec_prompts, simulate, monkeypatch
 ):
