@@ -1131,9 +1131,11 @@ class WidthPolicy:
                 drafter.use(w)
                 values = drafter.values(self.acceptance, self.most, signal)
                 n, rate = self._cut(curve, drafter, values, 1, hp, hd)
-                if best is None or rate > best[0]:
-                    best = (rate, w, values, n, self._saving)
-            _, w, values, n, saving = best
+                # where none drafts (each at the plain rate), the layout with
+                # the fewest slots an item: the cheapest probe (:meth:`_probe`)
+                if best is None or (rate, -drafter.item_slots) > (best[0], best[5]):
+                    best = (rate, w, values, n, self._saving, -drafter.item_slots)
+            _, w, values, n, saving, _ = best
             drafter.use(w)
             self.offered = bool(values)
             if saving <= self.switch:  # not worth leaving the spell for

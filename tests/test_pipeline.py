@@ -496,6 +496,38 @@ def test_a_draft_model_steps_with_its_chain_where_a_tree_depth_is_dear():
         assert acceptance.source("draft").tried[1] > 0
 
 
+def test_a_draft_model_probes_with_its_cheapest_layout():
+    """Where no layout of a draft model drafts (its estimates low, as after
+    a prompt it could not predict), its probe is one depth of the chain
+    (one slot), not of the tree (four): on the M4 Pro 4-bit profile the
+    chain's depth costs 0.42 passes over a plain step and comes after about
+    42 plain steps at EPSILON, where the tree's (1.3 passes) took more than
+    a 64-token reply and a draft model never drafted again after a prompt
+    it missed (Qwen2.5-Coder-1.5B/0.5B, docs/profiles.md)."""
+    import types
+
+    from mlx_mtp.acceptance import Acceptance, AcceptanceModel
+    from mlx_mtp.bench.profiles import profile_curve
+    from mlx_mtp.budget import CostCurves, parse_curve
+    from mlx_mtp.costs import LiveCurves
+    from mlx_mtp.pipeline import WidthPolicy
+    from mlx_mtp.sources.draft import DraftModelDrafter
+
+    source = types.SimpleNamespace(draft_cost=0.32)
+    ctx = types.SimpleNamespace(engine=types.SimpleNamespace(offset=100))
+    steep = parse_curve(profile_curve("m4pro-4bit"))
+    steep = CostCurve(steep.sizes, steep.costs, seconds=0.012)
+    drafter = DraftModelDrafter(source, 4)
+    acceptance = Acceptance(AcceptanceModel(priors={"draft": 0.05, "draft_alt": 0.02}))
+    policy = WidthPolicy(4, True, acceptance, LiveCurves(CostCurves([steep]), learn=False))
+    width = steps = 0
+    while not width and steps < 63:
+        steps += 1
+        width, _ = policy.choose(drafter, None, ctx)
+    assert width == 1 and drafter.width == 1, (width, drafter.width)
+    assert 30 <= steps <= 50, steps
+
+
 def test_host_times_decide_spells_and_price_leaving_one():
     """The host times of each step class decide whether plain steps run as
     spells (a pipelined plain step idles the device longer than a spell's by
