@@ -1239,11 +1239,15 @@ def pipeline_for(
 ) -> Pipeline:
     """The :class:`Pipeline` of a generation of ``method`` on ``ctx`` with its
     device drafter, carrying the estimates of the method's earlier
-    generations on ``ctx``. Whether a generation runs one is decided by
+    generations on ``ctx`` (at :data:`~mlx_mtp.acceptance.CARRY_WEIGHT`),
+    except for a drafter that learns from its own drafts only (a draft
+    model): it starts each generation from its priors, since after a text
+    it could not predict its probes alone would have to win them back.
+    Whether a generation runs one is decided by
     :func:`mlx_mtp.runners.choose_runner`."""
     key = f"pipeline:{method.settings_key()}"
     acceptance = ctx.learned.get(key)
-    if not isinstance(acceptance, Acceptance):
+    if not isinstance(acceptance, Acceptance) or not drafter.learns_free:
         acceptance = ctx.learned[key] = Acceptance(method.pipeline_acceptance())
     else:
         acceptance.soften(CARRY_WEIGHT)

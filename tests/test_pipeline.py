@@ -528,6 +528,36 @@ def test_a_draft_model_probes_with_its_cheapest_layout():
     assert 30 <= steps <= 50, steps
 
 
+def test_a_draft_model_starts_each_generation_from_its_priors():
+    """Estimates carry to the method's next generation on a context (at
+    half weight) for drafters that learn at every step (prompt lookup, the
+    masks, the table); a draft model, which learns only from its drafts,
+    starts each generation from its priors: after a prompt it could not
+    predict, its probes alone would have to win back the next one."""
+    import types
+
+    from mlx_mtp.acceptance import Acceptance, AcceptanceModel
+    from mlx_mtp.pipeline import pipeline_for
+
+    model = AcceptanceModel(priors={"draft": 0.7})
+    method = types.SimpleNamespace(
+        settings_key=lambda: "m", pipeline_acceptance=lambda: model, max_width=4, auto=True
+    )
+    for learns_free in (True, False):
+        ctx = types.SimpleNamespace(learned={}, engine=None)
+        drafter = types.SimpleNamespace(learns_free=learns_free)
+        first = pipeline_for(ctx, method, drafter, None, True).policy.acceptance
+        assert isinstance(first, Acceptance)
+        for _ in range(8):
+            first.source("draft").add(1, False)  # every draft rejected
+        low = first.source("draft").qs(1)[0]
+        second = pipeline_for(ctx, method, drafter, None, True).policy.acceptance
+        if learns_free:
+            assert second is first and second.source("draft").qs(1)[0] < 0.5
+        else:
+            assert second is not first and second.source("draft").qs(1)[0] > low
+
+
 def test_host_times_decide_spells_and_price_leaving_one():
     """The host times of each step class decide whether plain steps run as
     spells (a pipelined plain step idles the device longer than a spell's by
