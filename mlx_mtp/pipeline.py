@@ -1133,9 +1133,10 @@ class WidthPolicy:
                 n, rate = self._cut(curve, drafter, values, 1, hp, hd)
                 # where none drafts (each at the plain rate), the layout with
                 # the fewest slots an item: the cheapest probe (:meth:`_probe`)
-                if best is None or (rate, -drafter.item_slots) > (best[0], best[5]):
-                    best = (rate, w, values, n, self._saving, -drafter.item_slots)
-            _, w, values, n, saving, _ = best
+                rank = (rate, -drafter.item_slots)
+                if best is None or rank > best[0]:
+                    best = (rank, w, values, n, self._saving)
+            _, w, values, n, saving = best
             drafter.use(w)
             self.offered = bool(values)
             if saving <= self.switch:  # not worth leaving the spell for

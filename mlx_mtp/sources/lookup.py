@@ -198,7 +198,8 @@ class LookupDrafter(DeviceDrafter):
     drafts are :func:`device_lookup` after the lazy root.
 
     Learning costs no device work: after every step the host runs the same
-    lookup (:func:`lookup_candidates`) at each root read and scores its
+    lookup (:class:`SuffixIndex`, which answers as :func:`lookup_match` does,
+    kept as the history grows) at each root read and scores its
     continuation against the tokens committed after it, exactly as
     verification would have scored it, whether or not the step drafted. The
     estimates are kept per *signal*: the n-gram length the lookup matched at
