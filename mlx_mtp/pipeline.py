@@ -779,10 +779,11 @@ class Pipeline:
             self.spell = False
             self.state = None
             policy.switch = 0.0
-        elif self._asked_at is None or now - self._asked_at >= self._ask_seconds / ASK_SHARE:
+        elif self._asked_at is None or now - self._asked_at >= self._ask_seconds / EPSILON:
             # the drafter learns the new tokens and the policy is asked whether
             # to draft: host work on a spell step's critical path (ntp's steps
-            # have none), so asked once its time fits ASK_SHARE of the spell's
+            # have none, about 0.15 ms of a 5 ms step for ``pld``), so a cost of
+            # drafting, asked once its time fits EPSILON of the spell's
             policy.switch = policy.host.switch_cost(policy.curves.t1)
             ask = clock.now()
             self.signal = self.drafter.learn(policy.acceptance, self.history, [])
@@ -872,11 +873,6 @@ class Pipeline:
             self.policy.curves.save()
 
 
-#: the share of a spell's time its asks of the width policy may take (the
-#: drafter's learning and values, about 1 ms for ``hybrid`` against a 4 ms
-#: step): the policy is asked again once the spell ran its last ask's time
-#: over this share
-ASK_SHARE = 0.05
 #: host times kept per step class (:class:`HostTimes`), and the fewest that
 #: make a measurement
 HOST_SAMPLES = 9
