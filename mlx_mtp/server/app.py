@@ -33,7 +33,9 @@ import hmac
 import ipaddress
 import logging
 import math
+import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -672,7 +674,12 @@ def _server_class() -> type:
     """``uvicorn.Server`` that, as its shutdown begins, stops the app's jobs
     (``shut_down``), so open streams end with a final chunk within one forward
     pass instead of being cut when the graceful-shutdown time runs out, and
-    records the signal that stopped it (``signalled``)."""
+    records the signal that stopped it (``signalled``), which the ``serve``
+    command turns into its exit status. A second Ctrl-C (uvicorn's forced
+    exit) exits without a traceback: the signals caught are not raised
+    again once stopped (uvicorn's would reach the event loop as
+    ``KeyboardInterrupt``), and the application's shutdown event still runs
+    (else its task is cancelled at exit and logs one)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -687,11 +694,29 @@ def _server_class() -> type:
                 self.signalled = sig
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            # uvicorn's, but the signals caught are not raised again on exit
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             n = self.shut_down()
             if n:
                 log.info("shutting down: stopping %d request(s) after their forward pass", n)
             await super().shutdown(sockets)
+            if self.force_exit and getattr(self, "lifespan", None) is not None:
+                # a second Ctrl-C skips the application's shutdown event, and
+                # the lifespan task cancelled at exit would log a traceback
+                await self.lifespan.shutdown()
 
     return Server
 
