@@ -68,6 +68,27 @@ def test_doctor_reports_the_machine_the_curve_and_a_passing_self_check():
     assert lines[-1].startswith("result") and f"all {total} checks passed" in lines[-1]
 
 
+def test_doctor_saves_the_curve_auto_plans_with():
+    """A curve measured to every size ``auto`` plans with is saved as the
+    device's curve for the model (loaded as ``auto`` loads it); a shorter one
+    is not, and says so."""
+    from mlx_mtp.costs import CURVE_SIZES, curve_key, curve_path, load_curve
+    from mlx_mtp.engine import Engine
+
+    lm = _tiny()
+    path = curve_path(curve_key(Engine(lm.model)))
+    if path.exists():
+        path.unlink()
+    _, lines = _doctor(lm, max_size=10, repeats=1, pipeline_tokens=0)
+    assert any(line.split()[:2] == ["saved", "no:"] and "--max-size 10" in line for line in lines)
+    assert not path.exists()
+    top = max(CURVE_SIZES)
+    _, lines = _doctor(lm, max_size=top, repeats=1, pipeline_tokens=0)
+    assert any(line.split()[:2] == ["saved", str(path)] for line in lines), lines
+    curves = load_curve(curve_key(Engine(lm.model)))
+    assert curves is not None and list(curves.curves[0].sizes) == list(range(1, top + 1))
+
+
 def test_doctor_self_check_fails_on_a_wrong_tree_position(monkeypatch):
     """RoPE one position off in the tree pass (as a broken per-row RoPE kernel
     would give): every size fails and the report says so."""

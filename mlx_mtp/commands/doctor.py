@@ -4,7 +4,8 @@ forward pass computes what plain decoding computes on it.
 It prints, one labelled line each (docs/mac.md explains every line): the
 platform, MLX and its device, the BLAS the CPU backend uses, whether float32
 matmuls may run in TF32, the memory limits, the model, its forward cost curve
-measured at every size up to 64 slots, and a numerical self-check: the logits
+measured at every size up to 64 slots (saved as the curve ``auto`` plans with
+on this device, :func:`mlx_mtp.costs.save_curve`), and a numerical self-check: the logits
 of one tree forward pass (:meth:`Engine.forward_tree
 <mlx_mtp.engine.Engine.forward_tree>`: per-slot RoPE positions, a tree mask
 through the cache views) against mlx-lm's own one-token decoding of every
@@ -263,7 +264,25 @@ def curve_lines(engine: Engine, max_size: int, repeats: int, progress: bool) -> 
         out.append(_sub("left out", f"{len(missing)} sizes (memory or cache limits)"))
     key = curve_key(engine)
     out.append(_sub("cache key", ", ".join(f"{k}={v}" for k, v in key.items())))
+    out.append(_sub("saved", _save(key, curve, max_size)))
     return out
+
+
+def _save(key: dict[str, str], curve: Any, max_size: int) -> str:
+    """Save the measured curve as this device's for the model (``auto`` plans
+    with it from then on, refining it as it runs), where it reaches every
+    size ``auto`` plans with; the line that says what happened."""
+    from ..costs import CURVE_SIZES, save_curve
+
+    if max_size < max(CURVE_SIZES):
+        return (
+            f"no: --max-size {max_size} is below the {max(CURVE_SIZES)} slots `auto` plans "
+            "with (the cached curve is left as it was)"
+        )
+    try:
+        return f"{save_curve(key, curve)} (`auto` plans with it on this device)"
+    except OSError as e:
+        return f"no: {e} (set MLX_MTP_HOME to a writable folder)"
 
 
 def _sub(label: str, text: str) -> str:
