@@ -52,9 +52,10 @@ def is_loopback(host: str) -> bool:
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM (``kill``, a service manager) stops the server as Ctrl-C does:
-    uvicorn shuts down, re-raises the signal, and this handler turns it into
-    exit status 143 after the worker has stopped."""
+    """SIGTERM (``kill``, a service manager) outside the server's own signal
+    handling (before it starts capturing signals, or after it stopped)
+    exits with status 143; while it serves, the server records the signal
+    and :func:`exit_for_signal` exits with it once the worker has stopped."""
 
     def handler(signum: int, frame: object) -> None:
         sys.exit(128 + signum)
@@ -297,10 +298,9 @@ def _serve(
 
 def exit_for_signal(sig: int | None) -> None:
     """After the server stopped on ``sig``: raise ``KeyboardInterrupt`` for
-    SIGINT (the CLI exits 130) or exit 143 for SIGTERM. uvicorn re-raises the
-    signal itself, but the SIGINT handler it restores is asyncio's runner's,
-    which only cancels the main task (nothing once that task is done), and a
-    600 s soak once exited 0."""
+    SIGINT (the CLI exits 130) or exit 143 for SIGTERM. The server does not
+    raise the signals it caught again (:func:`mlx_mtp.server.app.make_server`),
+    so the exit status is set here, by the first signal it recorded."""
     if sig == signal.SIGINT:
         raise KeyboardInterrupt
     if sig == signal.SIGTERM:
