@@ -19,10 +19,37 @@ def register(app: typer.Typer) -> None:
     def train_clp_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="Base model (frozen)."),
         data: list[str] = typer.Option(
-            ...,
+            [],
             "--data",
             help="Prompt jsonl (turns/prompt/question field), repeatable; 'spec-bench' = the "
-            "packaged Spec-Bench. The 48 evaluation prompts are always left out.",
+            "packaged Spec-Bench. The 48 evaluation prompts are always left out. Targets: "
+            "the backbone's greedy continuations of the prompts.",
+        ),
+        corpus: list[str] = typer.Option(
+            [],
+            "--corpus",
+            help="Text jsonl (text, question+answer, messages or a prompt field), repeatable: "
+            "teacher-forced targets, the backbone's predictions over the text in one prefill "
+            "per window (far cheaper than --data). Give --data or --corpus.",
+        ),
+        eval_data: list[str] = typer.Option(
+            [],
+            "--eval",
+            help="With --corpus: held-out jsonl scored every --eval-every steps (repeatable; "
+            "default: the packaged Spec-Bench prompts).",
+        ),
+        windows: int | None = typer.Option(
+            None, "--windows", min=1, help="With --corpus: at most this many 512-token windows."
+        ),
+        target_minutes: float | None = typer.Option(
+            None,
+            "--target-minutes",
+            **float_range(0.0),
+            help="With --corpus: compute targets for at most this many minutes, then train on "
+            "those (a rerun continues them).",
+        ),
+        eval_every: int = typer.Option(
+            200, "--eval-every", min=1, help="With --corpus: steps between held-out scores."
         ),
         out: Path | None = typer.Option(
             None, "--out", help="Heads folder (default: $MLX_MTP_HOME/clp/<model>-<fingerprint>)."
@@ -67,11 +94,21 @@ def register(app: typer.Typer) -> None:
     ):
         """Train CLP heads + span predictor on the backbone's own greedy continuations."""
         from ..data import read_prompts
+        from ..errors import InvalidArgumentError
         from ..fingerprint import model_fingerprint
         from ..training.clp import TrainConfig, checkpoint_dir, train_clp
 
+        if bool(data) == bool(corpus):
+            raise InvalidArgumentError(
+                "train clp: give --data (prompts; greedy continuations) or --corpus (text; "
+                "teacher-forced targets), not both and not neither."
+            )
         # the data and the output folder are checked before the model loads
-        read_prompts(list(data))
+        if data:
+            read_prompts(list(data))
+        for f in [*corpus, *eval_data]:
+            if not Path(f).expanduser().is_file() and f != "spec-bench":
+                raise InvalidArgumentError(f"--corpus/--eval {f}: no such file (expected JSONL)")
         if out is not None:
             check_writable(out.parent)
             check_destination(out, overwrite, ours=resume and checkpoint_dir(out).is_dir())
@@ -94,6 +131,9 @@ def register(app: typer.Typer) -> None:
             gate=gate,
             seed=seed,
             data=list(data),
+            corpus=list(corpus),
+            windows=windows,
+            eval_every=eval_every,
         )
         hidden = loaded.model.args.hidden_size
         typer.echo(
@@ -101,7 +141,15 @@ def register(app: typer.Typer) -> None:
             "parameters",
             err=True,
         )
-        train_clp(loaded, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
+        log = lambda s: typer.echo(s, err=True)  # noqa: E731
+        if corpus:
+            from ..training.clp import train_clp_corpus
+
+            train_clp_corpus(
+                loaded, out, cfg, eval_data or ["spec-bench"], target_minutes, resume, log
+            )
+        else:
+            train_clp(loaded, out, cfg, resume=resume, log=log)
         typer.echo(f"heads written to {out}")
 
     @group("convert").command("clp-heads")

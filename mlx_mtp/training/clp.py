@@ -75,6 +75,16 @@ class TrainConfig:
     seed: int = 0
     exclude_eval: bool = True
     data: list[str] = field(default_factory=list)
+    #: teacher-forced training (:func:`train_clp_forced`): corpus JSONL files,
+    #: window length, windows of the corpus, the regression loss' weight, how
+    #: often the held-out top-1 is logged (steps) and how many positions the
+    #: span predictor trains on
+    corpus: list[str] = field(default_factory=list)
+    window: int = 512
+    windows: int | None = None
+    reg_weight: float = 1.0
+    eval_every: int = 200
+    predictor_positions: int = 65536
 
 
 # ---------------------------------------------------------------------- data
@@ -359,3 +369,305 @@ def _train_predictor(
             opt.update(module, g)
             mx.eval(module.parameters(), opt.state)
     module.eval()
+
+
+# ------------------------------------------------- teacher-forced targets
+def output_rows(model: nn.Module) -> mx.array | None:
+    """The output projection ``W`` (V, D) when the model's logits are exactly
+    ``h @ W.T`` (no soft-capping, scale or quantized head), checked on a
+    random state; None otherwise (training then uses the full softmax)."""
+    _, lm_head, embed = model_parts(model)
+    head = getattr(model, "lm_head", None)
+    W = getattr(head, "weight", None) if isinstance(head, nn.Linear) else None
+    if W is None and type(embed) is nn.Embedding:
+        W = embed.weight
+    if W is None or W.ndim != 2:
+        return None
+    h = mx.random.normal((1, W.shape[1]), key=mx.random.key(0)).astype(W.dtype)
+    ref = lm_head(h)
+    got = h @ W.T
+    if ref.shape != got.shape or not mx.allclose(ref, got, rtol=1e-3, atol=1e-3).item():
+        return None
+    return W
+
+
+def forced_top1(
+    clp: CLPHeads, lm_head, embed, ex: dict[str, np.ndarray], sel: np.ndarray, batch: int = 256
+) -> dict[str, list[float]]:
+    """Top-1 agreement of every head with the backbone at positions ``sel`` of
+    teacher-forced examples (:func:`mlx_mtp.training.forced.forced_examples`):
+    ``all`` over every position, ``consistent`` over positions whose inputs are
+    the backbone's own tokens (as at decode time). Lists of k fractions."""
+    hits = np.zeros((len(sel), clp.k), dtype=bool)
+    for i in range(0, len(sel), batch):
+        s = sel[i : i + batch]
+        h = mx.array(ex["H"][s]).astype(mx.float32)
+        lg = clp.head_logits(h, embed(mx.array(ex["nxt"][s])), lm_head)
+        hits[i : i + batch] = np.array(mx.argmax(lg, axis=-1)).T == ex["tgt"][s]
+    con = ex["consistent"][sel]
+    return {
+        "all": [float(hits[:, j].mean()) for j in range(clp.k)],
+        "consistent": [
+            float(hits[con[:, j], j].mean()) if con[:, j].any() else 0.0 for j in range(clp.k)
+        ],
+    }
+
+
+def train_clp_forced(
+    loaded: Any,
+    out: str | Path,
+    cfg: TrainConfig,
+    train_dir: str | Path,
+    eval_dirs: dict[str, str | Path],
+    ckdir: str | Path,
+    resume: bool = False,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train CLP heads + span predictor on teacher-forced targets and save them.
+
+    Head j learns the backbone's prediction ``a_{n+j}`` from ``(h_n, e(x_{n+1}))``
+    (:func:`mlx_mtp.training.forced.forced_examples`), with two losses summed:
+    a smooth-L1 regression of the head's state onto the backbone's own
+    final-norm state ``h_{n+j}`` (weight ``cfg.reg_weight``; EAGLE's feature
+    loss, Li et al. 2024, §3.2) and a cross-entropy over the batch's candidate
+    tokens (the backbone's top-:data:`~mlx_mtp.training.forced.TOP` tokens at
+    every target position of the batch), which costs a few thousand output
+    rows instead of the whole vocabulary. Where the output projection is not a
+    plain matrix (:func:`output_rows`) the cross-entropy is over the full
+    vocabulary. The span predictor and gate then train as in :func:`train_clp`.
+
+    Args:
+        loaded: a :class:`mlx_mtp.loading.LoadedModel` (float32).
+        out: heads folder to write (atomically, at the end).
+        cfg: settings (``k``, ``bottleneck``, ``epochs``, ``batch_size``,
+            ``lr``, ``reg_weight``, ``eval_every``, ``checkpoint_every``).
+        train_dir: a :class:`~mlx_mtp.training.forced.ForcedTargets` folder.
+        eval_dirs: held-out folders by name; every ``cfg.eval_every`` steps
+            the heads' top-1 on up to 4,096 of their positions is logged, and
+            on all of them at the end.
+        ckdir: folder of the head checkpoints (``resume`` continues from them).
+
+    Returns:
+        Metrics: held-out top-1 per head and set (``all`` and ``consistent``
+        positions), the curve logged during training, predictor accuracy,
+        position counts, wall time.
+
+    Raises:
+        InvalidArgumentError: bad settings or no targets.
+    """
+    from .forced import forced_examples, load_shards
+
+    t_start = time.time()
+    if cfg.k < 1 or cfg.k > 8:
+        raise InvalidArgumentError(f"k must be in [1, 8], got {cfg.k}")
+    out, ckdir = Path(out), Path(ckdir)
+    check_writable(out.parent)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    model = loaded.model
+    model.eval()
+    mx.random.seed(cfg.seed)
+    _, lm_head, embed = model_parts(model)
+    W = output_rows(model)
+
+    ex = forced_examples(load_shards(train_dir), cfg.k)
+    evals = {name: forced_examples(load_shards(d), cfg.k) for name, d in eval_dirs.items()}
+    N = len(ex["H"])
+    log(
+        f"{N} training positions; held out: "
+        + ", ".join(f"{n} {len(e['H'])}" for n, e in evals.items())
+    )
+    probe_rng = np.random.default_rng(cfg.seed + 4)
+    probes = {n: np.sort(probe_rng.permutation(len(e["H"]))[:4096]) for n, e in evals.items()}
+
+    config = base_config(
+        model,
+        loaded.name,
+        cfg.k,
+        "resblock",
+        bottleneck=cfg.bottleneck,
+        gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
+    )
+    clp = CLPHeads(config)
+    mx.eval(clp.parameters())
+    clp.predictor.freeze()
+    if cfg.gate:
+        clp.gate.freeze()
+    steps_per_epoch = math.ceil(N / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    opt = optim.AdamW(
+        learning_rate=optim.cosine_decay(cfg.lr, max(total, 1), cfg.lr * 0.05),
+        weight_decay=cfg.weight_decay,
+    )
+    state = _load_ckpt(ckdir, clp, opt) if resume else None
+    step = state["step"] if state else 0
+    curve: list[dict[str, Any]] = state.get("curve", []) if state else []
+    if state:
+        log(f"resumed head training at step {step}/{total}")
+
+    H_all = ex["H_all"]
+
+    def loss_fn(m, h, e, tgt_h, cand, cand_idx, tgt):
+        states = m.head_states(h, e)  # (k, B, D)
+        reg = nn.losses.smooth_l1_loss(states, tgt_h, reduction="mean")
+        if cand is None:
+            logits = lm_head(states)
+        else:
+            logits = states @ cand.T  # (k, B, C)
+        ce = nn.losses.cross_entropy(
+            logits, cand_idx if cand is not None else tgt, reduction="mean"
+        )
+        return cfg.reg_weight * reg + ce
+
+    loss_and_grad = nn.value_and_grad(clp, loss_fn)
+    perm_rng = np.random.default_rng(cfg.seed + 1)
+    perms = [perm_rng.permutation(N) for _ in range(cfg.epochs)]
+    bar = tqdm(total=total, initial=step, desc="heads", unit="step")
+    ema = None
+    while step < total:
+        ep, s = divmod(step, steps_per_epoch)
+        sel = np.sort(perms[ep][s * cfg.batch_size : (s + 1) * cfg.batch_size])
+        rows = ex["tgt_row"][sel]  # (B, k)
+        tgt = ex["tgt"][sel]
+        tgt_h = mx.array(np.transpose(H_all[rows], (1, 0, 2))).astype(mx.float32)
+        if W is not None:
+            cands, inv = np.unique(
+                np.concatenate([ex["top"][rows].reshape(-1), tgt.reshape(-1)]), return_inverse=True
+            )
+            cand_idx = inv[len(rows) * ex["top"].shape[1] * cfg.k :].reshape(tgt.shape).T
+            cand = W[mx.array(cands)]
+            cand_idx = mx.array(cand_idx)
+        else:
+            cand, cand_idx = None, None
+        loss, grads = loss_and_grad(
+            clp,
+            mx.array(ex["H"][sel]).astype(mx.float32),
+            embed(mx.array(ex["nxt"][sel])),
+            tgt_h,
+            cand,
+            cand_idx,
+            mx.array(tgt.T),
+        )
+        opt.update(clp, grads)
+        mx.eval(clp.parameters(), opt.state, loss)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if evals and (step % cfg.eval_every == 0 or step == total):
+            point = {"step": step, "positions": step * cfg.batch_size}
+            for n, e in evals.items():
+                point[n] = forced_top1(clp, lm_head, embed, e, probes[n])["all"]
+            curve.append(point)
+            bar.write("held-out top-1 " + json.dumps(point))
+        if step % cfg.checkpoint_every == 0 or step == total:
+            _save_ckpt(ckdir, clp, opt, {"step": step, "loss": ema, "curve": curve})
+    bar.close()
+    clp.eval()
+
+    # span predictor (and gate) on "longest run of correct heads", from the
+    # heads' full-vocabulary predictions on a sample of the training positions
+    sample = np.sort(np.random.default_rng(cfg.seed + 2).permutation(N)[: cfg.predictor_positions])
+    pred = head_predictions(clp, lm_head, embed, ex["H"][sample], ex["nxt"][sample])
+    labels = span_labels(pred, ex["tgt"][sample], None)
+    clp.unfreeze()
+    predictors = [("predictor", clp.predictor)] + ([("gate", clp.gate)] if cfg.gate else [])
+    for name, module in predictors:
+        _train_predictor(module, ex["H"][sample], labels, cfg, log, name)
+    clp.eval()
+
+    results: dict[str, Any] = {}
+    for n, e in evals.items():
+        every = np.arange(len(e["H"]))
+        results[f"{n}_top1"] = forced_top1(clp, lm_head, embed, e, every)
+        vpred = head_predictions(clp, lm_head, embed, e["H"], e["nxt"])
+        vlab = span_labels(vpred, e["tgt"], None)
+        for name, module in predictors:
+            p = np.array(mx.argmax(module(mx.array(e["H"]).astype(mx.float32)), axis=-1))
+            results[f"{n}_{name}_accuracy"] = float((p == vlab).mean())
+            results[f"{n}_{name}_overshoot"] = float((p > vlab).mean())
+    results.update(
+        curve=curve,
+        train_positions=int(N),
+        predictor_positions=int(len(sample)),
+        train_label_hist=np.bincount(labels, minlength=cfg.k + 1).tolist(),
+        head_params=count_params(clp) - sum(count_params(m) for _, m in predictors),
+        predictor_params=count_params(clp.predictor),
+        gate_params=count_params(clp.gate) if cfg.gate else 0,
+        wall_s=round(time.time() - t_start, 1),
+    )
+    clp.config["training"] = {
+        **{k: v for k, v in asdict(cfg).items() if k not in ("data", "corpus")},
+        "targets": "teacher-forced",
+        "corpus": [Path(p).name for p in cfg.corpus],
+        "metrics": results,
+    }
+    save_heads(clp, out)
+    log(json.dumps({k: v for k, v in results.items() if k != "curve"}, indent=2))
+    return results
+
+
+def train_clp_corpus(
+    loaded: Any,
+    out: str | Path,
+    cfg: TrainConfig,
+    eval_data: list[str],
+    target_minutes: float | None = None,
+    resume: bool = False,
+    log: Any = print,
+) -> dict[str, Any]:
+    """``train clp --corpus``: teacher-forced targets of ``cfg.corpus`` and of
+    each held-out file, then :func:`train_clp_forced`.
+
+    The targets live in the checkpoint folder (``out/../.NAME.train/forced-*``)
+    and are kept between runs while the model and the windows are the same
+    (:class:`~mlx_mtp.training.forced.ForcedTargets`), so a stopped run
+    resumes computing them; head checkpoints are continued only with
+    ``resume``.
+
+    Args:
+        eval_data: held-out JSONL files (``spec-bench``: the packaged
+            questions); 24 windows of each, never trained on.
+        target_minutes: stop computing training targets after this many
+            minutes and train on those made (the held-out ones are made first).
+
+    Raises:
+        InvalidArgumentError: bad files or settings, no targets made.
+    """
+    from ..data import SPEC_BENCH
+    from .forced import ForcedTargets, corpus_windows
+
+    out = Path(out)
+    check_writable(out.parent)
+    ckdir = checkpoint_dir(out)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for f in ckdir.glob("heads_*"):
+            f.unlink()
+    tok = loaded.tokenizer
+    evals = {}
+    for f in eval_data:
+        path = SPEC_BENCH if f == "spec-bench" else Path(f).expanduser()
+        name = "spec-bench" if f == "spec-bench" else path.stem
+        w = corpus_windows(tok, [path], cfg.window, limit=24, seed=cfg.seed + 1)
+        ForcedTargets(loaded.model, w, ckdir / f"forced-eval-{name}").compute(
+            desc=f"held-out {name}"
+        )
+        evals[name] = ckdir / f"forced-eval-{name}"
+    windows = corpus_windows(
+        tok,
+        cfg.corpus,
+        cfg.window,
+        limit=cfg.windows,
+        seed=cfg.seed,
+        exclude=eval_prompts() if cfg.exclude_eval else (),
+    )
+    targets = ForcedTargets(loaded.model, windows, ckdir / "forced-train")
+    budget = None if target_minutes is None else 60.0 * target_minutes
+    made = targets.compute(budget_s=budget, desc="targets")
+    if made < targets.n_shards:
+        log(f"training on {made} of {targets.n_shards} shards of targets (a rerun makes the rest)")
+    if made == 0:
+        raise InvalidArgumentError(
+            "no targets were made within --target-minutes; give it more time"
+        )
+    return train_clp_forced(loaded, out, cfg, targets.folder, evals, ckdir, resume=resume, log=log)

@@ -1,0 +1,137 @@
+"""``train clp --corpus``: teacher-forced targets over text, then CLP heads
+(mlx_mtp/training/forced.py, train_clp_forced)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import make_tiny_model
+
+from mlx_mtp.clp_format import load_heads
+from mlx_mtp.errors import InvalidArgumentError
+from mlx_mtp.families import model_parts
+from mlx_mtp.training.clp import TrainConfig, output_rows, train_clp_corpus
+from mlx_mtp.training.forced import (
+    ForcedTargets,
+    corpus_documents,
+    forced_examples,
+    pack_windows,
+)
+
+
+class CharTokenizer:
+    """One id per character (mod 250); 255 is EOS; a chat template that
+    writes ``role: content`` lines."""
+
+    eos_token_id = 255
+    chat_template = "role lines"
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 250 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, msgs, tokenize=True, add_generation_prompt=False, **kw):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+        return text if not tokenize else self.encode(text)
+
+
+def test_corpus_documents_read_every_record_shape(tmp_path):
+    f = tmp_path / "c.jsonl"
+    recs = [
+        {"question": "How many?", "answer": "2+2 = <<2+2=4>>4\n#### 4"},
+        {"text": "plain text"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    docs = corpus_documents(CharTokenizer(), [f])
+    assert docs[0] == "user: How many?\nassistant: 2+2 = 4\n#### 4\n"  # no calculator marks
+    assert docs[1] == "plain text" and docs[2] == "user: hi\nassistant: yo\n"
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"other": 1}))
+    with pytest.raises(InvalidArgumentError, match="has no text"):
+        corpus_documents(CharTokenizer(), [tmp_path / "bad.jsonl"])
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        corpus_documents(CharTokenizer(), [tmp_path / "missing.jsonl"])
+    w = pack_windows(CharTokenizer(), ["ab", "cd"], window=4)
+    assert w.tolist() == [[97, 98, 255, 99]]  # EOS between documents, the short tail dropped
+
+
+def test_forced_targets_are_the_backbones_own_predictions(tmp_path):
+    """Every stored target is the argmax of the full forward pass at that
+    position, the stored states give the same logits, and each head's target
+    row and decode-time consistency flag point where they should."""
+    model = make_tiny_model("llama", seed=1)
+    windows = np.random.default_rng(0).integers(0, 250, (3, 12)).astype(np.int32)
+    targets = ForcedTargets(model, windows, tmp_path / "t", shard=2)
+    assert targets.compute() == 2
+    got = targets.load()
+    logits = model(mx.array(windows))
+    assert (np.array(mx.argmax(logits, axis=-1)) == got["argmax"]).all()
+    top = np.sort(np.array(mx.argsort(-logits, axis=-1)[..., :8]), axis=-1)
+    assert (np.sort(got["top"], axis=-1) == top).all()
+    _, lm_head, _ = model_parts(model)
+    again = lm_head(mx.array(got["hidden"].astype(np.float32)))
+    assert (np.array(mx.argmax(again, axis=-1)) == got["argmax"]).mean() > 0.95  # float16 states
+
+    ex = forced_examples(got, k=2)
+    T = windows.shape[1]
+    assert len(ex["H"]) == 3 * (T - 2)
+    i = T - 2 + 4  # window 1, position 4
+    assert ex["nxt"][i] == windows[1, 5]
+    assert ex["tgt"][i].tolist() == [got["argmax"][1, 5], got["argmax"][1, 6]]
+    assert ex["tgt_row"][i].tolist() == [T + 5, T + 6]
+    own1 = windows[1, 5] == got["argmax"][1, 4]
+    own2 = own1 and windows[1, 6] == got["argmax"][1, 5]
+    assert ex["consistent"][i].tolist() == [own1, own2]
+
+
+def test_output_rows_is_the_projection_when_logits_are_plain():
+    model = make_tiny_model("llama", seed=0)
+    W = output_rows(model)
+    _, lm_head, _ = model_parts(model)
+    h = mx.random.normal((3, W.shape[1]))
+    assert mx.allclose(lm_head(h), h @ W.T, atol=1e-4).item()
+
+
+def test_train_clp_corpus_end_to_end_and_resumed(tmp_path):
+    """Targets, heads with a held-out curve, predictor and gate; a rerun with
+    ``resume`` reuses the targets and the head checkpoint; a zero target budget
+    is a one-line error."""
+    corpus = tmp_path / "c.jsonl"
+    rng = np.random.default_rng(0)
+    corpus.write_text(
+        "\n".join(
+            json.dumps({"text": "".join(chr(97 + x) for x in rng.integers(0, 8, 40))})
+            for _ in range(20)
+        )
+    )
+    held = tmp_path / "held.jsonl"
+    held.write_text("\n".join(json.dumps({"text": "abcdefgh" * 8}) for _ in range(4)))
+    model = make_tiny_model("llama", seed=0)
+    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="tiny")
+    cfg = TrainConfig(
+        k=2, bottleneck=8, epochs=2, batch_size=32, predictor_epochs=1, checkpoint_every=5,
+        eval_every=5, corpus=[str(corpus)], window=16, windows=40, predictor_positions=200,
+    )  # fmt: skip
+    out, logged = tmp_path / "heads", []
+    res = train_clp_corpus(loaded, out, cfg, [str(held)], log=logged.append)
+    top1 = res["held_top1"]
+    assert len(top1["all"]) == 2 and all(0.0 <= a <= 1.0 for a in top1["all"])
+    assert res["curve"] and res["curve"][-1]["held"] and res["train_positions"] == 40 * 14
+    heads = load_heads(out, model)
+    assert heads.k == 2 and hasattr(heads, "gate")
+    assert heads.config["training"]["targets"] == "teacher-forced"
+    ck = tmp_path / ".heads.train"
+    assert len(list((ck / "forced-train").glob("forced-*.npz"))) == 10
+    stamp = {f: f.stat().st_mtime_ns for f in (ck / "forced-train").glob("forced-*.npz")}
+    again = train_clp_corpus(loaded, out, cfg, [str(held)], resume=True, log=logged.append)
+    assert {f: f.stat().st_mtime_ns for f in stamp} == stamp  # targets not made again
+    assert any("resumed head training" in line for line in logged)
+    assert again["train_positions"] == res["train_positions"]
+    with pytest.raises(InvalidArgumentError, match="--target-minutes"):
+        train_clp_corpus(loaded, tmp_path / "other", cfg, [str(held)], target_minutes=0.0)
