@@ -84,7 +84,7 @@ class TrainConfig:
     windows: int | None = None
     reg_weight: float = 1.0
     eval_every: int = 200
-    predictor_positions: int = 65536
+    predictor_positions: int = 16384
 
 
 # ---------------------------------------------------------------------- data
@@ -398,17 +398,17 @@ def forced_top1(
     teacher-forced examples (:func:`mlx_mtp.training.forced.forced_examples`):
     ``all`` over every position, ``consistent`` over positions whose inputs are
     the backbone's own tokens (as at decode time). Lists of k fractions."""
-    hits = np.zeros((len(sel), clp.k), dtype=bool)
-    for i in range(0, len(sel), batch):
-        s = sel[i : i + batch]
-        h = mx.array(ex["H"][s]).astype(mx.float32)
-        lg = clp.head_logits(h, embed(mx.array(ex["nxt"][s])), lm_head)
-        hits[i : i + batch] = np.array(mx.argmax(lg, axis=-1)).T == ex["tgt"][s]
-    con = ex["consistent"][sel]
+    pred = head_predictions(clp, lm_head, embed, ex["H"][sel], ex["nxt"][sel], batch)
+    return _top1(pred == ex["tgt"][sel], ex["consistent"][sel])
+
+
+def _top1(hits: np.ndarray, consistent: np.ndarray) -> dict[str, list[float]]:
+    k = hits.shape[1]
     return {
-        "all": [float(hits[:, j].mean()) for j in range(clp.k)],
+        "all": [float(hits[:, j].mean()) for j in range(k)],
         "consistent": [
-            float(hits[con[:, j], j].mean()) if con[:, j].any() else 0.0 for j in range(clp.k)
+            float(hits[consistent[:, j], j].mean()) if consistent[:, j].any() else 0.0
+            for j in range(k)
         ],
     }
 
@@ -577,9 +577,8 @@ def train_clp_forced(
 
     results: dict[str, Any] = {}
     for n, e in evals.items():
-        every = np.arange(len(e["H"]))
-        results[f"{n}_top1"] = forced_top1(clp, lm_head, embed, e, every)
         vpred = head_predictions(clp, lm_head, embed, e["H"], e["nxt"])
+        results[f"{n}_top1"] = _top1(vpred == e["tgt"], e["consistent"])
         vlab = span_labels(vpred, e["tgt"], None)
         for name, module in predictors:
             p = np.array(mx.argmax(module(mx.array(e["H"]).astype(mx.float32)), axis=-1))
@@ -647,7 +646,7 @@ def train_clp_corpus(
     evals = {}
     for f in eval_data:
         path = SPEC_BENCH if f == "spec-bench" else Path(f).expanduser()
-        name = "spec-bench" if f == "spec-bench" else path.stem
+        name = "spec-bench" if f == "spec-bench" else f"{path.parent.name}-{path.stem}"
         w = corpus_windows(tok, [path], cfg.window, limit=24, seed=cfg.seed + 1)
         ForcedTargets(loaded.model, w, ckdir / f"forced-eval-{name}").compute(
             desc=f"held-out {name}"
