@@ -682,7 +682,8 @@ class Engine:
         anc: mx.array | None = None,
         depth: np.ndarray | None = None,
         embeddings: mx.array | None = None,
-    ) -> tuple[mx.array, list[Any]]:
+        hidden: bool = False,
+    ) -> tuple[Any, ...]:
         """The lazy graph of one forward pass of N slots written at cache row
         ``at``, a scalar int32 array the host need not know (a pipelined
         step: :mod:`mlx_mtp.pipeline`). Nothing is evaluated, counted or
@@ -702,10 +703,12 @@ class Engine:
                 for a chain.
             depth: (N,) depth of each slot (the root 0); None for a chain.
             embeddings: (N, D) input embeddings (mask vectors), or None.
+            hidden: also return the final-norm hidden states (N, D).
 
         Returns:
-            ``(logits (N, V), views)``: the views keep each layer's new keys
-            and values (``view.new``) for :meth:`move_rows_at`.
+            ``(logits (N, V), views)``, with ``hidden`` ``(logits, views, h)``:
+            the views keep each layer's new keys and values (``view.new``) for
+            :meth:`move_rows_at`.
         """
         n = tokens.shape[0]
         at = at.astype(mx.int32).reshape(())
@@ -738,6 +741,8 @@ class Engine:
         ids = mx.maximum(tokens.astype(mx.int32), 0)[None]  # mask slots (-1) as 0
         emb = None if embeddings is None else embeddings[None]
         h = self.backbone(ids, cache=views, input_embeddings=emb)[0]
+        if hidden:
+            return self.lm_head(h), views, h
         return self.lm_head(h), views
 
     def move_rows_at(self, views: list[Any], slots: mx.array, at: mx.array) -> None:

@@ -226,6 +226,8 @@ class Pass:
         logits: (N, V) logits.
         path: (D + 1,) the accepted slots from the root (padded).
         accepted: scalar int32, the drafts accepted.
+        hidden: (N, D) final-norm hidden states, for a drafter that asks for
+            them (:attr:`DeviceDrafter.wants_hidden`); else None.
     """
 
     state: DeviceState
@@ -234,6 +236,7 @@ class Pass:
     logits: mx.array
     path: mx.array
     accepted: mx.array
+    hidden: mx.array | None = None
 
 
 class DeviceDrafter:
@@ -260,6 +263,8 @@ class DeviceDrafter:
     #: ESP mask slots after every token slot of the steps that carry them
     #: (a :class:`~mlx_mtp.sources.masks.MaskLayer`), or None
     masks: Any = None
+    #: whether :meth:`update` reads the pass's hidden states (:attr:`Pass.hidden`)
+    wants_hidden = False
     #: set by the pipeline: no step is in flight when a width is chosen, so
     #: the signal :meth:`learn` returns describes the step about to launch
     #: (else the one in flight before it)
@@ -383,6 +388,7 @@ class CompositeDrafter(DeviceDrafter):
         self._predicted: list[list[float]] = []  # per step in flight: each part's kept value
         self.learns_free = all(p.learns_free for p in self.parts)
         self.masks = next((p.masks for p in self.parts if p.masks is not None), None)
+        self.wants_hidden = any(p.wants_hidden for p in self.parts)
         self._order: list[int] = []  # the part of each merged item, best first
         # composite template -> (sub-templates, first composite slot of each)
         self._subs: dict[int, tuple[list[Template], list[int]]] = {}
@@ -623,14 +629,22 @@ class Pipeline:
             emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
             tokens = mx.concatenate([tokens, mx.full((tpl.n - base.n,), -1, dtype=mx.int32)])
         anc = tpl.arrays().get("anc")
-        logits, views = engine.forward_at(
-            tokens, st.at, rows, anc, None if tpl.chain else tpl.depth, emb
+        out = engine.forward_at(
+            tokens,
+            st.at,
+            rows,
+            anc,
+            None if tpl.chain else tpl.depth,
+            emb,
+            hidden=self.drafter.wants_hidden,
         )
+        logits, views = out[0], out[1]
+        hidden = out[2] if len(out) > 2 else None
         targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         a, path, committed = device_walk(tokens, targets, tpl)
         if not tpl.chain:
             engine.move_rows_at(views, path[1:], st.at + 1)
-        step = Pass(st, base, tokens, logits, path, a)
+        step = Pass(st, base, tokens, logits, path, a, hidden)
         extras = self.drafter.read(step)  # before the update: the state drafted from
         kept = self.drafter.update(step)
         if layer is not None:  # candidates where masks ran; the vectors see every token

@@ -120,9 +120,10 @@ def test_train_clp_corpus_end_to_end_and_resumed(tmp_path):
     )  # fmt: skip
     out, logged = tmp_path / "heads", []
     res = train_clp_corpus(loaded, out, cfg, [str(held)], log=logged.append)
-    top1 = res["held_top1"]
+    name = f"{tmp_path.name}-held"  # the held-out file's folder and stem
+    top1 = res[f"{name}_top1"]
     assert len(top1["all"]) == 2 and all(0.0 <= a <= 1.0 for a in top1["all"])
-    assert res["curve"] and res["curve"][-1]["held"] and res["train_positions"] == 40 * 14
+    assert res["curve"] and res["curve"][-1][name] and res["train_positions"] == 40 * 14
     heads = load_heads(out, model)
     assert heads.k == 2 and hasattr(heads, "gate")
     assert heads.config["training"]["targets"] == "teacher-forced"

@@ -64,8 +64,9 @@ SETTINGS = [
 
 #: the settings run again on the pipelined steps (mlx_mtp/pipeline.py: the
 #: default runner on a GPU, forced here on the CPU), each method's device
-#: form: chains (pld), trees whose accepted path moves cache rows (recycle's
-#: table), ESP's mask slots (probe) and all of them in one tree (hybrid), at
+#: form: chains (pld; clp's heads, run inside each pass), trees whose accepted
+#: path moves cache rows (recycle's table), ESP's mask slots (probe) and all
+#: of them in one tree (hybrid), at
 #: auto and at fixed budgets, on SmolLM2 and on Qwen2.5-Coder (qwen2). Gemma
 #: 3's rotating caches and the methods without a device form run only the
 #: synchronous steps (tests/test_runners.py checks that they are refused).
@@ -78,8 +79,10 @@ PIPELINED = [
     ("smollm", "hybrid", {"bc": 30, "masks": 2, "mask_init": "learned", "recycle": 1}),
     ("smollm", "recycle", {}),
     ("smollm", "recycle", {"bc": 30}),
+    ("smollm", "clp", {}),
     ("qwen", "pld", {}),
     ("qwen", "probe", {"bc": 10}),
+    ("qwen", "clp", {}),  # the shipped heads
 ]
 RUNS = [(*s, "synchronous") for s in SETTINGS] + [(*s, "pipelined") for s in PIPELINED]
 

@@ -49,6 +49,7 @@ from ..context import Context
 from ..engine import Engine
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..offers import Offer, PlainResult, StepOutput, chain_offer
+from ..pipeline import DeviceDrafter, DeviceState, Pass, Template
 from ..speculative import Draft, Verified
 from ..verify import Sampler, target_graph
 from .base import DraftMethod, parse_int
@@ -195,6 +196,14 @@ class CLP(DraftMethod):
         self._root = result.bonus
         self._carry = toks[m, : int(span[m])].tolist()  # k=auto: cut by the planner
 
+    def device_drafter(self, ctx: Context) -> DeviceDrafter | None:
+        """The heads on pipelined steps (verified mode): :class:`HeadsDrafter`.
+        The paper's mode commits unverified tokens and runs the planner's
+        steps."""
+        if self.mode != "verified":
+            return None
+        return HeadsDrafter(self)
+
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []
         _, h = engine.forward_chain([*pending, root], hidden=True)
@@ -208,3 +217,87 @@ class CLP(DraftMethod):
         self._root = committed[-1]
         self._carry = committed[:-1]
         return StepOutput(committed, drafted=s, accepted=s)
+
+
+class HeadsDrafter(DeviceDrafter):
+    """CLP heads on pipelined steps (:mod:`mlx_mtp.pipeline`).
+
+    Every pass also runs the heads at its deepest accepted slot, fed with that
+    slot's hidden state and the backbone's token after it (the bonus token,
+    the next step's root), inside the pass's own graph: their k tokens are the
+    next step's chain of drafts, lazily, so the next pass is launched before
+    the host has read anything (Xie & Zhou, CLP, §3: the backbone writes token
+    n+1, head j token n+1+j). The heads run on plain steps too, which is how
+    their acceptance is learned while no draft pays: the host compares each
+    step's head tokens with the tokens committed after its root.
+
+    The span predictor is not consulted here: each step's chain is cut by the
+    width policy from the heads' learned acceptance per depth (as ``k=auto``
+    does on the planner's steps), or sent whole at a fixed ``k``.
+
+    Args:
+        method: the :class:`CLP` method, prepared (heads loaded).
+    """
+
+    name = "clp"
+    wants_hidden = True
+    #: the heads do not run in a spell of plain steps (no pass of ours), so
+    #: the width policy probes now and then while the cut says no
+    learns_free = False
+
+    def __init__(self, method: CLP):
+        super().__init__()
+        self.method = method
+        self._drafts: mx.array | None = None  # (k,) after the last launched pass
+        self._pending: list[tuple[int, list[int]]] = []
+
+    def begin(self, ctx: Context, prompt: list[int]) -> None:
+        self._engine = ctx.engine
+        self._drafts, self._pending = None, []
+
+    def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
+        values = super().values(acceptance, min(most, self.method.k or 0), signal)
+        # no heads have run since the start (or a spell): one filler slot at
+        # most, a pass that primes the heads
+        return values[:1] if self._drafts is None else values
+
+    def template(self, width: int) -> Template:
+        return Template.chain_of(min(width, self.method.k or 0))
+
+    def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
+        if self._drafts is None:  # priming: the root again, rarely accepted
+            return mx.broadcast_to(state.root.reshape(1), (tpl.n - 1,))
+        return self._drafts[: tpl.n - 1]
+
+    def read(self, step: Pass) -> dict[str, mx.array]:
+        # the head tokens this step's root had (the drafts its width cut)
+        return {} if self._drafts is None else {"heads": self._drafts}
+
+    def update(self, step: Pass) -> list[mx.array]:
+        engine = self._engine
+        last = mx.take(step.path, step.accepted).reshape(1)  # deepest accepted slot
+        h = mx.take(step.hidden, last, axis=0)  # (1, D)
+        nxt = mx.argmax(mx.take(step.logits, last, axis=0), axis=-1)  # the bonus token
+        k = self.method.k or 0
+        logits = self.method.heads.head_logits(h, engine.embed(nxt), engine.lm_head)[:k]
+        self._drafts = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)  # (k,)
+        return [self._drafts]
+
+    def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> Any:
+        for s in steps:
+            heads = s.extra.get("heads")
+            if heads is not None:
+                self._pending.append((s.start, [int(t) for t in heads]))
+        keep = []
+        est = acceptance.source(self.name)
+        for r, drafts in self._pending:
+            known = history[r + 1 : r + 1 + len(drafts)]
+            m = 0
+            while m < len(known) and known[m] == drafts[m]:
+                m += 1
+            if m < len(known) or len(known) == len(drafts):
+                est.record(len(drafts), m)
+            else:
+                keep.append((r, drafts))
+        self._pending = keep
+        return None
