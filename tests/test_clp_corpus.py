@@ -136,3 +136,21 @@ def test_train_clp_corpus_end_to_end_and_resumed(tmp_path):
     assert again["train_positions"] == res["train_positions"]
     with pytest.raises(InvalidArgumentError, match="--target-minutes"):
         train_clp_corpus(loaded, tmp_path / "other", cfg, [str(held)], target_minutes=0.0)
+
+
+def test_train_clp_needs_data_or_corpus_before_loading(tmp_path):
+    """Neither or both of --data / --corpus, or a missing corpus file: one
+    line naming the problem, exit code 2, before any model loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "mlx-mtp")
+    r = subprocess.run(
+        [exe, "train", "clp", "--out", str(tmp_path / "h")], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and "give --data" in r.stderr and "Traceback" not in r.stderr
+    missing = str(tmp_path / "none.jsonl")
+    r = subprocess.run([exe, "train", "clp", "--corpus", missing], capture_output=True, text=True)
+    assert r.returncode == 2 and "no such file" in r.stderr
+    assert not (tmp_path / "h").exists()
