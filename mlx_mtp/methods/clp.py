@@ -46,7 +46,7 @@ import numpy as np
 
 from ..clp_format import CLPHeads, count_params, heads_for
 from ..context import Context
-from ..engine import Engine
+from ..engine import Engine, common_prefix
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..offers import Offer, PlainResult, StepOutput, chain_offer
 from ..pipeline import DeviceDrafter, DeviceState, Pass, Template
@@ -274,13 +274,11 @@ class HeadsDrafter(DeviceDrafter):
         return {} if self._drafts is None else {"heads": self._drafts}
 
     def update(self, step: Pass) -> list[mx.array]:
-        engine = self._engine
         last = mx.take(step.path, step.accepted).reshape(1)  # deepest accepted slot
         h = mx.take(step.hidden, last, axis=0)  # (1, D)
         nxt = mx.argmax(mx.take(step.logits, last, axis=0), axis=-1)  # the bonus token
-        k = self.method.k or 0
-        logits = self.method.heads.head_logits(h, engine.embed(nxt), engine.lm_head)[:k]
-        self._drafts = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)  # (k,)
+        toks, _ = self.method._heads(self._engine, h, nxt)  # the span stays unevaluated
+        self._drafts = toks[0].astype(mx.int32)  # (k,)
         return [self._drafts]
 
     def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> Any:
@@ -292,9 +290,7 @@ class HeadsDrafter(DeviceDrafter):
         est = acceptance.source(self.name)
         for r, drafts in self._pending:
             known = history[r + 1 : r + 1 + len(drafts)]
-            m = 0
-            while m < len(known) and known[m] == drafts[m]:
-                m += 1
+            m = common_prefix(known, drafts)
             if m < len(known) or len(known) == len(drafts):
                 est.record(len(drafts), m)
             else:

@@ -251,27 +251,8 @@ def train_clp(
     log(f"{len(train_seqs)} training continuations, {len(H)} positions; {len(val_seqs)} held out")
 
     # ---- phase 2: heads
-    config = base_config(
-        model,
-        loaded.name,
-        cfg.k,
-        "resblock",
-        bottleneck=cfg.bottleneck,
-        gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
-    )
-    clp = CLPHeads(config)
-    mx.eval(clp.parameters())
-    clp.predictor.freeze()
-    if cfg.gate:
-        clp.gate.freeze()
-    steps_per_epoch = math.ceil(len(H) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    sched = optim.cosine_decay(cfg.lr, max(total, 1), cfg.lr * 0.05)
-    opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
-    state = _load_ckpt(ckdir, clp, opt) if resume else None
+    clp, opt, steps_per_epoch, total, state = _new_heads(loaded, cfg, len(H), ckdir, resume, log)
     step = state["step"] if state else 0
-    if state:
-        log(f"resumed head training at step {step}/{total}")
     loss_and_grad = nn.value_and_grad(clp, lambda m, *a: _head_loss(m, lm_head, embed, *a))
     perm_rng = np.random.default_rng(cfg.seed + 1)
     perms = [perm_rng.permutation(len(H)) for _ in range(cfg.epochs)]
@@ -301,12 +282,8 @@ def train_clp(
     # ---- phase 3: span predictor (and gate) on "longest run of correct heads"
     pred = head_predictions(clp, lm_head, embed, H, nxt)
     labels = span_labels(pred, tgt, valid)
-    clp.unfreeze()
     results: dict[str, Any] = {}
-    predictors = [("predictor", clp.predictor)] + ([("gate", clp.gate)] if cfg.gate else [])
-    for name, module in predictors:
-        _train_predictor(module, H, labels, cfg, log, name)
-    clp.eval()
+    predictors = _train_predictors(clp, H, labels, cfg, log)
 
     # ---- held-out metrics
     if val_seqs:
@@ -319,10 +296,7 @@ def train_clp(
         vlab = span_labels(vpred, vtgt, vvalid)
         results["val_head_top1"] = acc
         results["val_label_mean"] = float(vlab.mean())
-        for name, module in predictors:
-            p = np.array(mx.argmax(module(mx.array(vH).astype(mx.float32)), axis=-1))
-            results[f"val_{name}_accuracy"] = float((p == vlab).mean())
-            results[f"val_{name}_overshoot"] = float((p > vlab).mean())
+        results.update(_predictor_scores(predictors, vH, vlab, "val"))
     results.update(
         train_positions=int(len(H)),
         train_label_hist=np.bincount(labels, minlength=cfg.k + 1).tolist(),
@@ -339,6 +313,66 @@ def train_clp(
     save_heads(clp, out)
     log(json.dumps(results, indent=2))
     return results
+
+
+def _new_heads(
+    loaded: Any, cfg: TrainConfig, positions: int, ckdir: Path, resume: bool, log: Any
+) -> tuple[CLPHeads, optim.Optimizer, int, int, dict | None]:
+    """Fresh ``resblock`` heads (span predictor and gate frozen) and their
+    AdamW with a cosine schedule over ``cfg.epochs`` of ``positions``,
+    continued from the checkpoint in ``ckdir`` with ``resume``.
+
+    Returns:
+        ``(heads, optimizer, steps per epoch, total steps, checkpoint state or None)``.
+    """
+    model = loaded.model
+    config = base_config(
+        model,
+        loaded.name,
+        cfg.k,
+        "resblock",
+        bottleneck=cfg.bottleneck,
+        gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
+    )
+    clp = CLPHeads(config)
+    mx.eval(clp.parameters())
+    clp.predictor.freeze()
+    if cfg.gate:
+        clp.gate.freeze()
+    steps_per_epoch = math.ceil(positions / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    sched = optim.cosine_decay(cfg.lr, max(total, 1), cfg.lr * 0.05)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
+    state = _load_ckpt(ckdir, clp, opt) if resume else None
+    if state:
+        log(f"resumed head training at step {state['step']}/{total}")
+    return clp, opt, steps_per_epoch, total, state
+
+
+def _train_predictors(
+    clp: CLPHeads, H: np.ndarray, labels: np.ndarray, cfg: TrainConfig, log: Any
+) -> list[tuple[str, nn.Module]]:
+    """Train the span predictor (and the gate) on ``(H, labels)``; returns
+    them by name, in eval mode."""
+    clp.unfreeze()
+    predictors = [("predictor", clp.predictor)] + ([("gate", clp.gate)] if cfg.gate else [])
+    for name, module in predictors:
+        _train_predictor(module, H, labels, cfg, log, name)
+    clp.eval()
+    return predictors
+
+
+def _predictor_scores(
+    predictors: list[tuple[str, nn.Module]], H: np.ndarray, labels: np.ndarray, prefix: str
+) -> dict[str, float]:
+    """Accuracy and overshoot (predicted span longer than the label) of each
+    predictor on held-out ``(H, labels)``, keyed ``{prefix}_{name}_...``."""
+    out = {}
+    for name, module in predictors:
+        p = np.array(mx.argmax(module(mx.array(H).astype(mx.float32)), axis=-1))
+        out[f"{prefix}_{name}_accuracy"] = float((p == labels).mean())
+        out[f"{prefix}_{name}_overshoot"] = float((p > labels).mean())
+    return out
 
 
 def _train_predictor(
@@ -479,30 +513,9 @@ def train_clp_forced(
     probe_rng = np.random.default_rng(cfg.seed + 4)
     probes = {n: np.sort(probe_rng.permutation(len(e["H"]))[:4096]) for n, e in evals.items()}
 
-    config = base_config(
-        model,
-        loaded.name,
-        cfg.k,
-        "resblock",
-        bottleneck=cfg.bottleneck,
-        gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
-    )
-    clp = CLPHeads(config)
-    mx.eval(clp.parameters())
-    clp.predictor.freeze()
-    if cfg.gate:
-        clp.gate.freeze()
-    steps_per_epoch = math.ceil(N / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    opt = optim.AdamW(
-        learning_rate=optim.cosine_decay(cfg.lr, max(total, 1), cfg.lr * 0.05),
-        weight_decay=cfg.weight_decay,
-    )
-    state = _load_ckpt(ckdir, clp, opt) if resume else None
+    clp, opt, steps_per_epoch, total, state = _new_heads(loaded, cfg, N, ckdir, resume, log)
     step = state["step"] if state else 0
     curve: list[dict[str, Any]] = state.get("curve", []) if state else []
-    if state:
-        log(f"resumed head training at step {step}/{total}")
 
     H_all = ex["H_all"]
 
@@ -569,21 +582,14 @@ def train_clp_forced(
     sample = np.sort(np.random.default_rng(cfg.seed + 2).permutation(N)[: cfg.predictor_positions])
     pred = head_predictions(clp, lm_head, embed, ex["H"][sample], ex["nxt"][sample])
     labels = span_labels(pred, ex["tgt"][sample], None)
-    clp.unfreeze()
-    predictors = [("predictor", clp.predictor)] + ([("gate", clp.gate)] if cfg.gate else [])
-    for name, module in predictors:
-        _train_predictor(module, ex["H"][sample], labels, cfg, log, name)
-    clp.eval()
+    predictors = _train_predictors(clp, ex["H"][sample], labels, cfg, log)
 
     results: dict[str, Any] = {}
     for n, e in evals.items():
         vpred = head_predictions(clp, lm_head, embed, e["H"], e["nxt"])
         results[f"{n}_top1"] = _top1(vpred == e["tgt"], e["consistent"])
         vlab = span_labels(vpred, e["tgt"], None)
-        for name, module in predictors:
-            p = np.array(mx.argmax(module(mx.array(e["H"]).astype(mx.float32)), axis=-1))
-            results[f"{n}_{name}_accuracy"] = float((p == vlab).mean())
-            results[f"{n}_{name}_overshoot"] = float((p > vlab).mean())
+        results.update(_predictor_scores(predictors, e["H"], vlab, n))
     results.update(
         curve=curve,
         train_positions=int(N),
