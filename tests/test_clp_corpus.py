@@ -15,10 +15,13 @@ from mlx_mtp.clp_format import load_heads
 from mlx_mtp.errors import InvalidArgumentError
 from mlx_mtp.families import model_parts
 from mlx_mtp.training.clp import TrainConfig, output_rows, train_clp_corpus
+from mlx_mtp.training.continuations import greedy_continuations
 from mlx_mtp.training.forced import (
     ForcedTargets,
+    continuation_windows,
     corpus_documents,
     forced_examples,
+    merge_examples,
     pack_windows,
 )
 
@@ -90,6 +93,34 @@ def test_forced_targets_are_the_backbones_own_predictions(tmp_path):
     assert ex["consistent"][i].tolist() == [own1, own2]
 
 
+def test_continuation_windows_are_forced_windows_of_the_greedy_tokens():
+    """A greedy continuation read as a window: its predictions are what a full
+    forward pass over prompt + continuation predicts at those positions, the
+    stored top tokens hold them, short continuations are left out, and merged
+    examples keep each source's target rows."""
+    model = make_tiny_model("llama", seed=2)
+    prompts = [[5, 9, 13, 2], [7, 7, 1, 30, 31, 4]]
+    T = 6
+    seqs = greedy_continuations(model, prompts, T, eos=set(), hidden=True, progress=False)
+    short = greedy_continuations(model, [[3, 4]], 3, eos=set(), hidden=True, progress=False)
+    w = continuation_windows(seqs + short, model, T)
+    assert w["tokens"].shape == (2, T) and w["hidden"].dtype == np.float16
+    for r, (p, s) in enumerate(zip(prompts, seqs)):
+        full = np.array(mx.argmax(model(mx.array([p + s.generated[: T - 1]])), axis=-1))[0]
+        assert w["argmax"][r].tolist() == full[len(p) - 1 :].tolist() == s.generated[:T]
+        assert w["tokens"][r].tolist() == [p[-1]] + s.generated[: T - 1]
+        assert all(a in top for a, top in zip(w["argmax"][r], w["top"][r]))
+    ex = forced_examples(w, k=2)
+    assert ex["consistent"].all()  # every input token is the backbone's own
+    both = merge_examples([ex, ex])
+    assert len(both["H"]) == 2 * len(ex["H"])
+    assert (both["tgt_row"][len(ex["H"]) :] == ex["tgt_row"] + len(ex["H_all"])).all()
+    rows = np.concatenate([ex["H_all"][ex["tgt_row"]]] * 2)
+    assert (both["H_all"][both["tgt_row"]] == rows).all()
+    with pytest.raises(InvalidArgumentError, match="reached 6 tokens"):
+        continuation_windows(short, model, T)
+
+
 def test_output_rows_is_the_projection_when_logits_are_plain():
     model = make_tiny_model("llama", seed=0)
     W = output_rows(model)
@@ -138,8 +169,33 @@ def test_train_clp_corpus_end_to_end_and_resumed(tmp_path):
         train_clp_corpus(loaded, tmp_path / "other", cfg, [str(held)], target_minutes=0.0)
 
 
+def test_train_clp_corpus_with_greedy_continuations(tmp_path):
+    """--data with --corpus: the prompts' greedy continuations join the
+    corpus windows as training positions, and are kept for a rerun."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": "abcdefgh" * 5}) for _ in range(6)))
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"question {i}?"}) for i in range(5)))
+    model = make_tiny_model("llama", seed=0)
+    loaded = SimpleNamespace(model=model, tokenizer=CharTokenizer(), name="tiny")
+    cfg = TrainConfig(
+        k=2, bottleneck=8, epochs=1, batch_size=32, predictor_epochs=1, eval_every=50,
+        corpus=[str(corpus)], data=[str(data)], window=16, windows=10, max_new_tokens=8,
+        gen_batch=4, predictor_positions=100,
+    )  # fmt: skip
+    res = train_clp_corpus(loaded, tmp_path / "heads", cfg, [str(corpus)], log=lambda s: None)
+    assert res["train_positions"] == 10 * 14 + 5 * 6  # corpus windows + continuations
+    heads = load_heads(tmp_path / "heads", model)
+    assert heads.config["training"]["data"] == ["p.jsonl"]
+    kept = tmp_path / ".heads.train" / "continuations.jsonl"
+    assert len(kept.read_text().splitlines()) == 1 + 5
+    logged: list[str] = []
+    train_clp_corpus(loaded, tmp_path / "heads", cfg, [str(corpus)], log=logged.append)
+    assert any("resumed 5 generated continuations" in line for line in logged)
+
+
 def test_train_clp_needs_data_or_corpus_before_loading(tmp_path):
-    """Neither or both of --data / --corpus, or a missing corpus file: one
+    """Neither --data nor --corpus, or a missing corpus file: one
     line naming the problem, exit code 2, before any model loads."""
     import subprocess
     import sys

@@ -23,14 +23,15 @@ def register(app: typer.Typer) -> None:
             "--data",
             help="Prompt jsonl (turns/prompt/question field), repeatable; 'spec-bench' = the "
             "packaged Spec-Bench. The 48 evaluation prompts are always left out. Targets: "
-            "the backbone's greedy continuations of the prompts.",
+            "the backbone's greedy continuations of the prompts (with --corpus, trained "
+            "together with the corpus' targets).",
         ),
         corpus: list[str] = typer.Option(
             [],
             "--corpus",
             help="Text jsonl (text, question+answer, messages or a prompt field), repeatable: "
             "teacher-forced targets, the backbone's predictions over the text in one prefill "
-            "per window (far cheaper than --data). Give --data or --corpus.",
+            "per window (far cheaper than --data). Give --data, --corpus or both.",
         ),
         eval_data: list[str] = typer.Option(
             [],
@@ -98,10 +99,10 @@ def register(app: typer.Typer) -> None:
         from ..fingerprint import model_fingerprint
         from ..training.clp import TrainConfig, checkpoint_dir, train_clp
 
-        if bool(data) == bool(corpus):
+        if not data and not corpus:
             raise InvalidArgumentError(
-                "train clp: give --data (prompts; greedy continuations) or --corpus (text; "
-                "teacher-forced targets), not both and not neither."
+                "train clp: give --data (prompts; greedy continuations), --corpus (text; "
+                "teacher-forced targets) or both."
             )
         # the data and the output folder are checked before the model loads
         if data:

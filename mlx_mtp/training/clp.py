@@ -194,54 +194,15 @@ def train_clp(
     if not math.isfinite(cfg.lr) or cfg.lr < 0:
         raise InvalidArgumentError(f"lr (--lr) must be a finite number >= 0, got {cfg.lr}")
     out = Path(out)
-    model, tok = loaded.model, loaded.tokenizer
+    model = loaded.model
     model.eval()
     mx.random.seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
     _, lm_head, embed = model_parts(model)
 
     # ---- phase 1: self-distilled data (the prompts and the output folder are
     # checked before anything is written)
-    texts = []
-    for path in cfg.data:  # shuffled per file; ``limit`` caps each file
-        part = read_prompts(path, exclude=eval_prompts() if cfg.exclude_eval else ())
-        rng.shuffle(part)
-        texts.extend(part[: cfg.limit] if cfg.limit else part)
-    rng.shuffle(texts)
-    check_writable(out.parent)
     ckdir = checkpoint_dir(out)
-    ckdir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for f in ckdir.glob("*"):
-            f.unlink()
-    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
-    # by length: the held-out split below permutes this order
-    prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)
-    # kept in the checkpoint folder after every batch
-    conts = Continuations(
-        model,
-        prompts,
-        cfg.max_new_tokens,
-        set(tokenizer_eos_ids(tok)),
-        batch_size=cfg.gen_batch,
-        hidden=True,
-        path=ckdir / "continuations.jsonl",
-        meta={"model_fingerprint": model_fingerprint(model)},
-        own_file=True,
-    )
-    if conts.done:
-        log(f"resumed {len(conts.done)} generated continuations from {conts.path}")
-    budget = None if cfg.gen_minutes is None else 60.0 * cfg.gen_minutes
-    seqs = conts.all(budget_s=budget)
-    if len(seqs) < len(prompts):
-        log(
-            f"--gen-minutes {cfg.gen_minutes:g}: training on {len(seqs)} of {len(prompts)} "
-            "prompts' continuations (--resume generates the rest)"
-        )
-    if not seqs:
-        raise InvalidArgumentError(
-            "no continuations were generated within --gen-minutes; give it more time"
-        )
+    seqs = _greedy_targets(loaded, cfg, out, ckdir, fresh=not resume, log=log)
 
     n_val = max(1, int(len(seqs) * cfg.val_fraction)) if len(seqs) > 1 else 0
     split = np.random.default_rng(cfg.seed + 3).permutation(len(seqs))
@@ -313,6 +274,62 @@ def train_clp(
     save_heads(clp, out)
     log(json.dumps(results, indent=2))
     return results
+
+
+def _greedy_targets(
+    loaded: Any, cfg: TrainConfig, out: Path, ckdir: Path, fresh: bool, log: Any
+) -> list[TrainSequence]:
+    """The backbone's greedy continuations (with hidden states) of the prompts
+    of ``cfg.data``, kept in ``ckdir/continuations.jsonl`` after every batch.
+    ``fresh`` empties ``ckdir`` first. The prompts and ``out``'s folder are
+    checked before anything is written.
+
+    Raises:
+        InvalidArgumentError: unreadable prompts, an unwritable folder, or no
+            continuation made within ``cfg.gen_minutes``.
+    """
+    rng = np.random.default_rng(cfg.seed)
+    tok = loaded.tokenizer
+    texts = []
+    for path in cfg.data:  # shuffled per file; ``limit`` caps each file
+        part = read_prompts(path, exclude=eval_prompts() if cfg.exclude_eval else ())
+        rng.shuffle(part)
+        texts.extend(part[: cfg.limit] if cfg.limit else part)
+    rng.shuffle(texts)
+    check_writable(out.parent)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        for f in ckdir.glob("*"):
+            if f.is_file():
+                f.unlink()
+    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
+    # by length: the held-out split below permutes this order
+    prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)
+    conts = Continuations(
+        loaded.model,
+        prompts,
+        cfg.max_new_tokens,
+        set(tokenizer_eos_ids(tok)),
+        batch_size=cfg.gen_batch,
+        hidden=True,
+        path=ckdir / "continuations.jsonl",
+        meta={"model_fingerprint": model_fingerprint(loaded.model)},
+        own_file=True,
+    )
+    if conts.done:
+        log(f"resumed {len(conts.done)} generated continuations from {conts.path}")
+    budget = None if cfg.gen_minutes is None else 60.0 * cfg.gen_minutes
+    seqs = conts.all(budget_s=budget)
+    if len(seqs) < len(prompts):
+        log(
+            f"--gen-minutes {cfg.gen_minutes:g}: training on {len(seqs)} of {len(prompts)} "
+            "prompts' continuations (--resume generates the rest)"
+        )
+    if not seqs:
+        raise InvalidArgumentError(
+            "no continuations were generated within --gen-minutes; give it more time"
+        )
+    return seqs
 
 
 def _new_heads(
@@ -451,7 +468,7 @@ def train_clp_forced(
     loaded: Any,
     out: str | Path,
     cfg: TrainConfig,
-    train_dir: str | Path,
+    train: list[str | Path | dict[str, np.ndarray]],
     eval_dirs: dict[str, str | Path],
     ckdir: str | Path,
     resume: bool = False,
@@ -475,7 +492,9 @@ def train_clp_forced(
         out: heads folder to write (atomically, at the end).
         cfg: settings (``k``, ``bottleneck``, ``epochs``, ``batch_size``,
             ``lr``, ``reg_weight``, ``eval_every``, ``checkpoint_every``).
-        train_dir: a :class:`~mlx_mtp.training.forced.ForcedTargets` folder.
+        train: the training targets: :class:`~mlx_mtp.training.forced.ForcedTargets`
+            folders and arrays of windows in their layout
+            (:func:`~mlx_mtp.training.forced.continuation_windows`).
         eval_dirs: held-out folders by name; every ``cfg.eval_every`` steps
             the heads' top-1 on up to 4,096 of their positions is logged, and
             on all of them at the end.
@@ -489,7 +508,7 @@ def train_clp_forced(
     Raises:
         InvalidArgumentError: bad settings or no targets.
     """
-    from .forced import forced_examples, load_shards
+    from .forced import forced_examples, load_shards, merge_examples
 
     t_start = time.time()
     if cfg.k < 1 or cfg.k > 8:
@@ -503,7 +522,9 @@ def train_clp_forced(
     _, lm_head, embed = model_parts(model)
     W = output_rows(model)
 
-    ex = forced_examples(load_shards(train_dir), cfg.k)
+    ex = merge_examples(
+        [forced_examples(t if isinstance(t, dict) else load_shards(t), cfg.k) for t in train]
+    )
     evals = {name: forced_examples(load_shards(d), cfg.k) for name, d in eval_dirs.items()}
     N = len(ex["H"])
     log(
@@ -602,8 +623,9 @@ def train_clp_forced(
     )
     clp.config["training"] = {
         **{k: v for k, v in asdict(cfg).items() if k not in ("data", "corpus")},
-        "targets": "teacher-forced",
+        "targets": "teacher-forced" + (" and greedy continuations" if cfg.data else ""),
         "corpus": [Path(p).name for p in cfg.corpus],
+        "data": [Path(p).name for p in cfg.data],
         "metrics": results,
     }
     save_heads(clp, out)
@@ -620,12 +642,16 @@ def train_clp_corpus(
     resume: bool = False,
     log: Any = print,
 ) -> dict[str, Any]:
-    """``train clp --corpus``: teacher-forced targets of ``cfg.corpus`` and of
-    each held-out file, then :func:`train_clp_forced`.
+    """``train clp --corpus`` (and ``--data``): teacher-forced targets of
+    ``cfg.corpus`` and of each held-out file, the backbone's greedy
+    continuations of the prompts of ``cfg.data`` (if any) as windows of
+    ``cfg.max_new_tokens`` tokens, then :func:`train_clp_forced` on both.
 
-    The targets live in the checkpoint folder (``out/../.NAME.train/forced-*``)
-    and are kept between runs while the model and the windows are the same
-    (:class:`~mlx_mtp.training.forced.ForcedTargets`), so a stopped run
+    The targets live in the checkpoint folder (``out/../.NAME.train/forced-*``
+    and ``continuations.jsonl``) and are kept between runs while the model,
+    the windows and the prompts are the same
+    (:class:`~mlx_mtp.training.forced.ForcedTargets`,
+    :class:`~mlx_mtp.training.continuations.Continuations`), so a stopped run
     resumes computing them; head checkpoints are continued only with
     ``resume``.
 
@@ -639,7 +665,7 @@ def train_clp_corpus(
         InvalidArgumentError: bad files or settings, no targets made.
     """
     from ..data import SPEC_BENCH
-    from .forced import ForcedTargets, corpus_windows
+    from .forced import ForcedTargets, continuation_windows, corpus_windows
 
     out = Path(out)
     check_writable(out.parent)
@@ -658,6 +684,14 @@ def train_clp_corpus(
             desc=f"held-out {name}"
         )
         evals[name] = ckdir / f"forced-eval-{name}"
+    train: list[Any] = []
+    if cfg.data:
+        seqs = _greedy_targets(loaded, cfg, out, ckdir, fresh=False, log=log)
+        greedy = continuation_windows(seqs, loaded.model, cfg.max_new_tokens)
+        log(f"{len(greedy['tokens'])} greedy continuations of {cfg.max_new_tokens} tokens")
+        train.append(greedy)
+    if not cfg.corpus:
+        return train_clp_forced(loaded, out, cfg, train, evals, ckdir, resume=resume, log=log)
     windows = corpus_windows(
         tok,
         cfg.corpus,
@@ -675,4 +709,5 @@ def train_clp_corpus(
         raise InvalidArgumentError(
             "no targets were made within --target-minutes; give it more time"
         )
-    return train_clp_forced(loaded, out, cfg, targets.folder, evals, ckdir, resume=resume, log=log)
+    train.append(targets.folder)
+    return train_clp_forced(loaded, out, cfg, train, evals, ckdir, resume=resume, log=log)

@@ -308,6 +308,53 @@ def forced_examples(shards: dict[str, np.ndarray], k: int) -> dict[str, np.ndarr
     }
 
 
+def continuation_windows(seqs: Iterable[Any], model: nn.Module, T: int) -> dict[str, np.ndarray]:
+    """Greedy continuations as teacher-forced windows of ``T`` tokens, so that
+    :func:`forced_examples` reads them like corpus windows.
+
+    A continuation with hidden states (:class:`~mlx_mtp.training.continuations.TrainSequence`)
+    is a window whose every token is the backbone's own: row t holds input
+    token ``x_t`` (the prompt's last token, then the generated ones), the
+    state ``h_t`` after it and the prediction ``a_t`` (the next generated
+    token). Continuations shorter than ``T`` (an early EOS) are left out.
+
+    Returns:
+        The keys of :func:`load_shards`: ``tokens`` (W, T) int32, ``hidden``
+        (W, T, D) float16, ``argmax`` (W, T) int32, ``top`` (W, T, TOP) int32.
+
+    Raises:
+        InvalidArgumentError: no continuation of ``T`` tokens with hidden states.
+    """
+    keep = [s for s in seqs if s.hidden is not None and len(s.generated) >= T]
+    if not keep:
+        raise InvalidArgumentError(
+            f"no greedy continuation reached {T} tokens; lower --max-new-tokens or add prompts"
+        )
+    tokens = np.array([[s.prompt[-1]] + s.generated[: T - 1] for s in keep], dtype=np.int32)
+    hidden = np.stack([s.hidden[:T] for s in keep]).astype(np.float16)
+    argmax = np.array([s.generated[:T] for s in keep], dtype=np.int32)
+    _, lm_head, _ = model_parts(model)
+    top = []
+    for i in range(0, len(keep), 16):
+        logits = lm_head(mx.array(hidden[i : i + 16]).astype(mx.float32))
+        top.append(np.array(mx.argpartition(-logits, TOP - 1, axis=-1)[..., :TOP].astype(mx.int32)))
+    return {"tokens": tokens, "hidden": hidden, "argmax": argmax, "top": np.concatenate(top)}
+
+
+def merge_examples(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """:func:`forced_examples` of several sources as one set (``tgt_row``
+    offset into the concatenated ``H_all`` and ``top``)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, np.ndarray] = {}
+    offsets = np.cumsum([0] + [len(p["H_all"]) for p in parts[:-1]])
+    for key in parts[0]:
+        out[key] = np.concatenate(
+            [p[key] + off if key == "tgt_row" else p[key] for p, off in zip(parts, offsets)]
+        )
+    return out
+
+
 def corpus_windows(
     tokenizer: Any,
     paths: Iterable[str | Path],
