@@ -1,4 +1,6 @@
-"""Check an MTP adapter in a minute, before the long decoding evaluation.
+"""Check an MTP adapter in a minute, before the long decoding evaluation
+(``mlx_mtp.training.mtp_check``, which ``mlx-mtp train mtp`` runs at the end
+on six prompts).
 
 Teacher-forced on the un-adapted model's greedy continuations of held-out
 prompts (GSM8K test questions and/or the 48 Spec-Bench prompts), one forward
@@ -43,18 +45,14 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=None, help="keep the continuations in this file")
     args = ap.parse_args()
 
-    import mlx.core as mx
-    import numpy as np
-    from tqdm import tqdm
-
     from mlx_mtp.cache_view import install_positional_rope
     from mlx_mtp.commands.confadapt import resolve_data
     from mlx_mtp.confadapt_format import apply_adapter, read_adapter_config, tokenizer_eos_ids
     from mlx_mtp.data import spec_bench_sample
     from mlx_mtp.loading import load_model
-    from mlx_mtp.methods.confadapt import confadapt_length
     from mlx_mtp.training.continuations import greedy_continuations
-    from mlx_mtp.training.mtp import encode_prompt, forward_layout, region_layout
+    from mlx_mtp.training.mtp import encode_prompt
+    from mlx_mtp.training.mtp_check import check_lines, heldout_check
 
     taus = [float(t) for t in args.taus.split(",")]
     base = load_model(args.model)
@@ -80,57 +78,15 @@ def main() -> None:
         cfg = read_adapter_config(Path(folder))
         model = apply_adapter(base.model, Path(folder), cfg)
         install_positional_rope(model)
-        mask_id = int(cfg["mask_token_id"])
-        k = args.k
-        ntp_hit = ntp_n = 0
-        slot_hit = np.zeros(k - 1)
-        slot_n = np.zeros(k - 1)
-        emit = {t: [0, 0, 0] for t in taus}  # blocks, emitted tokens, emitted right
-        for prompt, cont in tqdm(list(zip(prompts, conts)), desc=Path(folder).name, leave=False):
-            real = prompt + cont
-            g0 = len(prompt)
-            anchors = list(range(g0 - 1, len(real) - 1, args.stride))
-            lay = region_layout(len(real), anchors, [k] * len(anchors))
-            ids = mx.array(real + [mask_id] * lay.n_slots)
-            logits = forward_layout(model, ids, lay).astype(mx.float32)
-            if mask_id < logits.shape[-1]:  # input-only token, as in ConfAdapt.step
-                logits[:, mask_id] = -mx.inf
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            arg = np.array(mx.argmax(logp, axis=-1))
-            conf = np.array(mx.exp(mx.max(logp, axis=-1)))
-            truth = np.array(real)
-            rows = np.arange(g0 - 1, len(real) - 1)
-            ntp_hit += int((arg[rows] == truth[rows + 1]).sum())
-            ntp_n += len(rows)
-            for p, st in zip(anchors, lay.slot_start):
-                block_rows = [p] + [st + s for s in range(k - 1)]
-                pos = [p + 1 + i for i in range(k)]
-                ok = [
-                    pos[i] < len(real) and arg[r] == truth[pos[i]] for i, r in enumerate(block_rows)
-                ]
-                valid = [q < len(real) for q in pos]
-                for s in range(1, k):
-                    if valid[s]:
-                        slot_n[s - 1] += 1
-                        slot_hit[s - 1] += ok[s]
-                for t in taus:
-                    n = confadapt_length(conf[block_rows], t)
-                    n = min(n, sum(valid))
-                    e = emit[t]
-                    e[0] += 1
-                    e[1] += n
-                    e[2] += sum(ok[:n])
+        result = heldout_check(
+            model, int(cfg["mask_token_id"]), prompts, conts, args.k, args.stride, taus, True
+        )
         tr = cfg.get("training", {})
         print(
             f"\n== {folder} (gated {cfg['lora'].get('gated', False)}, lr {tr.get('lr')}, "
             f"steps {tr.get('steps_done')}, regions {tr.get('regions')})"
         )
-        print(f"NTP agreement {ntp_hit / ntp_n:.3f} ({ntp_n} positions, {len(prompts)} prompts)")
-        acc = slot_hit / np.maximum(slot_n, 1)
-        print("mask accuracy by slot 1..: " + " ".join(f"{a:.2f}" for a in acc[:8]))
-        for t in taus:
-            b, n, r = emit[t]
-            print(f"tau {t:g}: Eff. k (proxy) {n / b:.2f}, emitted tokens right {r / n:.3f}")
+        print("\n".join(check_lines(result, f"{len(prompts)} prompts")))
 
 
 if __name__ == "__main__":

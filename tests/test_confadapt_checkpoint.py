@@ -256,19 +256,34 @@ def test_train_lora_adapter_adds_mask_token(tmp_path, tokenizer_dirs, family):
     other = make_checkpoint(tmp_path / "other", family, tokenizer_dirs, with_mask=False, seed=3)
     with pytest.raises(CheckpointMismatchError, match="trained for"):
         mlx_mtp.load(str(other), method="confadapt", adapter=str(out))
+    # the held-out check: a gated adapter keeps next-token prediction the
+    # base model's (agreement 1.0 on its greedy tokens); scored against other
+    # tokens it is not
+    from mlx_mtp.training.mtp_check import heldout_check, trainer_check
+
+    res = trainer_check(tr, tokens=8)
+    assert res["ntp_agreement"] == 1.0 and res["positions"] > 0
+    assert len(res["mask_accuracy"]) == 15 and set(res["taus"]) == {"0.9", "0.6"}
+    prompt = tr._prompt_ids(0)
+    wrong = heldout_check(tr.student, tr.mask_id, [prompt], [[1, 2, 3, 4, 5, 6]], k=4, stride=2)
+    assert wrong["ntp_agreement"] < 1.0
     # resume: a new trainer with the same settings starts at the saved step
     _, tr2 = _trainer(src, tmp_path / "adapter")
     assert tr2.resume() and tr2.step == 2
     _, tr3 = _trainer(src, tmp_path / "adapter", steps=5)
     with pytest.raises(InvalidArgumentError, match="other settings.*steps: 2 there, 5 now"):
         tr3.resume()
-    # a checkpoint from before `forcing` existed resumes with its old behaviour (student)
+    # a checkpoint from before `forcing` existed was student-forced: it
+    # resumes with --forcing student, and the default (teacher) refuses it
     state = tmp_path / ".adapter.ckpt" / "state.json"
     info = json.loads(state.read_text())
     del info["config"]["forcing"]
     state.write_text(json.dumps(info))
-    _, tr4 = _trainer(src, tmp_path / "adapter")
+    _, tr4 = _trainer(src, tmp_path / "adapter", forcing="student")
     assert tr4.resume() and tr4.step == 2
+    _, tr5 = _trainer(src, tmp_path / "adapter")
+    with pytest.raises(InvalidArgumentError, match="forcing: 'student' there, 'teacher' now"):
+        tr5.resume()
     _, tr5 = _trainer(src, tmp_path / "adapter", forcing="teacher")
     with pytest.raises(InvalidArgumentError, match="forcing: 'student' there, 'teacher' now"):
         tr5.resume()
@@ -490,6 +505,9 @@ def test_cli_convert_and_train(tmp_path, tokenizer_dirs):
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "--opt adapter=" in r.output and (tmp_path / "ad" / "mtp_adapter.json").is_file()
+    # the held-out check at the end: six Spec-Bench prompts, never trained on
+    assert "held-out check (6 Spec-Bench prompts" in r.output, r.output
+    assert "mask accuracy slot 1 / 2 / 3" in r.output and "tau 0.9: Eff. k" in r.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nothing": 1}\n')
     r = runner.invoke(app, ["train", "mtp", "--model", str(plain), "--data", str(bad)])
