@@ -19,29 +19,6 @@ from .steptimes import average
 EPSILON = 0.01
 
 
-def credit(time: float, loss: float, plain: float, carried: float = 0.0) -> float:
-    """What drafting may still lose in a generation (in the units of its
-    arguments): :data:`EPSILON` of its ``time`` so far plus one ``plain``
-    step, less its ``loss`` and what earlier generations left owing
-    (``carried``, in plain steps, at most 0: :func:`carry`)."""
-    return EPSILON * time + plain * (1.0 + carried) - loss
-
-
-def carry(carried: float, time: float, loss: float, plain: float) -> float:
-    """What a generation leaves owing to the next on the same context, in
-    plain steps, between -1 and 0: what it carried in, plus its own
-    allowance (:data:`EPSILON` of its ``time``) less its ``loss``. A
-    generation that spent its credit leaves one plain step owing, so that
-    the one plain step of :func:`credit` is granted once a session, not once
-    a generation: on a device where drafting does not pay, each reply loses
-    about ``EPSILON`` of its time. A gain is not carried (a generation that
-    gained leaves nothing owing, and the next cannot spend it), nor a loss
-    past the plain step (one text's overrun does not silence the next)."""
-    if plain <= 0:
-        return carried
-    return max(-1.0, min(0.0, carried + (EPSILON * time - loss) / plain))
-
-
 class Ledger:
     """Steps of one generation, in one-token forwards (see the module doc).
 
@@ -128,11 +105,9 @@ class StepLedger:
 
     KINDS = ("spell", "plain")
 
-    def __init__(self, carried: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.time = self.spent = 0.0
         self.tokens = self.steps = 0
-        #: what earlier generations left owing, in plain steps (:func:`carry`)
-        self.carried = carried
         self.samples: dict[str, deque[float]] = {k: deque(maxlen=PLAIN_SAMPLES) for k in self.KINDS}
         self._drafted = False
 
@@ -172,12 +147,6 @@ class StepLedger:
         return len(self.samples["spell"]) >= PLAIN_MIN_SAMPLES
 
     def credit(self, plain: float) -> float:
-        """Seconds drafting may still lose (:func:`credit`; ``plain``: a
-        plain step's seconds)."""
-        return credit(self.time, self.spent - self.tokens * plain, plain, self.carried)
-
-    def carry(self, plain: float) -> float:
-        """What this generation leaves owing to the next (:func:`carry`)."""
-        if not self.steps:
-            return self.carried
-        return carry(self.carried, self.time, self.spent - self.tokens * plain, plain)
+        """Seconds drafting may still lose: :data:`EPSILON` of the time so
+        far plus one plain step (``plain`` seconds), less what it lost."""
+        return EPSILON * self.time + plain - (self.spent - self.tokens * plain)

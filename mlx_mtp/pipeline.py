@@ -257,12 +257,6 @@ class DeviceDrafter:
     #: whether the drafter learns at plain steps too (else the width policy
     #: probes now and then while the cut says no: :class:`WidthPolicy`)
     learns_free = True
-    #: whether what drafting lost in a generation carries to the next on the
-    #: context (:func:`mlx_mtp.ledger.carry`); False for a drafter that
-    #: learns from the passes of its own steps only (the recycling table,
-    #: CLP heads, a draft model), which a debt at the start of the next
-    #: generation (a spell: no pass of its own) would starve
-    carries_loss = True
     #: the layouts the width policy weighs at ``auto`` (:meth:`use` switches
     #: to one); a single unnamed one for most drafters
     widths: tuple[Any, ...] = (None,)
@@ -393,7 +387,6 @@ class CompositeDrafter(DeviceDrafter):
         self._lists: list[list[float]] = []  # each part's raw values, last asked
         self._predicted: list[list[float]] = []  # per step in flight: each part's kept value
         self.learns_free = all(p.learns_free for p in self.parts)
-        self.carries_loss = any(p.carries_loss for p in self.parts)
         self.masks = next((p.masks for p in self.parts if p.masks is not None), None)
         self.wants_hidden = any(p.wants_hidden for p in self.parts)
         self._order: list[int] = []  # the part of each merged item, best first
@@ -537,8 +530,6 @@ class Pipeline:
             learns into).
         overlap: launch each step before reading the one in flight (else
             after it).
-        key: where :meth:`finish` keeps what the generation left owing
-            (:meth:`WidthPolicy.owed`) in ``ctx.learned`` for the next.
 
     Attributes:
         plain_steps: steps of width 0 read so far.
@@ -551,16 +542,9 @@ class Pipeline:
     """
 
     def __init__(
-        self,
-        ctx: Context,
-        drafter: DeviceDrafter,
-        policy: WidthPolicy,
-        overlap: bool = True,
-        key: str | None = None,
+        self, ctx: Context, drafter: DeviceDrafter, policy: WidthPolicy, overlap: bool = True
     ):
         self.ctx, self.drafter, self.policy = ctx, drafter, policy
-        #: where the ledger's carry goes in ``ctx.learned`` (None: nowhere)
-        self.key = key
         #: launch step k+1 before reading step k (else after: a device whose
         #: passes do not overlap the host, where the width is then chosen
         #: knowing step k's outcome)
@@ -899,8 +883,6 @@ class Pipeline:
         self.policy.switch = 0.0
         self.engine.settle_at(self.engine.cached)
         self.drafter.end(self.engine.cached)
-        if self.key is not None and self.drafter.carries_loss:
-            self.ctx.learned[self.key] = self.policy.owed()
         if self.policy.auto and self.policy.curves is not None:
             self.policy.curves.save()
 
@@ -1022,8 +1004,6 @@ class WidthPolicy:
         host: the host times to start from (default: none measured; each
             generation measures its own: a warm-up's first passes of new
             shapes, or another load of the host, would mislead the next).
-        carried: what earlier generations left owing, in plain steps
-            (:meth:`StepLedger.carry <mlx_mtp.ledger.StepLedger.carry>`).
     """
 
     def __init__(
@@ -1033,7 +1013,6 @@ class WidthPolicy:
         acceptance: Acceptance,
         curves: LiveCurves | None = None,
         host: HostTimes | None = None,
-        carried: float = 0.0,
     ):
         self.most, self.auto, self.acceptance, self.curves = most, auto, acceptance, curves
         self.host = host if host is not None else HostTimes()
@@ -1048,7 +1027,7 @@ class WidthPolicy:
         self._stale = 0  # steps without mask slots since the last with them
         self._saving = 0.0  # the last cut's saving over plain steps (one-token forwards)
         #: the generation's steps against plain decoding's steps of the same tokens
-        self.ledger = StepLedger(carried)
+        self.ledger = StepLedger()
         self._probed = 0.0  # the ledger's time at the last step past the credit
 
     # ------------------------------------------------------------ the ledger
@@ -1070,12 +1049,6 @@ class WidthPolicy:
         """Seconds drafting may still lose in this generation
         (:meth:`StepLedger.credit <mlx_mtp.ledger.StepLedger.credit>`)."""
         return self.ledger.credit(self.plain_seconds)
-
-    def owed(self) -> float:
-        """What this generation leaves owing to the next, in plain steps
-        (:meth:`StepLedger.carry <mlx_mtp.ledger.StepLedger.carry>`; 0 at
-        a fixed width)."""
-        return self.ledger.carry(self.plain_seconds) if self.t1 else 0.0
 
     def record(self, seconds: float, tokens: int, drafting: bool, plain: str = "") -> None:
         """One step read (:meth:`StepLedger.record
@@ -1281,8 +1254,7 @@ def pipeline_for(
     except for a drafter that learns from its own drafts only (a draft
     model): it starts each generation from its priors, since after a text
     it could not predict its probes alone would have to win them back.
-    Its ledger starts with what the earlier generations left owing
-    (:func:`mlx_mtp.ledger.carry`). Whether a generation runs one is decided by
+    Whether a generation runs one is decided by
     :func:`mlx_mtp.runners.choose_runner`."""
     key = f"pipeline:{method.settings_key()}"
     acceptance = ctx.learned.get(key)
@@ -1290,7 +1262,5 @@ def pipeline_for(
         acceptance = ctx.learned[key] = Acceptance(method.pipeline_acceptance())
     else:
         acceptance.soften(CARRY_WEIGHT)
-    owed = f"{key}:owed"
-    carried = ctx.learned.get(owed, 0.0)
-    policy = WidthPolicy(method.max_width, method.auto, acceptance, curves, carried=carried)
-    return Pipeline(ctx, drafter, policy, overlap, key=owed)
+    policy = WidthPolicy(method.max_width, method.auto, acceptance, curves)
+    return Pipeline(ctx, drafter, policy, overlap)

@@ -347,49 +347,6 @@ def test_the_ledger_bounds_what_wrong_estimates_lose(smollm, simulate, spec_prom
     assert lost <= 2 * EPSILON * ledger.time + 3 * plain, (lost, ledger.time, plain)
 
 
-def test_a_session_grants_one_plain_step_of_credit(smollm, simulate, spec_prompts, monkeypatch):
-    """A generation whose drafts lost (prompt lookup's continuations claimed
-    nearly sure, on a writing prompt, on a steep curve) leaves up to one
-    plain step owing, and the next generation on the same context starts without the
-    plain step of credit, so it loses about ``EPSILON`` of its time. A
-    drafter that learns from its own passes only (the recycling table, CLP
-    heads, a draft model) carries nothing: a debt would starve it. Exact."""
-    from mlx_mtp.ledger import EPSILON
-    from mlx_mtp.pipeline import CompositeDrafter, WidthPolicy
-    from mlx_mtp.sources.lookup import LookupDrafter
-    from mlx_mtp.sources.recycle import RecycleDrafter, RecycleTable
-
-    policies, init = [], WidthPolicy.__init__
-
-    def kept(self, *a, **k):
-        policies.append(self)
-        init(self, *a, **k)
-
-    monkeypatch.setattr(WidthPolicy, "__init__", kept)
-    monkeypatch.setattr(LookupDrafter, "values", lambda self, acc, most, sig: [0.95] * most)
-    prompt = spec_prompts[0]  # writing: little to copy
-    simulate("profile=m4pro-4bit,ms_per_token=12")  # a rejected chain costs passes
-    ctx = Context(Engine(smollm.model))
-    m = make_method("pld")
-    m.prepare(ctx)
-    _decode(ctx, m, prompt[:-8], 16)  # the first passes of each shape take longer
-    ref = memoised_greedy(Engine(smollm.model))(prompt, 48)
-    for _ in range(2):
-        out, _ = _decode(ctx, m, prompt, 48)
-        assert out == ref
-    first, second = policies[-2:]
-    owed = first.owed()
-    assert owed <= -0.5 and second.ledger.carried == owed, (owed, second.ledger.carried)
-    ledger, plain = second.ledger, second.plain_seconds
-    lost = ledger.spent - ledger.tokens * plain
-    # its credit (less what it owed), the probes' share, the step launched
-    # before the read that used the credit up
-    assert lost <= 2 * EPSILON * ledger.time + (1.0 + owed) * plain + plain, (lost / plain, owed)
-    recycle = RecycleDrafter(RecycleTable(k=2))
-    assert not recycle.carries_loss
-    assert CompositeDrafter([LookupDrafter(3, 8), recycle]).carries_loss
-
-
 #: recycle resumes as a part of hybrid (alone, its values do not change in
 #: a spell); the draft model (the target's size: it never pays) is made to
 #: draft two tokens every fourth step

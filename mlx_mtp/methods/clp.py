@@ -244,8 +244,6 @@ class HeadsDrafter(DeviceDrafter):
     #: the heads do not run in a spell of plain steps (no pass of ours), so
     #: the width policy probes now and then while the cut says no
     learns_free = False
-    #: it learns from its own passes only: a loss is not carried to the next generation
-    carries_loss = False
 
     def __init__(self, method: CLP):
         super().__init__()

@@ -299,8 +299,6 @@ class DraftModelDrafter(DeviceDrafter):
 
     name = "draft"
     learns_free = False
-    #: it learns from its own passes only: a loss is not carried to the next generation
-    carries_loss = False
 
     def __init__(self, source: DraftModel, width: int):
         super().__init__()

@@ -197,9 +197,6 @@ class RecycleDrafter(DeviceDrafter):
     """
 
     name = SOURCE
-    #: the table learns from pipelined passes only: a loss while it learns
-    #: is not carried to the next generation
-    carries_loss = False
 
     def __init__(self, table: RecycleTable):
         super().__init__()
