@@ -167,6 +167,8 @@ def test_train_clp_corpus_end_to_end_and_resumed(tmp_path):
     assert again["train_positions"] == res["train_positions"]
     with pytest.raises(InvalidArgumentError, match="--target-minutes"):
         train_clp_corpus(loaded, tmp_path / "other", cfg, [str(held)], target_minutes=0.0)
+    with pytest.raises(InvalidArgumentError, match="give a corpus"):
+        train_clp_corpus(loaded, tmp_path / "none", TrainConfig(), [str(held)])
 
 
 def test_train_clp_corpus_with_greedy_continuations(tmp_path):

@@ -303,7 +303,7 @@ def _greedy_targets(
             if f.is_file():
                 f.unlink()
     prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
-    # by length: the held-out split below permutes this order
+    # by length (:func:`train_clp`'s held-out split permutes this order)
     prompts = sorted((p[-cfg.max_prompt_tokens :] for p in prompts), key=len)
     conts = Continuations(
         loaded.model,
@@ -667,6 +667,8 @@ def train_clp_corpus(
     from ..data import SPEC_BENCH
     from .forced import ForcedTargets, continuation_windows, corpus_windows
 
+    if not cfg.corpus and not cfg.data:
+        raise InvalidArgumentError("train clp: give a corpus (--corpus), prompts (--data) or both")
     out = Path(out)
     check_writable(out.parent)
     ckdir = checkpoint_dir(out)
@@ -690,24 +692,26 @@ def train_clp_corpus(
         greedy = continuation_windows(seqs, loaded.model, cfg.max_new_tokens)
         log(f"{len(greedy['tokens'])} greedy continuations of {cfg.max_new_tokens} tokens")
         train.append(greedy)
-    if not cfg.corpus:
-        return train_clp_forced(loaded, out, cfg, train, evals, ckdir, resume=resume, log=log)
-    windows = corpus_windows(
-        tok,
-        cfg.corpus,
-        cfg.window,
-        limit=cfg.windows,
-        seed=cfg.seed,
-        exclude=eval_prompts() if cfg.exclude_eval else (),
-    )
-    targets = ForcedTargets(loaded.model, windows, ckdir / "forced-train")
-    budget = None if target_minutes is None else 60.0 * target_minutes
-    made = targets.compute(budget_s=budget, desc="targets")
-    if made < targets.n_shards:
-        log(f"training on {made} of {targets.n_shards} shards of targets (a rerun makes the rest)")
-    if made == 0:
-        raise InvalidArgumentError(
-            "no targets were made within --target-minutes; give it more time"
+    if cfg.corpus:
+        windows = corpus_windows(
+            tok,
+            cfg.corpus,
+            cfg.window,
+            limit=cfg.windows,
+            seed=cfg.seed,
+            exclude=eval_prompts() if cfg.exclude_eval else (),
         )
-    train.append(targets.folder)
+        targets = ForcedTargets(loaded.model, windows, ckdir / "forced-train")
+        budget = None if target_minutes is None else 60.0 * target_minutes
+        made = targets.compute(budget_s=budget, desc="targets")
+        if made < targets.n_shards:
+            log(
+                f"training on {made} of {targets.n_shards} shards of targets "
+                "(a rerun makes the rest)"
+            )
+        if made == 0:
+            raise InvalidArgumentError(
+                "no targets were made within --target-minutes; give it more time"
+            )
+        train.append(targets.folder)
     return train_clp_forced(loaded, out, cfg, train, evals, ckdir, resume=resume, log=log)

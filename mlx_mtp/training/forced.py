@@ -139,6 +139,12 @@ def pack_windows(
 TOP = 8
 
 
+def top_tokens(logits: mx.array) -> mx.array:
+    """The :data:`TOP` highest-scoring tokens of each row of ``logits``
+    (..., V), unordered: (..., TOP) int32."""
+    return mx.argpartition(-logits, TOP - 1, axis=-1)[..., :TOP].astype(mx.int32)
+
+
 def forced_batch(model: nn.Module, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One prefill of a batch of windows.
 
@@ -157,10 +163,10 @@ def forced_batch(model: nn.Module, tokens: np.ndarray) -> tuple[np.ndarray, np.n
     for b in range(h.shape[0]):
         logits = lm_head(h[b : b + 1])
         preds.append(mx.argmax(logits, axis=-1))
-        tops.append(mx.argpartition(-logits, TOP - 1, axis=-1)[..., :TOP])
+        tops.append(top_tokens(logits))
         mx.eval(preds[-1], tops[-1])
     a = mx.concatenate(preds, axis=0).astype(mx.int32)
-    top = mx.concatenate(tops, axis=0).astype(mx.int32)
+    top = mx.concatenate(tops, axis=0)
     return np.array(h.astype(mx.float16)), np.array(a), np.array(top)
 
 
@@ -336,8 +342,7 @@ def continuation_windows(seqs: Iterable[Any], model: nn.Module, T: int) -> dict[
     _, lm_head, _ = model_parts(model)
     top = []
     for i in range(0, len(keep), 16):
-        logits = lm_head(mx.array(hidden[i : i + 16]).astype(mx.float32))
-        top.append(np.array(mx.argpartition(-logits, TOP - 1, axis=-1)[..., :TOP].astype(mx.int32)))
+        top.append(np.array(top_tokens(lm_head(mx.array(hidden[i : i + 16]).astype(mx.float32)))))
     return {"tokens": tokens, "hidden": hidden, "argmax": argmax, "top": np.concatenate(top)}
 
 

@@ -26,7 +26,10 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .mtp import forward_layout, region_layout
+from ..data import spec_bench_sample
+from ..methods.confadapt import confadapt_length
+from .continuations import greedy_continuations
+from .mtp import encode_prompt, forward_layout, region_layout
 
 
 def heldout_check(
@@ -58,8 +61,6 @@ def heldout_check(
     Raises:
         ValueError: no prompts, or ``k`` < 2.
     """
-    from ..methods.confadapt import confadapt_length
-
     if not prompts or k < 2:
         raise ValueError("heldout_check needs prompts and k >= 2")
     ntp_hit = ntp_n = 0
@@ -129,10 +130,6 @@ def trainer_check(trainer: Any, per_task: int = 1, tokens: int = 64) -> dict[str
     student on the first ``per_task`` Spec-Bench prompts of each task (among
     the evaluation prompts every trainer leaves out), against the base
     model's greedy continuations of ``tokens`` tokens."""
-    from ..data import spec_bench_sample
-    from .continuations import greedy_continuations
-    from .mtp import encode_prompt
-
     cut = trainer.cfg.max_prompt_tokens
     prompts = [
         encode_prompt(trainer.tokenizer, q["turns"][0], trainer.prompt_format)[-cut:]
