@@ -116,8 +116,11 @@ def measure_cost_curve(
     start = engine.offset
     tree = False
     # a recurrent model's verify passes are chains; so are those of a model that
-    # takes no input embeddings (deepseek_v3: chain methods only)
-    if not recurrent and does_model_support_input_embeddings(engine.model):
+    # takes no input embeddings (deepseek_v3: chain methods only) and of one
+    # whose gated MTP adapter reads the mask positions from token ids
+    emb = getattr(getattr(engine.model, "model", None), "embed_tokens", None)
+    gated = getattr(emb, "gate", None) is not None
+    if not recurrent and not gated and does_model_support_input_embeddings(engine.model):
         try:
             install_positional_rope(engine.model)
             tree = True

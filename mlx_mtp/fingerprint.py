@@ -37,7 +37,10 @@ MIN_COSINE = 0.9
 def token_embedding(model: nn.Module) -> nn.Module:
     """The model's token embedding, whatever its family calls it: the one
     :func:`~mlx_mtp.families.model_parts` finds, else the first embedding
-    module of the model (families whose decoder wraps it).
+    module of the model (families whose decoder wraps it). An embedding
+    wrapped with an MTP mask row
+    (:class:`~mlx_mtp.confadapt_format.MaskedEmbedding`) gives its base, so
+    a model with an on-device adapter has its base model's fingerprint.
 
     Raises:
         UnsupportedModelError: the model has no embedding module.
@@ -47,7 +50,7 @@ def token_embedding(model: nn.Module) -> nn.Module:
 
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if emb is not None:  # the usual place (also of a model made of namespaces)
-        return emb
+        return getattr(emb, "base", emb) if hasattr(emb, "mask_token_id") else emb
     try:
         return model_parts(model)[2]
     except UnsupportedModelError:

@@ -234,3 +234,22 @@ def test_shipped_adapter_for_embedded_model(smollm):
     first, _, _ = run(make_method("ntp"), questions[0], n=1)
     assert fast[:1] == first
     assert mx.array_equal(before, smollm.model.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_adapted_model_has_its_base_fingerprint_and_a_measured_curve(smollm):
+    """A model with an on-device gated adapter keeps the base model's
+    fingerprint (its embedding wraps the base one) and its cost curve is
+    measured with token ids, which the gate reads (``k=auto`` measures the
+    curve before the first step)."""
+    from mlx_mtp.costs import measure_cost_curve
+    from mlx_mtp.fingerprint import model_fingerprint
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS
+
+    ctx = Context(Engine(smollm.model), smollm)
+    ConfAdapt(adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k").prepare(ctx)
+    engine = ctx.engine
+    assert engine.model is not smollm.model
+    assert model_fingerprint(engine.model) == model_fingerprint(smollm.model)
+    engine.forward_chain([1, 2, 3, 4])
+    assert measure_cost_curve(engine, sizes=(1, 2), repeats=1).sizes == [1, 2]
+
