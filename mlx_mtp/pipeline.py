@@ -623,14 +623,20 @@ class Pipeline:
             self.drafter.aside = []
         else:
             tokens = st.root.reshape(1)
-        emb, base = None, tpl
-        if masked:  # mask slots after every token slot: vectors, never accepted
+        emb, base, ids = None, tpl, tokens
+        if masked:  # mask slots after every token slot, never accepted (-1 in the walk)
             tpl = tpl.with_masks(layer.k)
-            emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
-            tokens = mx.concatenate([tokens, mx.full((tpl.n - base.n,), -1, dtype=mx.int32)])
+            extra = tpl.n - base.n
+            if layer.token is None:  # vectors in the embedding space
+                emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
+            else:  # a vocabulary token the model was trained to read as a mask
+                ids = mx.concatenate([tokens, mx.full((extra,), layer.token, dtype=mx.int32)])
+            tokens = mx.concatenate([tokens, mx.full((extra,), -1, dtype=mx.int32)])
+            if layer.token is None:
+                ids = tokens
         anc = tpl.arrays().get("anc")
         out = engine.forward_at(
-            tokens,
+            ids,
             st.at,
             rows,
             anc,

@@ -20,7 +20,11 @@ The caller asks for ``auto``, ``pipelined`` or ``synchronous``
 pipelined steps where they can run and the device's passes overlap the host
 (:attr:`DeviceClock.overlaps <mlx_mtp.timing.DeviceClock.overlaps>`: a GPU),
 else the planner's. ``pipelined`` where pipelined steps cannot run is an
-:class:`~mlx_mtp.errors.InvalidArgumentError` that says why.
+:class:`~mlx_mtp.errors.InvalidArgumentError` that says why. A method whose
+drafts exist only on pipelined steps (``confadapt`` in verified mode:
+:attr:`DraftMethod.planner_steps <mlx_mtp.methods.base.DraftMethod.planner_steps>`)
+runs them under ``auto`` on every device, each pass read before the next
+where the device does not overlap the host, and ``synchronous`` is an error.
 """
 
 from __future__ import annotations
@@ -144,6 +148,21 @@ def choose_runner(
     if not isinstance(method, DraftMethod):  # no draft steps to run either way
         return RunnerChoice("plain", f"{method.describe()} decodes one token per step")
     why_not, drafter = _why_not_pipelined(ctx, method, sampler, logprobs)
+    if not method.planner_steps:  # its drafts exist on pipelined steps only
+        if why_not is not None or asked == "synchronous":
+            why = why_not or "runner 'synchronous' was asked for"
+            raise InvalidArgumentError(
+                f"{method.describe()} drafts on pipelined steps only, and they cannot "
+                f"run: {why}. Decode greedily with the runner 'auto' or 'pipelined'."
+            )
+        if overlap is None:
+            overlap = asked == "pipelined" or ctx.engine.clock.overlaps
+        reason = "the method drafts on pipelined steps only" + (
+            "" if overlap else " (each pass read before the next: this device does not overlap)"
+        )
+        return RunnerChoice(
+            "pipelined", reason, pipeline_for(ctx, method, drafter, curves, overlap)
+        )
     if asked == "pipelined":
         if why_not is not None:
             if source != "asked for":  # the deprecated variable falls back, as it did

@@ -253,3 +253,64 @@ def test_adapted_model_has_its_base_fingerprint_and_a_measured_curve(smollm):
     engine.forward_chain([1, 2, 3, 4])
     assert measure_cost_curve(engine, sizes=(1, 2), repeats=1).sizes == [1, 2]
 
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_verified_mode_equals_greedy_on_pipelined_steps(tmp_path, family):
+    """``mode=verified`` drafts the masks' tokens and verifies them: plain
+    greedy decoding token for token, on pipelined steps (the runner named in
+    the stats), under ``auto`` too, where this CPU's device does not overlap
+    the host."""
+    ref = _greedy(tmp_path, family, max_tokens=30)
+    for runner in ("auto", "pipelined"):
+        ctx = _engine(tmp_path, family)
+        method = ConfAdapt(k=4, mode="verified")
+        method.prepare(ctx)
+        out, stats = [], None
+        for step in generate_steps(ctx, method, PROMPT, max_tokens=30, runner=runner):
+            out += step.tokens
+            stats = step.stats
+        assert out == ref, runner
+        assert stats.runner == "pipelined" and stats.drafted > 0
+        assert ctx.engine.cached == PROMPT + out[:-1]
+
+
+def test_verified_mode_refuses_what_pipelined_steps_cannot_run(tmp_path):
+    """Verified mode has no synchronous form: asking for it, or sampling at
+    temperature > 0, is an error naming why, not plain decoding."""
+    from mlx_lm.sample_utils import make_sampler
+
+    for kwargs, why in (
+        ({"runner": "synchronous"}, "synchronous"),
+        ({"sampler": make_sampler(temp=0.8)}, "temperature"),
+    ):
+        ctx = _engine(tmp_path)
+        method = ConfAdapt(k=4, mode="verified")
+        method.prepare(ctx)
+        with pytest.raises(InvalidArgumentError, match=f"pipelined steps only.*{why}"):
+            list(generate_steps(ctx, method, PROMPT, max_tokens=8, **kwargs))
+    with pytest.raises(InvalidArgumentError, match="k >= 2"):
+        ConfAdapt(k=1, mode="verified")
+    m = make_method("confadapt", mode="verified")
+    assert m.lossless and m.describe() == "confadapt(k=auto<=16, verified)"
+
+
+def test_verified_mode_with_the_shipped_adapter(smollm_case):
+    """SmolLM2 with the shipped gated adapter in verified mode: the base
+    model's greedy decoding on three Spec-Bench prompts, the mask token's
+    drafts accepted."""
+    from mlx_mtp.methods.confadapt import SHIPPED_ADAPTERS
+
+    case = smollm_case
+    method = ConfAdapt(mode="verified", adapter=SHIPPED_ADAPTERS / "smollm2-135m-gsm8k")
+    accepted = 0
+    for prompt, n in case.prompts:
+        ctx = Context(Engine(case.loaded.model), case.loaded)
+        method.prepare(ctx)
+        out, stats = [], None
+        for step in generate_steps(ctx, method, prompt, max_tokens=n, eos_ids=set()):
+            out += step.tokens
+            stats = step.stats
+        assert out == case.greedy(prompt, n)
+        assert stats.runner == "pipelined"
+        accepted += stats.accepted
+    assert accepted > 0

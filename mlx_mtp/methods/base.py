@@ -111,6 +111,10 @@ class DraftMethod(Method):
         """The most draft nodes one step may send (BC - 1)."""
         return self.block_complexity - 1
 
+    #: whether the planner's synchronous steps can run this method; where
+    #: not, it drafts on pipelined steps only (:func:`mlx_mtp.runners.choose_runner`)
+    planner_steps: bool = True
+
     def device_drafter(self, ctx: Context) -> DeviceDrafter | None:
         """The method's drafts chosen on the device, for pipelined steps
         (:mod:`mlx_mtp.pipeline`: the next pass launched before the host reads

@@ -21,6 +21,16 @@ Lossy by design: the mask predictions are not verified. "Eff. k" (tokens per
 forward pass) is the acceleration the paper reports; the decoding loop's tau is
 exactly that number.
 
+``mode=verified`` (not in the paper) makes it lossless: the masks' top
+tokens are a draft that the next pass verifies against the model's own
+greedy tokens, as ESP verifies its mask candidates (Goel et al. §3.2). It
+runs on pipelined steps (:mod:`mlx_mtp.pipeline`): every token slot carries
+the mask token in the slots after it (:class:`~mlx_mtp.sources.masks.TokenMaskLayer`),
+and the masks after the deepest accepted slot give the next draft
+(:class:`~mlx_mtp.sources.masks.MaskDrafter`). With a gated adapter the
+real tokens see the base model only, so the committed tokens are the base
+model's greedy decoding.
+
 Cache contract (differs from lossless methods, see :class:`ConfAdapt`): after
 :meth:`ConfAdapt.step` the cache holds the committed tokens up to and including
 this step's root; the tokens emitted by the step are not cached yet (the last
@@ -44,7 +54,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import distributed
-from ..acceptance import chain_values
+from ..acceptance import AcceptanceModel, chain_values
 from ..confadapt_format import (  # noqa: F401  (re-exported: the names before the split)
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -71,8 +81,14 @@ from ..context import Context
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..offers import Item, Offer, StepOutput
 from ..sampling import draw
+from ..sources.masks import PROBE_RANK_PRIORS, MaskDrafter, TokenMaskLayer
 from ..verify import Sampler
 from .base import DraftMethod, parse_int
+
+#: mask slots after each token slot in verified mode (at most)
+VERIFIED_MASKS = 3
+#: candidates per mask in verified mode (the draft tree's ranks)
+VERIFIED_TOP = 4
 
 
 class ConfAdapt(DraftMethod):
@@ -90,7 +106,10 @@ class ConfAdapt(DraftMethod):
         tau: confidence threshold in [0, inf): keep the leading tokens whose
             top-1 probability is >= tau (at least one). ``tau > 1`` is plain
             greedy decoding; ``tau = 0`` keeps all k (static-k).
-        mode: ``"confadapt"`` (default) or ``"static"`` (keep all k).
+        mode: ``"confadapt"`` (default), ``"static"`` (keep all k) or
+            ``"verified"`` (lossless: the masks' tokens drafted and verified
+            on pipelined steps, ``min(k - 1, 3)`` masks after every token
+            slot, a draft tree of up to ``k - 1`` nodes; greedy only).
         adapter: folder of an on-device adapter (``mlx-mtp train mtp``);
             default: found by the model's fingerprint.
 
@@ -122,9 +141,17 @@ class ConfAdapt(DraftMethod):
             raise InvalidArgumentError(f"option tau must be a number, got {tau!r}") from None
         if not np.isfinite(self.tau) or self.tau < 0:
             raise InvalidArgumentError(f"option tau must be >= 0, got {self.tau}")
-        if mode not in ("confadapt", "static"):
-            raise InvalidArgumentError(f"option mode must be 'confadapt' or 'static', got {mode!r}")
+        if mode not in ("confadapt", "static", "verified"):
+            raise InvalidArgumentError(
+                f"option mode must be 'confadapt', 'static' or 'verified', got {mode!r}"
+            )
+        if mode == "verified" and self.k < 2:
+            raise InvalidArgumentError("mode=verified drafts from k - 1 masks: give k >= 2")
         self.static = mode == "static"
+        self.verified = mode == "verified"
+        # instance attribute: exactness depends on mode
+        self.lossless = self.verified
+        self.planner_steps = not self.verified
         self.adapter = None if adapter in (None, "") else Path(str(adapter)).expanduser()
         self.meta: MTPMetadata | None = None
         self.pending: list[int] = []
@@ -137,6 +164,8 @@ class ConfAdapt(DraftMethod):
         # the stats line's "tau" (tokens per forward) is the paper's Eff. k; the
         # confidence threshold is printed as "conf>=" to keep the two apart
         rule = "static" if self.static else f"conf>={self.tau:g}"
+        if self.verified:
+            rule = "verified"
         k = f"auto<={self.k}" if self.auto else str(self.k)
         return f"confadapt(k={k}, {rule})"
 
@@ -169,8 +198,36 @@ class ConfAdapt(DraftMethod):
         super().begin(ctx, prompt, sampler)
         self.pending = []
 
+    # ------------------------------------------------------ verified mode
+    #: verified mode's estimates: per depth d of the next draft (mask d), the
+    #: acceptance of the candidate of each rank given its parent accepted
+    PIPELINE_ACCEPTANCE = AcceptanceModel(
+        priors={
+            f"confadapt/{d}": tuple(f * p for p in PROBE_RANK_PRIORS)
+            for d, f in ((1, 1.0), (2, 0.6), (3, 0.4))
+        },
+        default_prior=0.01,
+        weight=2.0,
+        decay=0.95,
+        max_depth=16,
+    )
+
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        return self.PIPELINE_ACCEPTANCE
+
+    def device_drafter(self, ctx: Context) -> MaskDrafter | None:
+        """Verified mode's drafts on pipelined steps: the mask token after
+        every token slot, its candidates the next draft tree (see the module
+        doc); None in the lossy modes, whose blocks are not verified."""
+        if not self.verified:
+            return None
+        layer = TokenMaskLayer(self.mask_id, min(self.k - 1, VERIFIED_MASKS), VERIFIED_TOP)
+        return MaskDrafter(layer, name="confadapt")
+
     # --------------------------------------------------------------- step
     def propose(self, ctx: Context, root: int) -> Offer:
+        if self.verified:  # the runner never asks (planner_steps is False)
+            raise InvalidArgumentError("confadapt mode=verified runs on pipelined steps only")
         # mask i is worth the chance that the tokens of masks 1..i are all kept;
         # the tokens committed last step are fed again anyway
         values = chain_values(ctx.acceptance.qs("confadapt", self.k - 1))

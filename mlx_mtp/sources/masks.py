@@ -179,6 +179,10 @@ class MaskLayer:
             :attr:`cands` while set.
     """
 
+    #: the vocabulary id every mask slot carries (:class:`TokenMaskLayer`);
+    #: None: the slots are :attr:`vec`, vectors in the embedding space
+    token: int | None = None
+
     def __init__(self, vectors: MaskVectors, top: int):
         self.vectors, self.k, self.top = vectors, vectors.slots, max(int(top), 1)
         #: (k, top) int32 lazy, best first; None before the first step with
@@ -211,15 +215,7 @@ class MaskLayer:
         accepted slot (``masked``: the step carried mask slots; else none),
         and the vectors after its committed tokens (the first
         ``step.accepted + 1`` of ``committed``); returns them to evaluate."""
-        out = []
-        if masked:
-            n, k = step.tpl.n, self.k
-            deepest = step.path[-1]
-            rows = mx.take(step.logits, n + deepest * k + mx.arange(k), axis=0)
-            self.cands = top_tokens(rows, self.top).astype(mx.int32)
-            out.append(self.cands)
-        else:
-            self.cands = None
+        out = self._candidates(step, masked)
         if self.vectors.learned is None:
             lam = self.vectors.lam
             count = (step.accepted + 1).astype(mx.float32)
@@ -228,6 +224,60 @@ class MaskLayer:
             e = engine.embed(committed)
             self.vec = mx.power(1.0 - lam, count) * self.vec + (w.astype(e.dtype) @ e)[None]
         return [*out, self.vec]
+
+    def _candidates(self, step: Any, masked: bool) -> list[mx.array]:
+        """Lazy: :attr:`cands` from the masks after ``step``'s deepest
+        accepted slot (None where the step carried none); returns them to
+        evaluate."""
+        if not masked:
+            self.cands = None
+            return []
+        n, k = step.tpl.n, self.k
+        rows = mx.take(step.logits, n + step.path[-1] * k + mx.arange(k), axis=0)
+        self.cands = top_tokens(rows, self.top).astype(mx.int32)
+        return [self.cands]
+
+
+class TokenMaskLayer(MaskLayer):
+    """Mask slots that are one vocabulary token, the mask token of a
+    self-distilled multi-token-prediction model (Kirchenbauer et al., arXiv
+    2602.06019, §3): after a token, the mask token at the next position
+    stands for the token after it, and ``k`` of them in a row for the ``k``
+    tokens after it. Laid out as :class:`MaskLayer`'s slots (``k`` after
+    every token slot, each seeing its node's path and the masks before it,
+    as the model saw them in training), so the masks after the deepest
+    accepted slot give the next draft's candidates. The pass carries the
+    id itself, so an on-device adapter's gate
+    (:class:`~mlx_mtp.confadapt_format.MaskedEmbedding`) sees which slots
+    are masks; nothing is learned between steps.
+
+    Args:
+        token: the mask token's id (may lie past the logits' columns).
+        k: mask slots after each token slot.
+        top: candidates kept per depth.
+    """
+
+    def __init__(self, token: int, k: int, top: int):
+        self.vectors, self.vec = None, None
+        self.token, self.k, self.top = int(token), int(k), max(int(top), 1)
+        self.cands = None
+        self.assume = None
+
+    def begin(self, engine: Engine, prompt: list[int]) -> None:
+        """A generation starts: no candidates until a step carries masks."""
+        self.cands = None
+        self.assume = None
+
+    def slots(self, nodes: int) -> mx.array:
+        """Not used: the pass carries :attr:`token` in the mask slots."""
+        raise TypeError("token mask slots are ids, not vectors")
+
+    def after(
+        self, engine: Engine, step: Any, committed: mx.array, masked: bool = True
+    ) -> list[mx.array]:
+        """Lazy: the next candidates (see :class:`MaskLayer`); returns them
+        to evaluate."""
+        return self._candidates(step, masked)
 
 
 #: prior acceptance of the rank-1.. candidates of mask 1, given the root
@@ -239,7 +289,7 @@ class MaskDrafter(DeviceDrafter):
     the last step's deepest accepted slot (:class:`MaskLayer`), depth d from
     mask d, hung under every node of the depth before (ESP §3.2). The tree's
     shape is the best-first expansion of (depth, rank) paths, a node worth
-    the product of the estimates ``q(probe/d, rank)`` along its path (the
+    the product of the estimates ``q(NAME/d, rank)`` along its path (the
     tokens are on the device; their probabilities are not read).
 
     Learning costs nothing: the candidates every step's masks made are read
@@ -248,13 +298,15 @@ class MaskDrafter(DeviceDrafter):
 
     Args:
         layer: the mask slots.
+        name: the estimates' source; depth d learns ``NAME/d``.
     """
 
     name = "probe"
 
-    def __init__(self, layer: MaskLayer):
+    def __init__(self, layer: MaskLayer, name: str = "probe"):
         super().__init__()
         self.masks = layer
+        self.name = name
         self._plan: tuple[list[int], list[int]] = ([-1], [0])
         self._tpls: dict[tuple[int, ...], Template] = {}
         self._index: dict[int, mx.array] = {}
@@ -279,7 +331,7 @@ class MaskDrafter(DeviceDrafter):
             self._plan = ([-1], [0])
             return []
         k, top = self.masks.k, self.masks.top
-        qs = [acceptance.qs(f"probe/{d}", top) for d in range(1, k + 1)]
+        qs = [acceptance.qs(f"{self.name}/{d}", top) for d in range(1, k + 1)]
         parents, ranks, values = rank_tree(lambda d: qs[d - 1], most, deepest=k)
         depth = [0] * len(parents)
         for s in range(1, len(parents)):
@@ -318,7 +370,7 @@ class MaskDrafter(DeviceDrafter):
             for d in range(1, len(known) + 1):
                 if d > 1 and known[d - 2] not in cands[d - 2]:
                     break  # no candidate path reaches depth d
-                est = acceptance.source(f"probe/{d}")
+                est = acceptance.source(f"{self.name}/{d}")
                 for rank, t in enumerate(cands[d - 1].tolist()):
                     est.add(rank + 1, t == known[d - 1])
         self._pending = keep
