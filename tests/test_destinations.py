@@ -24,7 +24,7 @@ from mlx_mtp.errors import InvalidArgumentError
 #: tiny settings of each training command (two prompts, a step or two)
 CLP = ["train", "clp", "--data", "p.jsonl", "--limit", "2", "--max-new-tokens", "4"]
 CLP += ["--epochs", "1"]
-MTP = ["train", "mtp", "--data", "p.jsonl", "--steps", "1", "--gen-tokens", "4"]
+MTP = ["train", "mtp", "--data", "p.jsonl", "--steps", "1", "--gen-tokens", "4", "--no-check"]
 MASKS = ["train", "masks", "--data", "p.jsonl", "--steps", "1", "--max-tokens", "4"]
 MASKS += ["--limit", "2", "--anchors", "2"]
 BENCH = ["bench", "--methods", "ntp", "--categories", "qa", "--limit", "1", "-n", "2"]

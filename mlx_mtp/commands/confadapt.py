@@ -160,6 +160,11 @@ def register(app: typer.Typer) -> None:
             + " A quantized model trains LoRA over its frozen weights (QLoRA).",
         ),
         prompt_format: str = typer.Option("chat", "--prompt-format", help="chat or plain."),
+        check: bool = typer.Option(
+            True,
+            "--check/--no-check",
+            help="At the end, score the adapter on 6 held-out Spec-Bench prompts.",
+        ),
     ) -> None:
         """Adapt a model for --method confadapt by self-distillation (adds the mask token)."""
         from ..training.mtp import FORCINGS
@@ -188,6 +193,7 @@ def register(app: typer.Typer) -> None:
             forcing=forcing,
             regions=regions,
             gen_tokens=gen_tokens,
+            check=check,
         )
         if not lora:
             how = f" --model {path}"
