@@ -428,35 +428,45 @@ def test_hybrid_runs_a_draft_model_only_while_it_pays(monkeypatch):
     assert share["close"] > 0.9 and share["far"] < 0.25, share
 
 
-def test_pipelined_draft_model_is_exact(qwen_large, qwen, monkeypatch):
+@pytest.mark.parametrize(
+    "opts",
+    [{"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}],
+    ids=["chain", "tree"],
+)
+def test_pipelined_draft_equals_greedy_on_the_tiny_pair(pair, opts):
     """The draft model's passes queued ahead of the target's on the lazy
-    state (Qwen2.5-Coder-1.5B drafted by 0.5B: qwen2, q/k/v biases, untied
-    head), chain and tree, equal plain greedy decoding; a second turn reuses
-    both caches."""
+    state, chain and tree: plain greedy decoding on several prompts, drafts
+    accepted."""
+    target, close, _ = pair
+    prompts = _prompts(4)
+    ref, _, _ = _run(target, "ntp", prompts)
+    ctx = Context(Engine(target.model), target, curves=CostCurve.flat(16, 0.003))
+    m = make_method("draft", draft_model=close, **opts)
+    m.prepare(ctx)
+    accepted = 0
+    for p, r in zip(prompts, ref):
+        out, stats = decode(ctx, m, p, 40, runner="pipelined")
+        assert out == r and stats.runner == "pipelined", opts
+        accepted += stats.accepted
+    assert accepted > 0
+
+
+def test_pipelined_draft_model_is_exact(qwen_large, qwen):
+    """The same on the real pair (Qwen2.5-Coder-1.5B drafted by 0.5B: qwen2,
+    q/k/v biases, untied head), a tree; a second turn reuses both caches."""
     from conftest import memoised_greedy
 
     from mlx_mtp.data import render_prompt
-    from mlx_mtp.decoding import generate_steps
-
-    monkeypatch.setenv("MLX_MTP_PIPELINE", "1")  # pipelined steps on this CPU too
-
-    def _decode(ctx, method, prompt, n):
-        out, stats = [], None
-        for step in generate_steps(ctx, method, prompt, max_tokens=n):
-            out.extend(step.tokens)
-            stats = step.stats
-        return out, stats
 
     # the real pair's CI prompt and length: its greedy reference is decoded once
-    prompts = [render_prompt(qwen_large.tokenizer, [{"role": "user", "content": PAIR_PROMPT}])]
+    prompt = render_prompt(qwen_large.tokenizer, [{"role": "user", "content": PAIR_PROMPT}])
     ref = memoised_greedy(Engine(qwen_large.model))
     ctx = Context(Engine(qwen_large.model), loaded=qwen_large, curves=CostCurve.flat())
-    for opts in ({"shape": "chain", "num_draft_tokens": 3}, {"num_draft_tokens": 2}):
-        m = make_method("draft", draft_model=qwen, **opts)
-        m.prepare(ctx)
-        out, stats = _decode(ctx, m, prompts[0], 12)
-        assert out == ref(prompts[0], 12), opts
-        assert stats.accepted > 0
-    turn2 = prompts[0] + out + prompts[0][-4:]
-    out, _ = _decode(ctx, m, turn2, 8)
+    m = make_method("draft", draft_model=qwen, num_draft_tokens=2)
+    m.prepare(ctx)
+    out, stats = decode(ctx, m, prompt, 12, runner="pipelined")
+    assert out == ref(prompt, 12)
+    assert stats.accepted > 0 and stats.runner == "pipelined"
+    turn2 = prompt + out + prompt[-4:]
+    out, _ = decode(ctx, m, turn2, 8, runner="pipelined")
     assert out == ref(turn2, 8)
