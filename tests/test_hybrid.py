@@ -299,6 +299,45 @@ def test_options():
     with pytest.raises(InvalidArgumentError):
         Hybrid(mask_init="random")
     assert Hybrid(masks=0).masks == 0
+    with pytest.raises(InvalidArgumentError, match="clp=1"):
+        Hybrid(clp_heads="somewhere")
+    h = Hybrid(clp=1)
+    assert "clp" in h.describe() and not h.planner_steps and Hybrid().planner_steps
+
+
+def test_hybrid_with_clp_heads_runs_pipelined_only(smollm_case, monkeypatch):
+    """``clp=1`` adds the shipped CLP heads' chain to the pipelined tree:
+    exact, the heads' drafts accepted among the parts'; the planner's steps
+    have no CLP source, so asking for them is an error, not a silent tree
+    without the heads."""
+    from conftest import decode
+
+    from mlx_mtp.engine import Engine
+    from mlx_mtp.methods.clp import HeadsDrafter
+
+    heads_accepted = 0
+    learn = HeadsDrafter.learn
+
+    def counted(self, acceptance, history, steps):  # the heads' own nodes in each tree
+        nonlocal heads_accepted
+        heads_accepted += sum(s.accepted for s in steps if s.width > 0)
+        return learn(self, acceptance, history, steps)
+
+    monkeypatch.setattr(HeadsDrafter, "learn", counted)
+    case = smollm_case
+    method = Hybrid(clp=1)
+    for prompt, n in case.prompts:
+        ctx = Context(Engine(case.loaded.model), case.loaded)
+        method.prepare(ctx)
+        out, stats = decode(ctx, method, prompt, n, eos_ids=set())
+        assert out == case.greedy(prompt, n)
+        assert stats.runner == "pipelined"
+    assert heads_accepted > 0
+    ctx = Context(Engine(case.loaded.model), case.loaded)
+    method.prepare(ctx)
+    prompt, n = case.prompts[0]
+    with pytest.raises(InvalidArgumentError, match="pipelined steps only"):
+        decode(ctx, method, prompt, n, runner="synchronous")
 
 
 # ---------------------------------------------------------------- exactness

@@ -62,6 +62,7 @@ from ..sources.recycle import DEEP, DEEP_PRIORS, RANK_PRIORS, RecycleDrafter, Re
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
+from .clp import CLP, HeadsDrafter
 from .pld import PLD
 from .probe import Probe
 
@@ -112,6 +113,12 @@ class Hybrid(DraftMethod):
         heads: the MTP layer's folder (default: the model's own).
         draft_model, draft_width: a draft model (as ``--method draft`` takes
             it) and its candidates per depth (default 4).
+        clp: 1 to draft from the model's CLP heads too (Xie & Zhou, CLP §3:
+            their chain after each step's deepest accepted slot), found as
+            ``--method clp`` finds them or named by ``clp_heads``; pipelined
+            steps only (:attr:`planner_steps`), as a part of the pipelined
+            tree (:class:`~mlx_mtp.methods.clp.HeadsDrafter`).
+        clp_heads: the heads' folder or hub repo id (default: by fingerprint).
 
     Raises:
         InvalidArgumentError: bad option values (bc < 2, a fixed tree, ...).
@@ -153,6 +160,8 @@ class Hybrid(DraftMethod):
         heads: Any = None,
         draft_model: Any = None,
         draft_width: Any = 4,
+        clp: Any = 0,
+        clp_heads: Any = None,
     ):
         if str(tree) != "dynamic":
             raise InvalidArgumentError(
@@ -187,6 +196,14 @@ class Hybrid(DraftMethod):
         drafting = draft_model not in (None, "")
         self.draft = DraftModel(draft_model, parse_width(draft_width)) if drafting else None
         self._pool_table: RecycleTable | None = None  # the pool's, for pipelined steps
+        use_clp = bool(parse_int("clp", clp, 0, 1))
+        if clp_heads not in (None, "") and not use_clp:
+            raise InvalidArgumentError("option clp_heads names CLP heads for clp=1; add clp=1.")
+        self.clp = (
+            CLP(heads=None if clp_heads in (None, "") else str(clp_heads)) if use_clp else None
+        )
+        #: the planner's tree has no CLP source: with clp=1, pipelined steps only
+        self.planner_steps = self.clp is None
 
     @property
     def block_complexity(self) -> int:
@@ -200,6 +217,7 @@ class Hybrid(DraftMethod):
         loaded = getattr(self.draft, "loaded", None)
         draft = "" if self.draft is None else f", draft={getattr(loaded, 'name', self.draft.spec)}"
         rec = "" if self.recycle is None else ", recycle"
+        rec += "" if self.clp is None else ", clp"
         m = self.lookup.matches
         return f"hybrid(bc={bc}, masks={self.masks}, matches={m}{shape}{mtp}{draft}{rec}{init})"
 
@@ -232,7 +250,7 @@ class Hybrid(DraftMethod):
         if self.mtp_opt == 1 or (self.mtp_opt == "auto" and has_mtp):
             self.drafter = NativeDrafter()
             self.drafter.prepare(ctx, self.heads)
-        for source in (self.draft, self.recycle):  # tables and models of their own
+        for source in (self.draft, self.recycle, self.clp):  # models and tables of their own
             if source is not None:
                 source.prepare(ctx)
 
@@ -241,7 +259,8 @@ class Hybrid(DraftMethod):
         and a table of the model's own predictions (token recycling's with
         ``recycle=1``, else one prediction per token, which stands in for the
         pool); a hybrid with mask slots, an MTP layer or a draft model runs
-        the planner's steps."""
+        the planner's steps. With ``clp=1`` the CLP heads' chain is a part
+        too."""
         if self.drafter is not None or self.draft is not None or self.chain:
             return None
         most = self.max_width
@@ -254,6 +273,8 @@ class Hybrid(DraftMethod):
             parts.append(RecycleDrafter(table))
         if self.masks:
             parts.append(MaskDrafter(MaskLayer(self.vectors, top=min(most, 16))))
+        if self.clp is not None:
+            parts.append(HeadsDrafter(self.clp))
         return CompositeDrafter(parts)
 
     @property
