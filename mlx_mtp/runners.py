@@ -149,11 +149,15 @@ def choose_runner(
         return RunnerChoice("plain", f"{method.describe()} decodes one token per step")
     why_not, drafter = _why_not_pipelined(ctx, method, sampler, logprobs)
     if not method.planner_steps:  # its drafts exist on pipelined steps only
-        if why_not is not None or asked == "synchronous":
-            why = why_not or "runner 'synchronous' was asked for"
+        if asked == "synchronous":
+            raise InvalidArgumentError(
+                f"{method.describe()} drafts on pipelined steps only, and runner "
+                "'synchronous' was asked for. Use the runner 'auto' or 'pipelined'."
+            )
+        if why_not is not None:
             raise InvalidArgumentError(
                 f"{method.describe()} drafts on pipelined steps only, and they cannot "
-                f"run: {why}. Decode greedily with the runner 'auto' or 'pipelined'."
+                f"run: {why_not}. Use another mode or method for this."
             )
         if overlap is None:
             overlap = asked == "pipelined" or ctx.engine.clock.overlaps

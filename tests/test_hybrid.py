@@ -338,6 +338,8 @@ def test_hybrid_with_clp_heads_runs_pipelined_only(smollm_case, monkeypatch):
     prompt, n = case.prompts[0]
     with pytest.raises(InvalidArgumentError, match="pipelined steps only"):
         decode(ctx, method, prompt, n, runner="synchronous")
+    with pytest.raises(InvalidArgumentError, match="clp=1 runs on pipelined steps"):
+        Hybrid(clp=1, shape="chain").prepare(Context(Engine(case.loaded.model), case.loaded))
 
 
 # ---------------------------------------------------------------- exactness

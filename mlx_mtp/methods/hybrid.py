@@ -250,6 +250,12 @@ class Hybrid(DraftMethod):
         if self.mtp_opt == 1 or (self.mtp_opt == "auto" and has_mtp):
             self.drafter = NativeDrafter()
             self.drafter.prepare(ctx, self.heads)
+        if self.clp is not None and (self.drafter or self.draft or self.chain):
+            raise InvalidArgumentError(
+                "--method hybrid clp=1 runs on pipelined steps, whose tree takes no "
+                "MTP layer, draft model or chain shape; drop clp=1, or use mtp=0, no "
+                "draft_model and shape=tree with it."
+            )
         for source in (self.draft, self.recycle, self.clp):  # models and tables of their own
             if source is not None:
                 source.prepare(ctx)
