@@ -42,14 +42,14 @@ from .protocol import OpenAIError
 
 #: method options that name a file, a folder or a hub repo (``draft_model``:
 #: also an alias, which may name a hub repo)
-ARTIFACT_OPTIONS = frozenset({"heads", "adapter", "draft_model"})
+ARTIFACT_OPTIONS = frozenset({"heads", "adapter", "draft_model", "clp_heads"})
 #: method options that take a number, a boolean or one of a few words
 VALUE_OPTIONS = frozenset(
     {
         "bc", "masks", "tree", "lam", "mask_init", "max_bc", "shape", "window", "max_draft",
         "mode", "k", "predictor", "tau", "max_k", "level", "guess", "seed", "matches",
         "pool", "mtp", "mtp_depth", "depth", "hidden_state", "max_depth", "draft_cost",
-        "draft_width", "num_draft_tokens", "width", "recycle", "reset",
+        "draft_width", "num_draft_tokens", "width", "recycle", "reset", "clp",
     }
 )  # fmt: skip
 
