@@ -623,17 +623,18 @@ class Pipeline:
             self.drafter.aside = []
         else:
             tokens = st.root.reshape(1)
+        # ids: what the model reads; tokens: what the walk reads (-1 at mask
+        # slots, never accepted)
         emb, base, ids = None, tpl, tokens
-        if masked:  # mask slots after every token slot, never accepted (-1 in the walk)
+        if masked:  # mask slots after every token slot
             tpl = tpl.with_masks(layer.k)
-            extra = tpl.n - base.n
+            pad = mx.full((tpl.n - base.n,), -1, dtype=mx.int32)
             if layer.token is None:  # vectors in the embedding space
                 emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
             else:  # a vocabulary token the model was trained to read as a mask
-                ids = mx.concatenate([tokens, mx.full((extra,), layer.token, dtype=mx.int32)])
-            tokens = mx.concatenate([tokens, mx.full((extra,), -1, dtype=mx.int32)])
-            if layer.token is None:
-                ids = tokens
+                ids = mx.concatenate([tokens, mx.full(pad.shape, layer.token, dtype=mx.int32)])
+            tokens = mx.concatenate([tokens, pad])
+            ids = tokens if layer.token is None else ids
         anc = tpl.arrays().get("anc")
         out = engine.forward_at(
             ids,

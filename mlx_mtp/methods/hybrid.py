@@ -197,11 +197,10 @@ class Hybrid(DraftMethod):
         self.draft = DraftModel(draft_model, parse_width(draft_width)) if drafting else None
         self._pool_table: RecycleTable | None = None  # the pool's, for pipelined steps
         use_clp = bool(parse_int("clp", clp, 0, 1))
-        if clp_heads not in (None, "") and not use_clp:
+        clp_heads = None if clp_heads in (None, "") else str(clp_heads)
+        if clp_heads is not None and not use_clp:
             raise InvalidArgumentError("option clp_heads names CLP heads for clp=1; add clp=1.")
-        self.clp = (
-            CLP(heads=None if clp_heads in (None, "") else str(clp_heads)) if use_clp else None
-        )
+        self.clp = CLP(heads=clp_heads) if use_clp else None
         #: the planner's tree has no CLP source: with clp=1, pipelined steps only
         self.planner_steps = self.clp is None
 
@@ -264,9 +263,9 @@ class Hybrid(DraftMethod):
         """Pipelined steps (:mod:`mlx_mtp.pipeline`) draft from prompt lookup
         and a table of the model's own predictions (token recycling's with
         ``recycle=1``, else one prediction per token, which stands in for the
-        pool); a hybrid with mask slots, an MTP layer or a draft model runs
-        the planner's steps. With ``clp=1`` the CLP heads' chain is a part
-        too."""
+        pool), the mask slots' candidates and, with ``clp=1``, the CLP
+        heads' chain; a hybrid with an MTP layer, a draft model or chain
+        shape runs the planner's steps."""
         if self.drafter is not None or self.draft is not None or self.chain:
             return None
         most = self.max_width
