@@ -14,6 +14,9 @@ Head architectures (``architecture`` in the config):
     LM head sees), ``e_{n+1}`` the input embedding of the backbone's own token
     n+1, ``W1_j`` (2D -> r) and ``W2_j`` (r -> D) a bottleneck of width r, and
     ``lm_head`` the backbone's frozen LM head. No norm after the residual.
+    With ``depth`` d > 1 (config key, default 1) each head adds d - 1 blocks
+    ``x <- x + V2 silu(V1 x)`` (D -> r -> D) after the first, weights
+    ``blocks.{i}.*``.
 
 ``medusa`` (imported by ``mlx-mtp convert clp-heads`` from Medusa checkpoints)
     ``x = ResBlock^L(h_n)``, logits ``= W_out_j x`` with the head's own output
@@ -80,23 +83,47 @@ ASSETS = SHIPPED / "clp"
 
 
 # --------------------------------------------------------------------- heads
+class _Block(nn.Module):
+    """``x + V2 silu(V1 x)`` (D -> r -> D), starting as the identity."""
+
+    def __init__(self, d_in: int, hidden: int, bottleneck: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_in, bottleneck)
+        self.w2 = nn.Linear(bottleneck, hidden)
+        self.w2.weight = mx.zeros_like(self.w2.weight)
+        self.w2.bias = mx.zeros_like(self.w2.bias)
+
+
 class ResBlockHead(nn.Module):
-    """One ``resblock`` head: ``h + W2 silu(W1 [h; e])`` (D -> D).
+    """One ``resblock`` head: ``x = h + W2 silu(W1 [h; e])`` (D -> D), then
+    ``depth - 1`` blocks ``x <- x + V2 silu(V1 x)``. Every block starts as the
+    identity, so an untrained head drafts what the LM head reads from ``h``.
 
     Args:
         hidden: D, the backbone's hidden size.
-        bottleneck: r, width of the residual branch.
+        bottleneck: r, width of each residual branch.
+        depth: blocks per head (>= 1).
+
+    Raises:
+        ValueError: ``depth`` < 1.
     """
 
-    def __init__(self, hidden: int, bottleneck: int):
+    def __init__(self, hidden: int, bottleneck: int, depth: int = 1):
         super().__init__()
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.w1 = nn.Linear(2 * hidden, bottleneck)
         self.w2 = nn.Linear(bottleneck, hidden)
         self.w2.weight = mx.zeros_like(self.w2.weight)  # starts as the identity on h
         self.w2.bias = mx.zeros_like(self.w2.bias)
+        if depth > 1:
+            self.blocks = [_Block(hidden, hidden, bottleneck) for _ in range(depth - 1)]
 
     def __call__(self, h: mx.array, e: mx.array) -> mx.array:
-        return h + self.w2(nn.silu(self.w1(mx.concatenate([h, e.astype(h.dtype)], axis=-1))))
+        x = h + self.w2(nn.silu(self.w1(mx.concatenate([h, e.astype(h.dtype)], axis=-1))))
+        for b in getattr(self, "blocks", ()):
+            x = x + b.w2(nn.silu(b.w1(x)))
+        return x
 
 
 class MedusaResBlock(nn.Module):
@@ -176,7 +203,8 @@ class CLPHeads(nn.Module):
         d, k = int(config["hidden_size"]), int(config["k"])
         arch = config["architecture"]
         if arch == "resblock":
-            self.heads = [ResBlockHead(d, int(config["bottleneck"])) for _ in range(k)]
+            depth = int(config.get("depth", 1))
+            self.heads = [ResBlockHead(d, int(config["bottleneck"]), depth) for _ in range(k)]
         elif arch == "medusa":
             self.heads = [
                 MedusaHead(d, int(config["vocab_size"]), int(config["medusa_layers"]))

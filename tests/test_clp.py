@@ -96,6 +96,33 @@ def test_heads_roundtrip_and_mismatched_model_refused(tmp_path):
         load_heads(folder, wider)
 
 
+def test_deeper_heads_start_as_the_identity_and_round_trip(tmp_path):
+    """``depth`` 3: each head has two blocks after the first (``blocks.{i}``),
+    starts as the identity on h (drafting what the LM head reads from it),
+    and loads back with the same outputs; a folder whose config loses the
+    depth is refused, naming the weights it does not expect."""
+    model = make_tiny_model("llama")
+    cfg = base_config(model, "tiny", 2, "resblock", bottleneck=16, depth=3)
+    heads = CLPHeads(cfg)
+    mx.eval(heads.parameters())
+    d = cfg["hidden_size"]
+    h, e = mx.random.normal((5, d)), mx.random.normal((5, d))
+    assert mx.array_equal(heads.head_states(h, e), mx.stack([h, h]))
+    for head in heads.heads:
+        for b in head.blocks:
+            b.w2.weight = mx.random.normal(b.w2.weight.shape) * 0.5
+    folder = save_heads(heads, tmp_path / "deep")
+    got, weights = read_heads(folder)
+    assert got["depth"] == 3 and "heads.1.blocks.1.w2.weight" in weights
+    back = CLPHeads(got)
+    back.load_weights(list(weights.items()))
+    assert mx.allclose(back.head_states(h, e), heads.head_states(h, e), atol=1e-2)
+    del got["depth"]
+    (folder / "config.json").write_text(json.dumps(got))
+    with pytest.raises(ModelLoadError, match="unexpected"):
+        read_heads(folder)
+
+
 def test_corrupt_heads_folder_refused(tmp_path):
     model = make_tiny_model("llama")
     _, folder = _tiny_heads(model, tmp_path)

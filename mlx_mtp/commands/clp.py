@@ -61,6 +61,13 @@ def register(app: typer.Typer) -> None:
         bottleneck: int = typer.Option(
             256, "--bottleneck", min=1, help="Width of each head's block."
         ),
+        depth: int = typer.Option(
+            1,
+            "--depth",
+            min=1,
+            max=8,
+            help="Residual blocks per head (the first sees the next token's embedding).",
+        ),
         limit: int | None = typer.Option(
             None, "--limit", min=1, help="At most this many prompts per --data file."
         ),
@@ -121,6 +128,7 @@ def register(app: typer.Typer) -> None:
         cfg = TrainConfig(
             k=k,
             bottleneck=bottleneck,
+            depth=depth,
             max_new_tokens=max_new_tokens,
             max_prompt_tokens=max_prompt_tokens,
             limit=limit,

@@ -58,6 +58,8 @@ class TrainConfig:
 
     k: int = 2
     bottleneck: int = 256
+    #: residual blocks per head (:class:`~mlx_mtp.clp_format.ResBlockHead`)
+    depth: int = 1
     max_new_tokens: int = 64
     max_prompt_tokens: int = 256
     limit: int | None = None
@@ -349,6 +351,7 @@ def _new_heads(
         cfg.k,
         "resblock",
         bottleneck=cfg.bottleneck,
+        **({"depth": cfg.depth} if cfg.depth > 1 else {}),
         gate_hidden=gate_hidden_for(model.args.hidden_size, cfg.k) if cfg.gate else None,
     )
     clp = CLPHeads(config)
