@@ -116,12 +116,11 @@ class ResBlockHead(nn.Module):
         self.w2 = nn.Linear(bottleneck, hidden)
         self.w2.weight = mx.zeros_like(self.w2.weight)  # starts as the identity on h
         self.w2.bias = mx.zeros_like(self.w2.bias)
-        if depth > 1:
-            self.blocks = [_Block(hidden, hidden, bottleneck) for _ in range(depth - 1)]
+        self.blocks = [_Block(hidden, hidden, bottleneck) for _ in range(depth - 1)]
 
     def __call__(self, h: mx.array, e: mx.array) -> mx.array:
         x = h + self.w2(nn.silu(self.w1(mx.concatenate([h, e.astype(h.dtype)], axis=-1))))
-        for b in getattr(self, "blocks", ()):
+        for b in self.blocks:
             x = x + b.w2(nn.silu(b.w1(x)))
         return x
 
