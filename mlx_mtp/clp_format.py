@@ -84,7 +84,8 @@ ASSETS = SHIPPED / "clp"
 
 # --------------------------------------------------------------------- heads
 class _Block(nn.Module):
-    """``x + V2 silu(V1 x)`` (D -> r -> D), starting as the identity."""
+    """A residual branch ``V2 silu(V1 x)`` (d_in -> r -> D) whose output
+    projection starts at zero, so ``x + branch`` starts as the identity."""
 
     def __init__(self, d_in: int, hidden: int, bottleneck: int):
         super().__init__()
@@ -93,8 +94,11 @@ class _Block(nn.Module):
         self.w2.weight = mx.zeros_like(self.w2.weight)
         self.w2.bias = mx.zeros_like(self.w2.bias)
 
+    def branch(self, x: mx.array) -> mx.array:
+        return self.w2(nn.silu(self.w1(x)))
 
-class ResBlockHead(nn.Module):
+
+class ResBlockHead(_Block):
     """One ``resblock`` head: ``x = h + W2 silu(W1 [h; e])`` (D -> D), then
     ``depth - 1`` blocks ``x <- x + V2 silu(V1 x)``. Every block starts as the
     identity, so an untrained head drafts what the LM head reads from ``h``.
@@ -109,19 +113,15 @@ class ResBlockHead(nn.Module):
     """
 
     def __init__(self, hidden: int, bottleneck: int, depth: int = 1):
-        super().__init__()
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self.w1 = nn.Linear(2 * hidden, bottleneck)
-        self.w2 = nn.Linear(bottleneck, hidden)
-        self.w2.weight = mx.zeros_like(self.w2.weight)  # starts as the identity on h
-        self.w2.bias = mx.zeros_like(self.w2.bias)
+        super().__init__(2 * hidden, hidden, bottleneck)  # the first block sees [h; e]
         self.blocks = [_Block(hidden, hidden, bottleneck) for _ in range(depth - 1)]
 
     def __call__(self, h: mx.array, e: mx.array) -> mx.array:
-        x = h + self.w2(nn.silu(self.w1(mx.concatenate([h, e.astype(h.dtype)], axis=-1))))
+        x = h + self.branch(mx.concatenate([h, e.astype(h.dtype)], axis=-1))
         for b in self.blocks:
-            x = x + b.w2(nn.silu(b.w1(x)))
+            x = x + b.branch(x)
         return x
 
 
