@@ -631,10 +631,10 @@ class Pipeline:
             pad = mx.full((tpl.n - base.n,), -1, dtype=mx.int32)
             if layer.token is None:  # vectors in the embedding space
                 emb = mx.concatenate([engine.embed(tokens), layer.slots(base.n)])
+                ids = tokens = mx.concatenate([tokens, pad])
             else:  # a vocabulary token the model was trained to read as a mask
                 ids = mx.concatenate([tokens, mx.full(pad.shape, layer.token, dtype=mx.int32)])
-            tokens = mx.concatenate([tokens, pad])
-            ids = tokens if layer.token is None else ids
+                tokens = mx.concatenate([tokens, pad])
         anc = tpl.arrays().get("anc")
         out = engine.forward_at(
             ids,
