@@ -386,13 +386,16 @@ class CompositeDrafter(DeviceDrafter):
         self.calibrations = [Calibration(PART_CALIBRATION) for _ in self.parts]
         self._lists: list[list[float]] = []  # each part's raw values, last asked
         self._predicted: list[list[float]] = []  # per step in flight: each part's kept value
-        self.learns_free = all(p.learns_free for p in self.parts)
         self.masks = next((p.masks for p in self.parts if p.masks is not None), None)
         self.wants_hidden = any(p.wants_hidden for p in self.parts)
         self._order: list[int] = []  # the part of each merged item, best first
         # composite template -> (sub-templates, first composite slot of each)
         self._subs: dict[int, tuple[list[Template], list[int]]] = {}
         self._tpls: dict[tuple[int, ...], Template] = {}
+
+    @property
+    def learns_free(self) -> bool:  # type: ignore[override]
+        return all(p.learns_free for p in self.parts)
 
     def begin(self, ctx: Context, prompt: list[int]) -> None:
         self._predicted = []

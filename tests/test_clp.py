@@ -339,3 +339,43 @@ def test_train_clp_within_a_generation_budget_then_resumed(tmp_path, monkeypatch
     cfg.gen_minutes = 0.0
     with pytest.raises(InvalidArgumentError, match="--gen-minutes"):
         train_clp(loaded, tmp_path / "other", cfg, log=lambda s: None)
+
+
+def test_pipelined_heads_learned_per_span_and_valued_by_the_latest(
+    smollm, spec_prompts, greedy_reference
+):
+    """On pipelined steps the span predictor gates the shipped heads through
+    the width policy (CLP §3.2): every head draft is learned under the span
+    the predictor gave it, the next step is valued with the latest span read,
+    a span of 2 is worth more than a span of 0 before anything is learned,
+    and the output stays plain greedy decoding's."""
+    from conftest import decode
+
+    from mlx_mtp.acceptance import Acceptance
+    from mlx_mtp.methods.clp import HeadsDrafter, span_source
+
+    method = make_method("clp")
+    ctx = Context(Engine(smollm.model), smollm)
+    method.prepare(ctx)
+    eos = set()
+    signals = []
+    learn = HeadsDrafter.learn
+
+    def logged(self, acceptance, history, steps):
+        signals.append(learn(self, acceptance, history, steps))
+        return signals[-1]
+
+    for prompt in (spec_prompts[4], spec_prompts[0]):  # math_reasoning, mt_bench
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(HeadsDrafter, "learn", logged)
+            out, stats = decode(ctx, method, prompt, 32, eos_ids=eos, runner="pipelined")
+        assert out == greedy_reference(prompt, 32) and stats.runner == "pipelined"
+    learned = ctx.learned[f"pipeline:{method.settings_key()}"]
+    tried = {name: float(d.tried.sum()) for name, d in learned.depths.items()}
+    assert tried.get("clp", 0.0) == 0.0  # every draft has the span it was made with
+    assert sum(tried.get(span_source(s), 0.0) for s in range(3)) > 5
+    assert {s for s in signals if s is not None} >= {0, 2}
+    fresh = Acceptance(method.pipeline_acceptance())
+    drafter = HeadsDrafter(method)
+    drafter._drafts = mx.zeros((2,), dtype=mx.int32)
+    assert drafter.values(fresh, 2, 2)[0] > drafter.values(fresh, 2, 0)[0]

@@ -44,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..acceptance import AcceptanceModel, chain_values
 from ..clp_format import CLPHeads, count_params, heads_for
 from ..context import Context
 from ..engine import Engine, common_prefix
@@ -204,6 +205,17 @@ class CLP(DraftMethod):
             return None
         return HeadsDrafter(self)
 
+    def pipeline_acceptance(self) -> AcceptanceModel:
+        """Per-span priors of the heads' drafts on pipelined steps
+        (:func:`span_priors`; :data:`UNKNOWN_SPAN` before a span is read)."""
+        return AcceptanceModel(
+            priors=self.span_priors(), default_prior=UNKNOWN_SPAN, decay=SPAN_DECAY
+        )
+
+    def span_priors(self) -> dict[str, tuple[float, ...]]:
+        """:func:`span_priors` of the heads in use (after :meth:`prepare`)."""
+        return span_priors(self.k or 0)
+
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []
         _, h = engine.forward_chain([*pending, root], hidden=True)
@@ -219,6 +231,35 @@ class CLP(DraftMethod):
         return StepOutput(committed, drafted=s, accepted=s)
 
 
+#: prior acceptance of head j (j = 1..k) given heads 1..j-1 accepted, on a
+#: step whose span predictor said ``s``: :data:`WITHIN_SPAN` for j <= s,
+#: :data:`PAST_SPAN` beyond (teacher-forced over 6 x 4 Spec-Bench replies,
+#: the shipped Qwen2.5-Coder-0.5B heads accept their first token 0.14-0.16
+#: of the time after a span of 0 and 0.57-0.63 after a span of 2, one or two
+#: positions earlier; docs/methods.md)
+WITHIN_SPAN, PAST_SPAN = 0.5, 0.1
+#: prior acceptance of a head's drafts before any span is read (all heads'
+#: first tokens: 0.23 in the same measurement)
+UNKNOWN_SPAN = 0.25
+#: forgetting per observation of each span's estimates: every pipelined pass
+#: observes the heads, so a slow decay still follows the text
+SPAN_DECAY = 0.95
+
+
+def span_source(span: int | None) -> str:
+    """The acceptance statistics' source name of head drafts made where the
+    span predictor said ``span`` (None: not known yet)."""
+    return HeadsDrafter.name if span is None else f"{HeadsDrafter.name}/{span}"
+
+
+def span_priors(k: int) -> dict[str, tuple[float, ...]]:
+    """Per-depth priors of each span's source (:func:`span_source`) for ``k`` heads."""
+    return {
+        span_source(s): tuple(WITHIN_SPAN if j <= s else PAST_SPAN for j in range(1, k + 1))
+        for s in range(k + 1)
+    }
+
+
 class HeadsDrafter(DeviceDrafter):
     """CLP heads on pipelined steps (:mod:`mlx_mtp.pipeline`).
 
@@ -231,9 +272,17 @@ class HeadsDrafter(DeviceDrafter):
     their acceptance is learned while no draft pays: the host compares each
     step's head tokens with the tokens committed after its root.
 
-    The span predictor is not consulted here: each step's chain is cut by the
-    width policy from the heads' learned acceptance per depth (as ``k=auto``
-    does on the planner's steps), or sent whole at a fixed ``k``.
+    Pipelined passes learn the heads whatever their width; a spell of plain
+    steps runs none of ours, so while one runs the width policy probes now
+    and then (:attr:`learns_free` False).
+
+    The span predictor (CLP §3.2) runs beside the heads and gates them as the
+    paper does, through the width policy: each step's head drafts are
+    learned per span the predictor gave them (:func:`span_source`, priors
+    :func:`span_priors`), and the next step is valued with the latest span
+    the host has read (:meth:`learn`'s signal). Where the next pass is
+    launched before the last is read, that span is the step in flight's
+    (one step older than the drafts it values); elsewhere it is their own.
 
     Args:
         method: the :class:`CLP` method, prepared (heads loaded).
@@ -241,59 +290,79 @@ class HeadsDrafter(DeviceDrafter):
 
     name = "clp"
     wants_hidden = True
-    #: the heads do not run in a spell of plain steps (no pass of ours), so
-    #: the width policy probes now and then while the cut says no
-    learns_free = False
 
     def __init__(self, method: CLP):
         super().__init__()
         self.method = method
         self._drafts: mx.array | None = None  # (k,) after the last launched pass
-        self._pending: list[tuple[int, list[int]]] = []
+        self._span: mx.array | None = None  # (1,) the span predictor's there
+        self._next: tuple[mx.array, mx.array] | None = None
+        self._pending: list[tuple[int, list[int], int | None]] = []
+        self._signal: int | None = None
+        self._paused = False
+
+    @property
+    def learns_free(self) -> bool:  # type: ignore[override]
+        """Whether the heads learn without drafting: on pipelined steps,
+        not in a spell of plain steps."""
+        return not self._paused
 
     def begin(self, ctx: Context, prompt: list[int]) -> None:
         self._engine = ctx.engine
-        self._drafts, self._pending = None, []
+        self._drafts = self._span = None
+        self._pending, self._signal, self._paused = [], None, False
+
+    def pause(self, cached: list[int]) -> None:
+        self._paused = True
+
+    def end(self, cached: list[int]) -> None:
+        self._paused = False
 
     def values(self, acceptance: Any, most: int, signal: Any) -> list[float]:
-        values = super().values(acceptance, min(most, self.method.k or 0), signal)
-        # no heads have run since the start (or a spell): one filler slot at
-        # most, a pass that primes the heads
-        return values[:1] if self._drafts is None else values
+        k = min(most, self.method.k or 0)
+        return chain_values(acceptance.qs(span_source(signal), k))
 
     def template(self, width: int) -> Template:
-        return Template.chain_of(min(width, self.method.k or 0))
+        # where no heads have run (the start, after a spell) a width chosen
+        # is a plain pass that runs them, and the next step drafts
+        return Template.chain_of(0 if self._drafts is None else min(width, self.method.k or 0))
 
     def draft(self, state: DeviceState, tpl: Template, rows: int) -> mx.array:
-        if self._drafts is None:  # priming: the root again, rarely accepted
-            return mx.broadcast_to(state.root.reshape(1), (tpl.n - 1,))
         return self._drafts[: tpl.n - 1]
 
     def read(self, step: Pass) -> dict[str, mx.array]:
-        # the head tokens this step's root had (the drafts its width cut)
-        return {} if self._drafts is None else {"heads": self._drafts}
-
-    def update(self, step: Pass) -> list[mx.array]:
-        last = mx.take(step.path, step.accepted).reshape(1)  # deepest accepted slot
+        # the heads and the span at this pass's deepest accepted slot (the
+        # next step's drafts), kept for :meth:`update`
+        last = mx.take(step.path, step.accepted).reshape(1)
         h = mx.take(step.hidden, last, axis=0)  # (1, D)
         nxt = mx.argmax(mx.take(step.logits, last, axis=0), axis=-1)  # the bonus token
-        toks, _ = self.method._heads(self._engine, h, nxt)  # the span stays unevaluated
-        self._drafts = toks[0].astype(mx.int32)  # (k,)
+        toks, span = self.method._heads(self._engine, h, nxt)
+        self._next = (toks[0].astype(mx.int32), span.astype(mx.int32))
+        out = {"next": self._next[1]}
+        if self._drafts is not None:  # the head tokens this step's root had, and their span
+            out.update(heads=self._drafts, span=self._span)
+        return out
+
+    def update(self, step: Pass) -> list[mx.array]:
+        self._drafts, self._span = self._next
+        self._next = None
         return [self._drafts]
 
     def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> Any:
         for s in steps:
             heads = s.extra.get("heads")
             if heads is not None:
-                self._pending.append((s.start, [int(t) for t in heads]))
+                span = int(s.extra["span"][0])
+                self._pending.append((s.start, [int(t) for t in heads], span))
+            if "next" in s.extra:
+                self._signal = int(s.extra["next"][0])
         keep = []
-        est = acceptance.source(self.name)
-        for r, drafts in self._pending:
+        for r, drafts, span in self._pending:
             known = history[r + 1 : r + 1 + len(drafts)]
             m = common_prefix(known, drafts)
             if m < len(known) or len(known) == len(drafts):
-                est.record(len(drafts), m)
+                acceptance.source(span_source(span)).record(len(drafts), m)
             else:
-                keep.append((r, drafts))
+                keep.append((r, drafts, span))
         self._pending = keep
-        return None
+        return self._signal

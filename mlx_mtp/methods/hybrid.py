@@ -294,6 +294,7 @@ class Hybrid(DraftMethod):
                 **Probe.PIPELINE_ACCEPTANCE.priors,
                 "recycle": RANK_PRIORS[:k],
                 DEEP: DEEP_PRIORS[:k],
+                **(self.clp.span_priors() if self.clp is not None else {}),
             },
             default_prior=0.6,
             weight=2.0,
