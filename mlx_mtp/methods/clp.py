@@ -233,10 +233,11 @@ class CLP(DraftMethod):
 
 #: prior acceptance of head j (j = 1..k) given heads 1..j-1 accepted, on a
 #: step whose span predictor said ``s``: :data:`WITHIN_SPAN` for j <= s,
-#: :data:`PAST_SPAN` beyond (teacher-forced over 6 x 4 Spec-Bench replies,
-#: the shipped Qwen2.5-Coder-0.5B heads accept their first token 0.14-0.16
-#: of the time after a span of 0 and 0.57-0.63 after a span of 2, one or two
-#: positions earlier; docs/methods.md)
+#: :data:`PAST_SPAN` beyond. Teacher-forced over 4 Spec-Bench replies per
+#: task, the shipped Qwen2.5-Coder-0.5B heads' first token is accepted 0.14-0.16
+#: of the time after a span of 0 and 0.57-0.63 after a span of 2, at the same
+#: position or one or two earlier (``scripts/clp_span_signal.py``;
+#: docs/methods.md, clp)
 WITHIN_SPAN, PAST_SPAN = 0.5, 0.1
 #: prior acceptance of a head's drafts before any span is read (all heads'
 #: first tokens: 0.23 in the same measurement)
@@ -295,8 +296,8 @@ class HeadsDrafter(DeviceDrafter):
         super().__init__()
         self.method = method
         self._drafts: mx.array | None = None  # (k,) after the last launched pass
-        self._span: mx.array | None = None  # (1,) the span predictor's there
-        self._next: tuple[mx.array, mx.array] | None = None
+        self._span: mx.array | None = None  # (1,) the span predicted with them
+        self._next: tuple[mx.array, mx.array] | None = None  # read -> update
         self._pending: list[tuple[int, list[int], int | None]] = []
         self._signal: int | None = None
         self._paused = False
