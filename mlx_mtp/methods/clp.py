@@ -209,12 +209,8 @@ class CLP(DraftMethod):
         """Per-span priors of the heads' drafts on pipelined steps
         (:func:`span_priors`; :data:`UNKNOWN_SPAN` before a span is read)."""
         return AcceptanceModel(
-            priors=self.span_priors(), default_prior=UNKNOWN_SPAN, decay=SPAN_DECAY
+            priors=span_priors(self.k or 0), default_prior=UNKNOWN_SPAN, decay=SPAN_DECAY
         )
-
-    def span_priors(self) -> dict[str, tuple[float, ...]]:
-        """:func:`span_priors` of the heads in use (after :meth:`prepare`)."""
-        return span_priors(self.k or 0)
 
     def _step_paper(self, engine: Engine, root: int) -> StepOutput:
         pending = self._carry if self._root == root else []
@@ -296,7 +292,6 @@ class HeadsDrafter(DeviceDrafter):
         super().__init__()
         self.method = method
         self._drafts: mx.array | None = None  # (k,) after the last launched pass
-        self._span: mx.array | None = None  # (1,) the span predicted with them
         self._next: tuple[mx.array, mx.array] | None = None  # read -> update
         self._pending: list[tuple[int, list[int], int | None]] = []
         self._signal: int | None = None
@@ -310,7 +305,7 @@ class HeadsDrafter(DeviceDrafter):
 
     def begin(self, ctx: Context, prompt: list[int]) -> None:
         self._engine = ctx.engine
-        self._drafts = self._span = None
+        self._drafts = None
         self._pending, self._signal, self._paused = [], None, False
 
     def pause(self, cached: list[int]) -> None:
@@ -340,23 +335,21 @@ class HeadsDrafter(DeviceDrafter):
         toks, span = self.method._heads(self._engine, h, nxt)
         self._next = (toks[0].astype(mx.int32), span.astype(mx.int32))
         out = {"next": self._next[1]}
-        if self._drafts is not None:  # the head tokens this step's root had, and their span
-            out.update(heads=self._drafts, span=self._span)
+        if self._drafts is not None:  # the head tokens this step's root had
+            out["heads"] = self._drafts
         return out
 
     def update(self, step: Pass) -> list[mx.array]:
-        self._drafts, self._span = self._next
+        self._drafts = self._next[0]
         self._next = None
         return [self._drafts]
 
     def learn(self, acceptance: Any, history: list[int], steps: list[Any]) -> Any:
-        for s in steps:
+        for s in steps:  # in launch order: a step's heads have the span the step before read
             heads = s.extra.get("heads")
             if heads is not None:
-                span = int(s.extra["span"][0])
-                self._pending.append((s.start, [int(t) for t in heads], span))
-            if "next" in s.extra:
-                self._signal = int(s.extra["next"][0])
+                self._pending.append((s.start, [int(t) for t in heads], self._signal))
+            self._signal = int(s.extra["next"][0])
         keep = []
         for r, drafts, span in self._pending:
             known = history[r + 1 : r + 1 + len(drafts)]

@@ -62,7 +62,7 @@ from ..sources.recycle import DEEP, DEEP_PRIORS, RANK_PRIORS, RecycleDrafter, Re
 from ..speculative import Draft, Verified
 from ..verify import Sampler
 from .base import DraftMethod, parse_bc, parse_int
-from .clp import CLP, HeadsDrafter
+from .clp import CLP, HeadsDrafter, span_priors
 from .pld import PLD
 from .probe import Probe
 
@@ -294,7 +294,7 @@ class Hybrid(DraftMethod):
                 **Probe.PIPELINE_ACCEPTANCE.priors,
                 "recycle": RANK_PRIORS[:k],
                 DEEP: DEEP_PRIORS[:k],
-                **(self.clp.span_priors() if self.clp is not None else {}),
+                **(span_priors(self.clp.k) if self.clp is not None else {}),
             },
             default_prior=0.6,
             weight=2.0,
